@@ -1,0 +1,28 @@
+# Two commands on a fresh machine: `make demo` and `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test ui install clean-runs
+
+$(STAMP): requirements.txt pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -r requirements.txt
+	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+install: $(STAMP)
+
+## the main job: pretrain then SFT on the built-in demo corpus, then a chat sample
+demo: $(STAMP)
+	$(BIN)/python -m pipelines.demo
+
+## the test suite (what .ci/run calls)
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests
+
+## the MLflow UI over the default local store, on 127.0.0.1 only
+ui: $(STAMP)
+	$(BIN)/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db --host 127.0.0.1 --port 5000
