@@ -1,0 +1,264 @@
+"""``minimind-ray``: one verb per thing a user does; each is a thin call into the library.
+
+Training verbs take a YAML recipe and dotted overrides::
+
+    minimind-ray pretrain --config pipelines/configs/tiny.yaml cluster.num_workers=2 train.max_steps=50
+
+``minimind-ray pretrain --help`` lists every config field with its help text.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+STAGES = ("pretrain", "sft", "lora", "dpo", "distill")
+
+
+def _fields_epilog() -> str:
+    from minimind_ray.config import field_help
+
+    rows = [f"  {name}={default!r}\n      {help}" for name, default, help in field_help()]
+    return "config fields (override as key=value):\n" + "\n".join(rows)
+
+
+def _load(args, stage: Optional[str] = None):
+    from minimind_ray.config import load_config
+
+    overrides = list(args.overrides)
+    if stage:
+        overrides = [f"train.stage={stage}"] + overrides
+    return load_config(args.config, overrides)
+
+
+def cmd_train(args) -> int:
+    from minimind_ray.train.trainer import run
+
+    cfg = _load(args, args.verb)
+    res = run(cfg)
+    print_run_summary(res)
+    return 0
+
+
+def print_run_summary(res) -> None:
+    print("\n==== results ====")
+    print(f"run name:        {res.name}")
+    print(f"run directory:   {res.run_dir}")
+    print(f"last checkpoint: {res.checkpoint_dir}")
+    for k, v in res.exports.items():
+        print(f"export ({k}): {v}")
+    if res.mlflow_run_id:
+        print(f"MLflow run id:   {res.mlflow_run_id}  (tracking URI {res.tracking_uri})")
+        if res.tracking_uri and res.tracking_uri.startswith("sqlite:///"):
+            print(f"MLflow UI:       make ui   (or: mlflow ui --backend-store-uri {res.tracking_uri} --host 127.0.0.1)")
+
+
+def cmd_prepare(args) -> int:
+    from minimind_ray.data.prepare import ensure_prepared
+    from minimind_ray.tokenizer import resolve_tokenizer
+    from minimind_ray.train.trainer import connect_ray
+
+    cfg = _load(args)
+    if args.out:
+        cfg.data.cache_dir = args.out
+    connect_ray(cfg)
+    tok = resolve_tokenizer(cfg.data.tokenizer, cfg.data.cache_dir)
+    out = ensure_prepared(cfg.data, tok)
+    manifest = json.loads((Path(out) / "manifest.json").read_text())
+    print(f"prepared: {out}")
+    print(json.dumps({k: manifest.get(k) for k in ("format", "counts", "skipped")}, indent=1, ensure_ascii=False))
+    return 0
+
+
+def _tokenizer_for(args, lw):
+    from minimind_ray.tokenizer import load_tokenizer, resolve_tokenizer
+
+    if args.tokenizer:
+        return load_tokenizer(args.tokenizer)
+    if lw.run_cfg is not None:
+        return resolve_tokenizer(lw.run_cfg.data.tokenizer, lw.run_cfg.data.cache_dir)
+    raise SystemExit("--tokenizer is needed for a bare .pth (e.g. ../shared/minimind/minimind2)")
+
+
+def _sampling(args):
+    from minimind_ray.generate import SamplingConfig
+
+    return SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, repetition_penalty=args.repetition_penalty, seed=args.seed)
+
+
+def _device(args) -> str:
+    import torch
+
+    return args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def cmd_generate(args) -> int:
+    from minimind_ray.generate import generate_text
+    from minimind_ray.weights import build_inference_model
+
+    dev = _device(args)
+    model, lw = build_inference_model(args.weights, args.preset, device=dev)
+    tok = _tokenizer_for(args, lw)
+    for prompt in args.prompt:
+        if len(args.prompt) > 1:
+            print(f"> {prompt}")
+        generate_text(model, tok, prompt, _sampling(args), chat=not args.raw, think=args.think, out=sys.stdout,
+                      device=dev)
+    return 0
+
+
+def cmd_chat(args) -> int:
+    from minimind_ray.generate import chat_loop
+    from minimind_ray.weights import build_inference_model
+
+    dev = _device(args)
+    model, lw = build_inference_model(args.weights, args.preset, device=dev)
+    chat_loop(model, _tokenizer_for(args, lw), _sampling(args), think=args.think, device=dev)
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from minimind_ray.evaluate import evaluate_weights
+
+    res = evaluate_weights(args.weights, data=args.data, preset=args.preset, tokenizer=args.tokenizer,
+                           batches=args.batches, micro_batch_size=args.micro_batch_size)
+    print(json.dumps(res, indent=1))
+    return 0
+
+
+def cmd_export(args) -> int:
+    from minimind_ray.export import export_from_source
+
+    paths = export_from_source(args.source, args.out, formats=args.format.split(","), preset=args.preset,
+                               tokenizer=args.tokenizer, lora=args.lora)
+    for k, v in paths.items():
+        print(f"{k}: {v}")
+    return 0
+
+
+def cmd_merge_lora(args) -> int:
+    from minimind_ray.model.lora import merge_lora
+    from minimind_ray.model.minimind import save_pth
+    from minimind_ray.weights import build_inference_model
+    from minimind_ray.model.lora import load_lora, apply_lora
+    from minimind_ray.config import LoRAConfig
+
+    model, _ = build_inference_model(args.base, args.preset, merge_lora=False)
+    import torch
+
+    sd = torch.load(args.lora, map_location="cpu", weights_only=True)
+    rank = next(v.shape[0] for k, v in sd.items() if k.endswith("lora.A.weight"))
+    apply_lora(model, LoRAConfig(rank=rank, alpha=args.alpha))
+    load_lora(model, sd)
+    merged = merge_lora(model) or model
+    save_pth(merged, args.out)
+    print(f"merged: {args.out}")
+    return 0
+
+
+def cmd_train_tokenizer(args) -> int:
+    from minimind_ray.tokenizer import train_tokenizer
+
+    tok = train_tokenizer(args.data, args.out, vocab_size=args.vocab_size)
+    print(f"tokenizer: {args.out} (vocab {tok.vocab_size}, hash {tok.hash()[:12]})")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="minimind-ray", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="verb", required=True)
+
+    def with_config(sp):
+        sp.add_argument("--config", help="YAML recipe (pipelines/configs/*.yaml)")
+        sp.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=3e-4")
+
+    for stage in STAGES:
+        sp = sub.add_parser(stage, help=f"train the {stage} stage on Ray", epilog=_fields_epilog(),
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+        with_config(sp)
+        sp.set_defaults(fn=cmd_train)
+
+    sp = sub.add_parser("prepare", help="tokenize jsonl shards once into Parquet + manifest (Ray Data)")
+    with_config(sp)
+    sp.add_argument("--out", help="output cache directory (default data.cache_dir)")
+    sp.set_defaults(fn=cmd_prepare)
+
+    def with_weights(sp):
+        sp.add_argument("--weights", required=True, help=".pth, checkpoint dir, run dir or storage URI")
+        sp.add_argument("--preset", help="model preset for a bare .pth (default: inferred from shapes)")
+        sp.add_argument("--tokenizer", help="tokenizer dir (default: the run's)")
+
+    def with_sampling(sp):
+        sp.add_argument("--max-new-tokens", type=int, default=256)
+        sp.add_argument("--temperature", type=float, default=0.85, help="0 = greedy")
+        sp.add_argument("--top-p", type=float, default=0.85)
+        sp.add_argument("--top-k", type=int, default=50)
+        sp.add_argument("--repetition-penalty", type=float, default=1.0)
+        sp.add_argument("--seed", type=int, default=None)
+        sp.add_argument("--think", action=argparse.BooleanOptionalAction, default=None,
+                        help="minimind-3 thinking switch (chat template)")
+        sp.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
+
+    sp = sub.add_parser("generate", help="generate from prompts (streams to stdout)")
+    with_weights(sp)
+    with_sampling(sp)
+    sp.add_argument("--prompt", action="append", required=True, help="repeatable")
+    sp.add_argument("--raw", action="store_true", help="plain continuation, no chat template")
+    sp.set_defaults(fn=cmd_generate)
+
+    sp = sub.add_parser("chat", help="interactive chat (empty line quits)")
+    with_weights(sp)
+    with_sampling(sp)
+    sp.set_defaults(fn=cmd_chat)
+
+    sp = sub.add_parser("eval", help="eval loss and perplexity on a held-out split")
+    with_weights(sp)
+    sp.add_argument("--data", help="prepared dir or jsonl (default: the run's eval split)")
+    sp.add_argument("--batches", type=int, default=0, help="micro-batches to use (0 = all)")
+    sp.add_argument("--micro-batch-size", type=int, default=8)
+    sp.set_defaults(fn=cmd_eval)
+
+    sp = sub.add_parser("export", help="export weights to MiniMind .pth and/or a Hugging Face folder")
+    sp.add_argument("source", help=".pth, checkpoint dir, run dir or storage URI")
+    sp.add_argument("--out", required=True)
+    sp.add_argument("--format", default="minimind,hf", help="comma list of: minimind, hf, safetensors")
+    sp.add_argument("--preset", help="for a bare .pth")
+    sp.add_argument("--tokenizer", help="tokenizer dir to include (default: the run's)")
+    sp.add_argument("--lora", choices=("merge", "separate"), default="merge",
+                    help="LoRA runs: fold adapters into the weights, or write them separately")
+    sp.set_defaults(fn=cmd_export)
+
+    sp = sub.add_parser("merge-lora", help="fold LoRA weights into base weights")
+    sp.add_argument("--base", required=True)
+    sp.add_argument("--lora", required=True)
+    sp.add_argument("--out", required=True)
+    sp.add_argument("--preset")
+    sp.add_argument("--alpha", type=float, default=None)
+    sp.set_defaults(fn=cmd_merge_lora)
+
+    sp = sub.add_parser("train-tokenizer", help="train a ByteLevel BPE tokenizer (vocab 6400, ChatML specials)")
+    sp.add_argument("--data", nargs="+", required=True)
+    sp.add_argument("--out", required=True)
+    sp.add_argument("--vocab-size", type=int, default=6400)
+    sp.set_defaults(fn=cmd_train_tokenizer)
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    from minimind_ray.config import ConfigError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,194 @@
+"""Stage plug-ins: what differs between pretrain, SFT, LoRA, DPO and distillation.
+
+The training loop (loop.py) is the same for every stage. An objective supplies:
+
+* ``setup(model, cfg, device)``: freeze what must not train, build frozen extra
+  models (DPO reference, distillation teacher);
+* ``weight(batch)``: how many loss units a micro-batch holds (target tokens, or
+  preference pairs), computable before the forward pass;
+* ``loss_sum(model, batch)``: the loss *summed* over those units, plus metrics.
+
+The loop all-reduces the step's total weight over ranks and divides by it, so an
+optimizer step's gradient is the gradient of the mean over the *global* batch,
+whatever the worker count and accumulation split. That is what makes a 1-worker
+and a 2-worker run at the same global batch take the same steps.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Dict, Iterable, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minimind_ray.config import RunConfig
+
+Batch = Dict[str, torch.Tensor]
+
+
+def token_log_probs(logits: torch.Tensor, targets: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per-position log p(target) and the mask of positions that carry a target.
+
+    logits (B, T, V), targets (B, T) with -100 where there is no target.
+    Returns logp (B, T) (0 where masked) and mask (B, T) float.
+    """
+    mask = targets.ne(-100)
+    safe = targets.clamp_min(0)
+    logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, safe.unsqueeze(-1)).squeeze(-1)  # (B, T)
+    return logp * mask, mask.float()
+
+
+class Objective:
+    """Base: causal-LM cross-entropy on every target token (pretrain, SFT)."""
+
+    name = "pretrain"
+    #: micro-batch keys holding token ids: moved to the device by the loop
+    def __init__(self, cfg: RunConfig):
+        self.cfg = cfg
+
+    def setup(self, model: nn.Module, device: torch.device) -> None:
+        """Called once before DDP wrapping; the default trains every parameter."""
+
+    def trainable_parameters(self, model: nn.Module) -> Iterable[nn.Parameter]:
+        return [p for p in model.parameters() if p.requires_grad]
+
+    def weight(self, batch: Batch) -> int:
+        return int(batch["targets"].ne(-100).sum())
+
+    def tokens(self, batch: Batch) -> int:
+        """Tokens processed by the forward pass (for tokens/s and MFU)."""
+        return int(sum(v.numel() for k, v in batch.items() if k.endswith("input_ids")))
+
+    def loss_sum(self, model: nn.Module, batch: Batch) -> Tuple[torch.Tensor, torch.Tensor, Dict[str, torch.Tensor]]:
+        """-> (loss summed over target tokens, aux loss of this micro-batch, extra metric sums)."""
+        out = model(batch["input_ids"])
+        ce = F.cross_entropy(out.logits.float().flatten(0, 1), batch["targets"].flatten(), ignore_index=-100,
+                             reduction="sum")
+        return ce, out.aux_loss, {}
+
+
+class SFTObjective(Objective):
+    """Same loss; the data format puts targets on assistant spans only."""
+
+    name = "sft"
+
+
+class LoRAObjective(SFTObjective):
+    """Adapters on the configured projections; base weights frozen.
+
+    Frozen parameters have requires_grad=False before DDP wraps the model, so DDP
+    never waits for their gradients (no unused-parameter hang)."""
+
+    name = "lora"
+
+    def setup(self, model: nn.Module, device: torch.device) -> None:
+        from minimind_ray.model.lora import apply_lora, freeze_base
+
+        if not any(".lora." in k for k in model.state_dict()):
+            apply_lora(model, self.cfg.train.lora)
+        freeze_base(model)
+
+
+def _frozen_copy(model: nn.Module) -> nn.Module:
+    ref = copy.deepcopy(model)
+    ref.eval()
+    for p in ref.parameters():
+        p.requires_grad_(False)
+    return ref
+
+
+def _load_frozen(cfg_model, weights: str, device: torch.device) -> nn.Module:
+    from minimind_ray.model.minimind import build_model
+    from minimind_ray.train.checkpoint import load_model_weights
+
+    m = build_model(cfg_model)
+    load_model_weights(m, weights)
+    m.to(device)
+    return _frozen_copy(m)
+
+
+class DPOObjective(Objective):
+    """-logsigmoid(beta * ((pi_c - pi_r) - (ref_c - ref_r))), log-probs summed over assistant tokens.
+
+    The reference model is a frozen copy held outside the trained module: it is
+    never handed to the optimizer, DDP or the checkpoint."""
+
+    name = "dpo"
+
+    def setup(self, model: nn.Module, device: torch.device) -> None:
+        ref = self.cfg.train.dpo.reference
+        self.reference = _load_frozen(self.cfg.model, ref, device) if ref else _frozen_copy(model).to(device)
+
+    def weight(self, batch: Batch) -> int:
+        return int(batch["chosen_input_ids"].shape[0])
+
+    def tokens(self, batch: Batch) -> int:
+        return int(batch["chosen_input_ids"].numel() + batch["rejected_input_ids"].numel())
+
+    @staticmethod
+    def _seq_logp(model, ids, targets):
+        out = model(ids)
+        logp, _ = token_log_probs(out.logits, targets)
+        return logp.sum(-1), out.aux_loss  # (B,)
+
+    def loss_sum(self, model, batch):
+        # one forward over chosen+rejected keeps DDP to a single backward graph
+        ids = torch.cat([batch["chosen_input_ids"], batch["rejected_input_ids"]])
+        tgt = torch.cat([batch["chosen_targets"], batch["rejected_targets"]])
+        b = batch["chosen_input_ids"].shape[0]
+        pol, aux = self._seq_logp(model, ids, tgt)
+        with torch.no_grad():
+            ref, _ = self._seq_logp(self.reference, ids, tgt)
+        pi_logratio = pol[:b] - pol[b:]
+        ref_logratio = ref[:b] - ref[b:]
+        beta = self.cfg.train.dpo.beta
+        margin = beta * (pi_logratio - ref_logratio)  # implicit reward margin (B,)
+        loss = -F.logsigmoid(margin).sum()
+        chosen_reward = beta * (pol[:b] - ref[:b]).detach()
+        rejected_reward = beta * (pol[b:] - ref[b:]).detach()
+        extra = {
+            "reward_margin": (chosen_reward - rejected_reward).sum(),
+            "reward_accuracy": (chosen_reward > rejected_reward).float().sum(),
+            "chosen_reward": chosen_reward.sum(),
+            "rejected_reward": rejected_reward.sum(),
+        }
+        return loss, aux, extra
+
+
+class DistillObjective(Objective):
+    """alpha * CE + (1 - alpha) * T^2 * KL(teacher || student) on target tokens (MiniMind's defaults 0.5, 1.5)."""
+
+    name = "distill"
+
+    def setup(self, model: nn.Module, device: torch.device) -> None:
+        from minimind_ray.config import ModelConfig
+        from minimind_ray.model.presets import preset_values
+
+        d = self.cfg.train.distill
+        tcfg = ModelConfig(**preset_values(d.teacher_preset)) if d.teacher_preset else self.cfg.model
+        self.teacher = _load_frozen(tcfg, d.teacher_weights, device)
+
+    def loss_sum(self, model, batch):
+        d = self.cfg.train.distill
+        out = model(batch["input_ids"])
+        with torch.no_grad():
+            t_logits = self.teacher(batch["input_ids"]).logits
+        mask = batch["targets"].ne(-100)
+        s = out.logits.float()[mask]  # (N, V)
+        t = t_logits.float()[mask]
+        ce = F.cross_entropy(s, batch["targets"][mask], reduction="sum")
+        T = d.temperature
+        kl = F.kl_div(F.log_softmax(s / T, -1), F.log_softmax(t / T, -1), log_target=True,
+                      reduction="none").sum(-1).sum() * (T * T)
+        loss = d.alpha * ce + (1.0 - d.alpha) * kl
+        return loss, out.aux_loss, {"ce": ce.detach(), "kl": kl.detach()}
+
+
+OBJECTIVES = {"pretrain": Objective, "sft": SFTObjective, "lora": LoRAObjective, "dpo": DPOObjective,
+              "distill": DistillObjective}
+
+
+def build_objective(cfg: RunConfig) -> Objective:
+    return OBJECTIVES[cfg.train.stage](cfg)

@@ -1,0 +1,289 @@
+"""Driver side of a training run: Ray, data, MLflow run, TorchTrainer, exports.
+
+``run(cfg)`` is what every pipeline and CLI verb calls::
+
+    connect to Ray (cluster.address / RAY_ADDRESS / a local one)
+    tokenizer + prepared data (raw jsonl is tokenized once, with Ray Data)
+    fail fast if the cluster cannot hold the worker group
+    MLflow: create the run, or reopen it when this run name resumes
+    TorchTrainer(train_loop_per_worker).fit()   workers restore from the latest checkpoint themselves
+    final checkpoint -> MiniMind .pth + safetensors (+ LoRA weights) -> MLflow artifacts + registry
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import queue as _queue
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+from minimind_ray.config import ConfigError, RunConfig, to_dict
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+class ClusterTooSmall(RuntimeError):
+    """The cluster cannot place the requested worker group."""
+
+
+@dataclass
+class RunResult:
+    name: str
+    run_dir: str
+    checkpoint_dir: Optional[str]
+    mlflow_run_id: Optional[str]
+    tracking_uri: Optional[str]
+    exports: Dict[str, str] = field(default_factory=dict)
+    metrics: Dict[str, Any] = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------- Ray and resources
+
+
+def connect_ray(cfg: RunConfig):
+    """Join cluster.address / RAY_ADDRESS, or start a local Ray sized for this run."""
+    import ray
+
+    if ray.is_initialized():
+        return ray
+    address = cfg.cluster.address or os.environ.get("RAY_ADDRESS")
+    env = {"env_vars": {"PYTHONPATH": str(REPO_ROOT), "TOKENIZERS_PARALLELISM": "false"}}
+    if address:
+        ray.init(address=address, runtime_env=env if "RAY_JOB_ID" not in os.environ else None)
+    else:
+        # Logical CPUs: the workers plus room for Ray Data (it starves when workers take every CPU).
+        need = math.ceil(cfg.cluster.num_workers * cfg.cluster.cpus_per_worker) + 1
+        ray.init(num_cpus=max(os.cpu_count() or 1, need), include_dashboard=False, runtime_env=env)
+    return ray
+
+
+def worker_resources(cfg: RunConfig, use_gpu: bool) -> Dict[str, float]:
+    res = {"CPU": cfg.cluster.cpus_per_worker}
+    if use_gpu:
+        res["GPU"] = 1
+    if cfg.cluster.worker_resource:
+        res[cfg.cluster.worker_resource] = 1
+    return res
+
+
+def check_resources(cfg: RunConfig, use_gpu: bool) -> None:
+    """Wait up to cluster.resource_timeout_s for the worker group to fit, then fail with what is missing.
+
+    Ray Train V2 would otherwise wait for resources forever; this turns a request the
+    cluster cannot hold (4 GPU workers on a CPU cluster) into an error in seconds."""
+    import ray
+
+    need_workers = cfg.cluster.min_workers or cfg.cluster.num_workers
+    per = worker_resources(cfg, use_gpu)
+    deadline = time.monotonic() + cfg.cluster.resource_timeout_s
+    while True:
+        total = ray.cluster_resources()
+        short = {k: (v * need_workers, total.get(k, 0.0)) for k, v in per.items() if total.get(k, 0.0) < v * need_workers}
+        # custom resources are per node: count whole units
+        if not short:
+            return
+        if time.monotonic() >= deadline:
+            detail = ", ".join(f"{k}: need {n:g}, cluster has {h:g}" for k, (n, h) in short.items())
+            raise ClusterTooSmall(
+                f"the cluster cannot hold {need_workers} worker(s) of {per} ({detail}); waited "
+                f"{cfg.cluster.resource_timeout_s:g}s (cluster.resource_timeout_s). Lower cluster.num_workers, "
+                f"set cluster.use_gpu=false, or add nodes.")
+        time.sleep(min(2.0, max(0.1, deadline - time.monotonic())))
+
+
+# --------------------------------------------------------------------------- progress
+
+
+def _make_progress_callback(q):
+    from ray.train import UserCallback
+
+    class ProgressCallback(UserCallback):
+        """Runs in the Train controller; forwards rank 0's report to the driver's console."""
+
+        def after_report(self, run_context, metrics, checkpoint):
+            if metrics:
+                m = dict(metrics[0])
+                m["_checkpoint"] = checkpoint.path if checkpoint is not None else None
+                try:
+                    q.put_nowait(m)
+                except Exception:
+                    pass
+
+        def after_exception(self, run_context, worker_exceptions):
+            try:
+                q.put_nowait({"_error": {r: repr(e)[:500] for r, e in worker_exceptions.items()}})
+            except Exception:
+                pass
+
+    return ProgressCallback()
+
+
+class ProgressPrinter(threading.Thread):
+    """Driver-side view of training: a tqdm bar on a terminal, plain lines in a job log."""
+
+    def __init__(self, q, name: str):
+        super().__init__(daemon=True)
+        self.q, self.name, self.stop = q, name, threading.Event()
+        self.tty = sys.stderr.isatty()
+        self.bar = None
+        self.last: Dict[str, Any] = {}
+        self.t0 = time.monotonic()
+        self.first_step: Optional[int] = None
+
+    def run(self):
+        while not self.stop.is_set():
+            try:
+                m = self.q.get(timeout=0.5)
+            except (_queue.Empty, Exception):
+                continue
+            self.show(m)
+
+    def show(self, m: Dict[str, Any]):
+        if "_error" in m:
+            print(f"[{self.name}] worker failure: {m['_error']} (restarting from the latest checkpoint if "
+                  f"cluster.max_failures allows)", flush=True)
+            self.first_step, self.t0 = None, time.monotonic()
+            return
+        if "step" not in m:
+            return
+        self.last = m
+        step, total = int(m["step"]), int(m.get("total_steps", 0) or 0)
+        if self.first_step is None:
+            self.first_step, self.t0 = step, time.monotonic()
+            eta = float("nan")
+        else:
+            rate = (step - self.first_step) / max(time.monotonic() - self.t0, 1e-9)
+            eta = (total - step) / rate if rate > 0 else float("nan")
+        desc = f"ep {m.get('epoch', 0)} loss {m.get('loss', float('nan')):.4f} tok/s {m.get('tokens_per_s', 0):,.0f}"
+        if "eval_loss" in m:
+            desc += f" eval {m['eval_loss']:.4f}"
+        if self.tty:
+            from tqdm import tqdm
+
+            if self.bar is None:
+                self.bar = tqdm(total=total, desc=self.name, unit="step")
+            self.bar.n = step
+            self.bar.set_postfix_str(desc)
+            self.bar.refresh()
+        else:
+            eta_s = "?" if math.isnan(eta) else time.strftime("%H:%M:%S", time.gmtime(eta))
+            ck = " [checkpoint]" if m.get("_checkpoint") else ""
+            print(f"[{self.name}] step {step}/{total} {desc} ETA {eta_s}{ck}", flush=True)
+
+    def close(self):
+        self.stop.set()
+        self.join(timeout=2)
+        try:
+            while True:
+                self.show(self.q.get_nowait())
+        except Exception:
+            pass
+        if self.bar is not None:
+            self.bar.close()
+
+
+# --------------------------------------------------------------------------- run
+
+
+def default_run_name(cfg: RunConfig) -> str:
+    return f"{cfg.train.stage}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def _storage(cfg: RunConfig) -> str:
+    sp = cfg.checkpoint.storage_path
+    return sp if "://" in sp else str(Path(sp).expanduser().resolve())
+
+
+def run(cfg: RunConfig) -> RunResult:
+    """Train one stage end to end; resumes when a run of this name exists in storage."""
+    import ray
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig as RayRunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.util.queue import Queue
+
+    from minimind_ray import tracking
+    from minimind_ray.data.prepare import ensure_prepared
+    from minimind_ray.tokenizer import resolve_tokenizer
+    from minimind_ray.train.loop import train_loop_per_worker
+
+    name = cfg.name or default_run_name(cfg)
+    cfg.name = name
+    connect_ray(cfg)
+    storage = _storage(cfg)
+    run_dir = f"{storage.rstrip('/')}/{name}"
+
+    tokenizer = resolve_tokenizer(cfg.data.tokenizer, cfg.data.cache_dir)
+    if tokenizer.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(f"model.vocab_size: {cfg.model.vocab_size} < tokenizer vocabulary {tokenizer.vocab_size}")
+    prepared_dir = ensure_prepared(cfg.data, tokenizer)
+
+    gpus = ray.cluster_resources().get("GPU", 0)
+    use_gpu = bool(gpus) if cfg.cluster.use_gpu is None else cfg.cluster.use_gpu
+    cfg.cluster.use_gpu = use_gpu
+    check_resources(cfg, use_gpu)
+    backend = cfg.cluster.backend if cfg.cluster.backend != "auto" else ("nccl" if use_gpu else "gloo")
+
+    uri = run_id = None
+    if cfg.tracking.enabled:
+        uri = tracking.resolve_tracking_uri(cfg.tracking)
+        run_id = tracking.start_run(cfg, name, run_dir, tags={
+            "world_size": str(cfg.cluster.num_workers), "device_type": "cuda" if use_gpu else "cpu",
+            "backend": backend})
+
+    threads = cfg.train.threads_per_worker or max(1, math.ceil(cfg.cluster.cpus_per_worker))
+    num_workers = (cfg.cluster.min_workers, cfg.cluster.num_workers) if cfg.cluster.min_workers else cfg.cluster.num_workers
+    progress_q = Queue(maxsize=1000, actor_options={"num_cpus": 0})
+    trainer = TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config={"cfg": to_dict(cfg), "prepared_dir": prepared_dir, "mlflow_run_id": run_id,
+                           "tracking_uri": uri, "run_dir": run_dir},
+        torch_config=TorchConfig(backend=backend, timeout_s=int(cfg.train.collective_timeout_s)),
+        scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=use_gpu,
+                                     resources_per_worker=worker_resources(cfg, use_gpu),
+                                     **({"elastic_resize_monitor_interval_s": 10.0} if cfg.cluster.min_workers else {})),
+        run_config=RayRunConfig(
+            name=name, storage_path=storage,
+            checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.num_to_keep),
+            failure_config=FailureConfig(max_failures=cfg.cluster.max_failures),
+            callbacks=[_make_progress_callback(progress_q)],
+            worker_runtime_env={"env_vars": {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
+                                             "TOKENIZERS_PARALLELISM": "false"}},
+        ),
+    )
+    printer = ProgressPrinter(progress_q, name)
+    printer.start()
+    try:
+        result = trainer.fit()
+    except BaseException as e:
+        printer.close()
+        if run_id:
+            tracking.finish_run(uri, run_id, "FAILED", error=f"{type(e).__name__}: {e}")
+        raise
+    printer.close()
+    ckpt_dir = result.checkpoint.path if result.checkpoint is not None else None
+    out = RunResult(name=name, run_dir=run_dir, checkpoint_dir=ckpt_dir, mlflow_run_id=run_id, tracking_uri=uri,
+                    metrics=dict(result.metrics or {}))
+    if ckpt_dir and "://" not in ckpt_dir:
+        from minimind_ray.export import export_run_checkpoint
+
+        out.exports = export_run_checkpoint(cfg, Path(ckpt_dir), Path(run_dir) / "export", tokenizer)
+    if run_id:
+        final = tracking.log_final_artifacts(
+            uri, run_id, pth_path=out.exports.get("pth"), safetensors_path=out.exports.get("safetensors"),
+            tokenizer_dir=tokenizer.path, manifest_path=str(Path(prepared_dir) / "manifest.json"),
+            registered_model=cfg.tracking.registered_model or f"minimind-{cfg.train.stage}")
+        out.metrics["model_version"] = final.get("model_version")
+        if final.get("errors"):
+            print(f"[{name}] tracking: not everything was logged: {final['errors']}", flush=True)
+        tracking.finish_run(uri, run_id, "FINISHED")
+    summary = out.metrics.get("tracking_summary")
+    if summary:
+        s = json.loads(summary) if isinstance(summary, str) else summary
+        if s.get("metrics_dropped") or s.get("errors"):
+            print(f"[{name}] tracking summary: {s}", flush=True)
+    return out

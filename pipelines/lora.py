@@ -1,0 +1,13 @@
+"""Entry point for `ray job submit`: the lora stage.
+
+    python -m pipelines.lora --config pipelines/configs/<recipe>.yaml [key=value ...]
+
+Works under `ray job submit`, with RAY_ADDRESS set, or with nothing set (a local Ray).
+All logic lives in the library (minimind_ray.cli -> minimind_ray.train.trainer).
+"""
+import sys
+
+from minimind_ray.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main(["lora", *sys.argv[1:]]))
