@@ -1,0 +1,91 @@
+"""Integration fixtures: a real MLflow tracking server.
+
+Starting one costs about 10 s on 2 cores (``--workers 1`` and no job execution; 20 s with
+the defaults), so one server serves a whole test module. Tests that stop it must start it
+again before they end.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class MlflowServer:
+    """``mlflow server`` on 127.0.0.1 with a sqlite store and proxied artifacts in ``root``.
+
+    ``stop()`` and ``start()`` keep the port and the store, so a test can take the server
+    away mid-run and bring the same one back.
+    """
+
+    def __init__(self, root: Path, start_timeout_s: float = 90.0):
+        self.root = root
+        self.port = _free_port()
+        self.uri = f"http://127.0.0.1:{self.port}"
+        self.start_timeout_s = start_timeout_s
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        mlflow_bin = Path(sys.executable).with_name("mlflow")
+        cmd = [str(mlflow_bin), "server", "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1",
+               "--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}",
+               "--artifacts-destination", str(self.root / "artifacts")]
+        env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+        env.pop("MLFLOW_TRACKING_URI", None)
+        log = open(self.root / "server.log", "ab")
+        # its own session: the server's workers die with it, never with the test runner's group
+        self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=self.root,
+                                     start_new_session=True)
+        log.close()
+        deadline = time.monotonic() + self.start_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"mlflow server exited with {self.proc.returncode}: {self._log_tail()}")
+            try:
+                with urllib.request.urlopen(f"{self.uri}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.25)
+        self.stop()
+        raise RuntimeError(f"mlflow server not healthy after {self.start_timeout_s} s: {self._log_tail()}")
+
+    def stop(self) -> None:
+        """SIGTERM to the server's parent, which stops its workers; SIGKILL its group if it hangs."""
+        if self.proc is None or self.proc.poll() is not None:
+            self.proc = None
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+        self.proc = None
+
+    def _log_tail(self) -> str:
+        return (self.root / "server.log").read_text(errors="replace")[-2000:]
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    server = MlflowServer(tmp_path_factory.mktemp("mlflow-server"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
