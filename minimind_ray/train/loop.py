@@ -214,7 +214,8 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
     if rank == 0 and run_id and cfg.tracking.enabled:
         from minimind_ray.tracking import RunLogger
 
-        logger = RunLogger(config["tracking_uri"], run_id, timeout_s=cfg.tracking.timeout_s)
+        logger = RunLogger(config["tracking_uri"], run_id, timeout_s=cfg.tracking.timeout_s,
+                           system_metrics=cfg.tracking.system_metrics)
 
     faults = FaultInjector(cfg, config.get("run_dir"), rank)
     samples = SampleLog(cfg.train.sample_log_dir, rank, world)
@@ -314,6 +315,9 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
             if rank == 0 and step == total_steps and logger is not None:
                 metrics["tracking_summary"] = json.dumps(logger.close())
                 logger = None
+            if logger is not None:
+                # points up to this checkpoint must not wait in the queue: a crash after it replays only later steps
+                logger.flush(timeout_s=cfg.tracking.timeout_s)
             with tempfile.TemporaryDirectory(prefix="mmr-ckpt-") as tmp:
                 ckpt_io.write_rank_files(Path(tmp), rank)
                 if rank == 0:
@@ -378,29 +382,20 @@ def _reduce_interval(meter: Meter, per_step, world, device, cfg, step, total_ste
     return m
 
 
-@torch.no_grad()
 def evaluate(raw_model, objective: Objective, dataset, cfg: RunConfig, world, rank, device, autocast) -> Dict[str, float]:
-    """Loss and perplexity on this rank's share of the held-out split, summed over ranks."""
+    """Loss and perplexity on the held-out split: each rank takes its share, sums are all-reduced."""
     from minimind_ray.data.stream import TrainStream
+    from minimind_ray.evaluate import eval_metrics, eval_sums
 
-    raw_model.eval()
     ev = TrainStream(dataset, split="eval", global_batch_size=cfg.train.micro_batch_size * world,
                      micro_batch_size=cfg.train.micro_batch_size, world_size=world, rank=rank,
                      seed=cfg.train.seed, shuffle=False, prefetch_steps=0)
-    loss_sum, weight = 0.0, 0.0
-    for i, mb in enumerate(ev.eval_batches()):
-        if cfg.train.eval_batches and i >= cfg.train.eval_batches:
-            break
-        mb = to_device(mb, device)
-        with autocast():
-            l, _, _ = objective.loss_sum(raw_model, mb)
-        loss_sum += float(l)
-        weight += objective.weight(mb)
-    ev.close()
-    t = torch.tensor([loss_sum, weight], dtype=torch.float64)
+    try:
+        loss_sum, weight = eval_sums(raw_model, objective, ev.eval_batches(), limit=cfg.train.eval_batches,
+                                     device=device, autocast=autocast)
+    finally:
+        ev.close()
+    t = torch.tensor([loss_sum, weight], dtype=torch.float64, device=device)
     if world > 1:
-        t = t.to(device) if device.type == "cuda" else t
         dist.all_reduce(t)
-        t = t.cpu()
-    eval_loss = float(t[0] / max(float(t[1]), 1.0))
-    return {"eval_loss": eval_loss, "eval_ppl": math.exp(min(eval_loss, 50.0))}
+    return eval_metrics(float(t[0]), float(t[1]))

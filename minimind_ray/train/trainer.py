@@ -231,9 +231,13 @@ def run(cfg: RunConfig) -> RunResult:
     uri = run_id = None
     if cfg.tracking.enabled:
         uri = tracking.resolve_tracking_uri(cfg.tracking)
-        run_id = tracking.start_run(cfg, name, run_dir, tags={
-            "world_size": str(cfg.cluster.num_workers), "device_type": "cuda" if use_gpu else "cpu",
-            "backend": backend})
+        try:
+            run_id = tracking.start_run(cfg, name, run_dir, tags={
+                "world_size": str(cfg.cluster.num_workers), "device_type": "cuda" if use_gpu else "cpu",
+                "backend": backend})
+        except Exception as e:  # a down tracking server must not stop training
+            print(f"[{name}] WARNING: MLflow at {uri} unavailable ({type(e).__name__}: {e}); training untracked",
+                  flush=True)
 
     threads = cfg.train.threads_per_worker or max(1, math.ceil(cfg.cluster.cpus_per_worker))
     num_workers = (cfg.cluster.min_workers, cfg.cluster.num_workers) if cfg.cluster.min_workers else cfg.cluster.num_workers
