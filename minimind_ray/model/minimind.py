@@ -1,0 +1,516 @@
+"""The MiniMind-family causal LM in one file, nanoGPT style.
+
+One implementation serves both MiniMind generations; ``ModelConfig.generation``
+picks the few places where they differ (minimind2 = MiniMind @83e52f6, minimind3 =
+MiniMind @d65ef2c):
+
+- FFN width when unset: 64*ceil(int(8h/3)/64) vs 64*ceil(pi*h/64).
+- QK-norm: none vs per-head RMSNorm ``q_norm``/``k_norm`` (the ``qk_norm`` flag).
+- MoE top-k weights renormalised: only when k > 1 vs whenever ``norm_topk_prob``.
+- MoE aux loss: sequence- or batch-level vs batch-level summed over the k slots.
+- MoE shared experts (``mlp.shared_experts.{j}``): minimind2 only.
+- Init: PyTorch defaults vs HF ``post_init`` (N(0, 0.02), norms 1).
+
+The ``state_dict`` keys and shapes are exactly MiniMind's for each generation (and
+modules are created in MiniMind's order, so the same seed gives the same weights),
+hence MiniMind ``.pth`` files load here with ``strict=True`` and ours load there.
+Shapes in comments: B batch, T new tokens, S = past + T key positions, h hidden,
+nh / nkv query / key-value heads, hs head size, E experts, k experts per token,
+N = B*T tokens.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass
+from typing import Iterator, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from minimind_ray.config import ModelConfig
+
+KVCache = List[Tuple[Tensor, Tensor]]  # per layer: (k, v), each (B, S, nkv, hs), RoPE already applied
+
+# The YaRN settings MiniMind hard-codes behind `inference_rope_scaling` (32768 = 16 x 2048).
+YARN = dict(factor=16.0, original_max_position_embeddings=2048, beta_fast=32.0, beta_slow=1.0, attention_factor=1.0)
+
+
+# --------------------------------------------------------------------------- config resolution
+
+
+def resolve_config(cfg: ModelConfig) -> ModelConfig:
+    """A copy of ``cfg`` with the derived sizes (head_dim, FFN widths) filled in.
+
+    MiniMind derives these inside its modules; doing it once here means every reader
+    of ``model.cfg`` (export, FLOPs, checkpoints) sees concrete numbers.
+    """
+    h = cfg.hidden_size
+    inter = cfg.intermediate_size
+    if inter is None:
+        if cfg.generation == "minimind2":
+            inter = 64 * math.ceil(int(h * 8 / 3) / 64)
+        else:
+            inter = 64 * math.ceil(h * math.pi / 64)
+    return dataclasses.replace(
+        cfg,
+        head_dim=cfg.head_dim or h // cfg.num_attention_heads,
+        intermediate_size=inter,
+        moe_intermediate_size=cfg.moe_intermediate_size or inter,
+    )
+
+
+# --------------------------------------------------------------------------- building blocks
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in fp32 and cast back to the input dtype.
+
+    This is minimind3's order of operations; minimind2 casts before multiplying by
+    the weight. Both are identical in fp32, and under autocast the residual stream
+    is fp32 anyway.
+    """
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * xf).type_as(x)
+
+
+def rope_tables(head_dim: int, max_pos: int, theta: float, yarn: Optional[dict] = None) -> Tuple[Tensor, Tensor]:
+    """cos and sin tables, each (max_pos, hs), in the half-split layout of HF's ``rotate_half``.
+
+    With ``yarn`` (MiniMind's ``inference_rope_scaling``) the frequencies are blended
+    between the original ones (high-frequency dims, which already resolve positions
+    well) and ones slowed down by ``factor`` (low-frequency dims), with a linear ramp
+    between the dims that rotate ``beta_fast`` and ``beta_slow`` times over the
+    original context. As in MiniMind, the blend only applies when the table is longer
+    than the original context.
+    """
+    half = head_dim // 2
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2)[:half].float() / head_dim))  # (hs/2,)
+    attn_factor = 1.0
+    if yarn is not None and max_pos > yarn["original_max_position_embeddings"]:
+        orig = yarn["original_max_position_embeddings"]
+
+        def dim_of(rotations: float) -> float:  # the dim index that turns `rotations` times over `orig` positions
+            return head_dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+        lo = max(math.floor(dim_of(yarn["beta_fast"])), 0)
+        hi = min(math.ceil(dim_of(yarn["beta_slow"])), half - 1)
+        ramp = ((torch.arange(half).float() - lo) / max(hi - lo, 0.001)).clamp(0, 1)  # 0: keep, 1: interpolate
+        freqs = freqs * (1 - ramp + ramp / yarn["factor"])
+        attn_factor = yarn["attention_factor"]
+    angles = torch.outer(torch.arange(max_pos).float(), freqs)  # (max_pos, hs/2)
+    cos = torch.cat([angles.cos(), angles.cos()], dim=-1) * attn_factor  # (max_pos, hs)
+    sin = torch.cat([angles.sin(), angles.sin()], dim=-1) * attn_factor
+    return cos, sin
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate (B, T, n, hs) by position; cos/sin are (T, hs). Result keeps x's dtype."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]  # (T, 1, hs): broadcast over heads
+    return (x * cos + rotated * sin).to(x.dtype)
+
+
+def repeat_kv(x: Tensor, n_rep: int) -> Tensor:
+    """(B, S, nkv, hs) -> (B, S, nkv*n_rep, hs): each kv head serves n_rep query heads (GQA)."""
+    if n_rep == 1:
+        return x
+    B, S, nkv, hs = x.shape
+    return x[:, :, :, None, :].expand(B, S, nkv, n_rep, hs).reshape(B, S, nkv * n_rep, hs)
+
+
+class Attention(nn.Module):
+    """Grouped-query causal self-attention with RoPE, optional QK-norm and a KV cache."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        h, hs = cfg.hidden_size, cfg.head_dim
+        self.nh, self.nkv, self.hs = cfg.num_attention_heads, cfg.num_key_value_heads, hs
+        self.q_proj = nn.Linear(h, self.nh * hs, bias=False)
+        self.k_proj = nn.Linear(h, self.nkv * hs, bias=False)
+        self.v_proj = nn.Linear(h, self.nkv * hs, bias=False)
+        self.o_proj = nn.Linear(self.nh * hs, h, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(hs, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(hs, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
+        self.dropout = cfg.dropout
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, past: Optional[Tuple[Tensor, Tensor]],
+                mask: Optional[Tensor]) -> Tuple[Tensor, Tuple[Tensor, Tensor]]:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.nh, self.hs)  # (B, T, nh, hs)
+        k = self.k_proj(x).view(B, T, self.nkv, self.hs)  # (B, T, nkv, hs)
+        v = self.v_proj(x).view(B, T, self.nkv, self.hs)  # (B, T, nkv, hs)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if past is not None:
+            k = torch.cat([past[0], k], dim=1)  # (B, S, nkv, hs)
+            v = torch.cat([past[1], v], dim=1)
+        present = (k, v)
+        n_rep = self.nh // self.nkv
+        q = q.transpose(1, 2)  # (B, nh, T, hs)
+        k = repeat_kv(k, n_rep).transpose(1, 2)  # (B, nh, S, hs)
+        v = repeat_kv(v, n_rep).transpose(1, 2)  # (B, nh, S, hs)
+        # Without a mask: a fresh sequence is plainly causal; one new token after a cache sees every key.
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
+                                           is_causal=mask is None and past is None and T > 1)  # (B, nh, T, hs)
+        y = y.transpose(1, 2).reshape(B, T, self.nh * self.hs)  # (B, T, nh*hs)
+        return self.resid_dropout(self.o_proj(y)), present
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)). Created gate, down, up: MiniMind's order and key order."""
+
+    def __init__(self, cfg: ModelConfig, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, cfg.hidden_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, intermediate_size, bias=False)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.dropout(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
+
+
+class MoE(nn.Module):
+    """Top-k routed SwiGLU experts (+ always-on shared experts in the minimind2 layout).
+
+    Both layouts keep the router as ``mlp.gate.weight`` of shape (E, h). MiniMind2
+    stores it as a bare Parameter with kaiming-uniform init, which is exactly what
+    ``nn.Linear(h, E, bias=False)`` holds and how it initialises, so one nn.Linear
+    serves both. Training and inference share one dispatch: tokens are grouped by
+    expert index and each expert runs once on its group.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gen = cfg.generation
+        self.E, self.k = cfg.num_experts, cfg.num_experts_per_tok
+        self.norm_topk_prob, self.alpha, self.seq_aux = cfg.norm_topk_prob, cfg.aux_loss_alpha, cfg.seq_aux
+
+        def expert() -> FeedForward:
+            return FeedForward(cfg, cfg.moe_intermediate_size)
+
+        if self.gen == "minimind2":  # creation order = MiniMind2's: experts, gate, shared experts
+            self.experts = nn.ModuleList([expert() for _ in range(self.E)])
+            self.gate = nn.Linear(cfg.hidden_size, self.E, bias=False)
+            if cfg.n_shared_experts > 0:
+                self.shared_experts = nn.ModuleList(
+                    [FeedForward(cfg, cfg.intermediate_size) for _ in range(cfg.n_shared_experts)])
+        else:  # minimind3: gate, experts; no shared experts
+            self.gate = nn.Linear(cfg.hidden_size, self.E, bias=False)
+            self.experts = nn.ModuleList([expert() for _ in range(self.E)])
+
+    def route(self, x: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+        """-> softmax scores (N, E), top-k weights (N, k), top-k expert ids (N, k)."""
+        scores = F.softmax(self.gate(x), dim=-1)  # (N, E)
+        weight, idx = torch.topk(scores, self.k, dim=-1, sorted=False)  # (N, k)
+        renorm = self.norm_topk_prob and (self.k > 1 or self.gen == "minimind3")
+        if renorm:
+            weight = weight / (weight.sum(dim=-1, keepdim=True) + 1e-20)
+        return scores, weight, idx
+
+    def aux_loss(self, scores: Tensor, idx: Tensor, B: int, T: int) -> Tensor:
+        """Load-balancing loss: E * sum_e (fraction routed to e) * (mean score of e), times alpha.
+
+        Written the way each generation writes it, so that the numbers match MiniMind's logs.
+        """
+        E, k = self.E, self.k
+        if self.gen == "minimind3":
+            load = F.one_hot(idx, E).float().mean(0)  # (k, E): per top-k slot, fraction of tokens
+            return (load * scores.mean(0)).sum() * E * self.alpha
+        if self.seq_aux:  # minimind2, per sequence then averaged
+            counts = torch.zeros(B, E, device=scores.device)
+            counts.scatter_add_(1, idx.view(B, T * k), torch.ones(B, T * k, device=scores.device))
+            ce = counts / (T * k / E)  # (B, E)
+            return (ce * scores.view(B, T, E).mean(dim=1)).sum(dim=1).mean() * self.alpha
+        fi = F.one_hot(idx.view(-1), E).float().mean(0) * E  # (E,)
+        return (scores.mean(0) * fi).sum() * self.alpha
+
+    def forward(self, x: Tensor) -> Tuple[Tensor, Tensor]:
+        B, T, h = x.shape
+        xf = x.reshape(-1, h)  # (N, h)
+        scores, weight, idx = self.route(xf)
+        flat_idx = idx.reshape(-1)  # (N*k,): slot s belongs to token s // k
+        order = flat_idx.argsort()
+        counts = torch.bincount(flat_idx, minlength=self.E).tolist()  # host sync: group sizes
+        y = torch.zeros_like(xf)  # (N, h)
+        idle = []
+        for expert, slots in zip(self.experts, order.split(counts)):
+            if slots.numel() == 0:
+                idle.append(expert)
+                continue
+            tokens = slots // self.k
+            out = expert(xf[tokens]) * weight.reshape(-1, 1)[slots]  # (n_e, h)
+            y.index_add_(0, tokens, out.to(y.dtype))
+        if idle and torch.is_grad_enabled():
+            # Keep idle experts in the autograd graph (zero gradient), so DDP does not wait for them.
+            y = y + 0 * sum(p.sum() for e in idle for p in e.parameters())
+        y = y.view(B, T, h)
+        for shared in getattr(self, "shared_experts", []):
+            y = y + shared(x)
+        aux = self.aux_loss(scores, idx, B, T) if self.training and self.alpha > 0 else scores.new_zeros(())
+        return y, aux
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.is_moe = cfg.use_moe
+        self.mlp = MoE(cfg) if cfg.use_moe else FeedForward(cfg, cfg.intermediate_size)
+
+    def forward(self, x, cos, sin, past, mask):
+        """-> (x (B, T, h), this layer's (k, v), MoE aux loss or None)."""
+        a, present = self.self_attn(self.input_layernorm(x), cos, sin, past, mask)
+        x = x + a
+        if self.is_moe:
+            m, aux = self.mlp(self.post_attention_layernorm(x))
+        else:
+            m, aux = self.mlp(self.post_attention_layernorm(x)), None
+        return x + m, present, aux
+
+
+class MiniMindModel(nn.Module):
+    """Embedding, blocks, final norm: MiniMind's ``model.`` submodule."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.dropout = nn.Dropout(cfg.dropout)
+        self.layers = nn.ModuleList([Block(cfg) for _ in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
+                               YARN if cfg.inference_rope_scaling else None)
+        self.register_buffer("freqs_cos", cos, persistent=False)  # (max_pos, hs)
+        self.register_buffer("freqs_sin", sin, persistent=False)
+
+
+def attention_mask_for(T: int, S: int, attention_mask: Optional[Tensor], device: torch.device) -> Optional[Tensor]:
+    """Boolean (B|1, 1, T, S) mask, True = may attend; None when SDPA's own causal handling suffices.
+
+    Needed when several new tokens follow a cache (causal with an offset) or when
+    ``attention_mask`` (B, S) marks padded key positions. A query row with no visible
+    key (a left pad) is let see every key: its output is garbage but finite, not NaN.
+    """
+    past = S - T
+    if attention_mask is None and (past == 0 or T == 1):
+        return None
+    q_pos = torch.arange(T, device=device)[:, None] + past
+    mask = (torch.arange(S, device=device)[None, :] <= q_pos)[None, None]  # (1, 1, T, S)
+    if attention_mask is not None:
+        mask = mask & attention_mask.bool()[:, None, None, :]  # (B, 1, T, S)
+        mask = mask | ~mask.any(dim=-1, keepdim=True)
+    return mask
+
+
+@dataclass
+class ModelOutput:
+    logits: Tensor  # (B, T, V)
+    aux_loss: Tensor  # scalar: MoE load-balancing loss, already weighted by aux_loss_alpha; 0 when dense or in eval
+    past_key_values: Optional[KVCache] = None
+
+
+class MiniMindForCausalLM(nn.Module):
+    """The causal LM. ``cfg`` is the resolved ModelConfig (derived sizes filled in)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg = resolve_config(cfg)
+        self.model = MiniMindModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.model.embed_tokens.weight = self.lm_head.weight  # MiniMind ties this way round
+        if cfg.generation == "minimind3":
+            self.apply(_hf_init)
+
+    def forward(self, input_ids: Tensor, past_key_values: Optional[KVCache] = None, use_cache: bool = False,
+                attention_mask: Optional[Tensor] = None) -> ModelOutput:
+        """input_ids (B, T); past_key_values from an earlier call with use_cache=True;
+        attention_mask (B, S) with 1 = real token over past + new positions (only needed with padding)."""
+        B, T = input_ids.shape
+        m = self.model
+        start = past_key_values[0][0].shape[1] if past_key_values else 0
+        if start + T > m.freqs_cos.shape[0]:
+            raise ValueError(f"sequence of {start + T} tokens exceeds max_position_embeddings={m.freqs_cos.shape[0]}")
+        cos, sin = m.freqs_cos[start:start + T], m.freqs_sin[start:start + T]  # (T, hs)
+        mask = attention_mask_for(T, start + T, attention_mask, input_ids.device)
+        x = m.dropout(m.embed_tokens(input_ids))  # (B, T, h)
+        presents, aux = [], x.new_zeros((), dtype=torch.float32)
+        for i, layer in enumerate(m.layers):
+            x, present, layer_aux = layer(x, cos, sin, past_key_values[i] if past_key_values else None, mask)
+            presents.append(present)
+            if layer_aux is not None:
+                aux = aux + layer_aux
+        logits = self.lm_head(m.norm(x))  # (B, T, V)
+        return ModelOutput(logits=logits, aux_loss=aux, past_key_values=presents if use_cache else None)
+
+    def num_parameters(self) -> int:
+        """Unique parameters: the tied embedding/lm_head matrix counts once."""
+        return sum(p.numel() for p in self.parameters())
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (forward + backward), PaLM appendix B style:
+
+            6 * N + 12 * L * nh * hs * seq_len
+
+        N counts the weights a token multiplies through: q/k/v/o, the dense FFN or, for
+        MoE, the router, its top-k routed experts and the shared experts, and the output
+        head (a matmul even when tied; the input embedding is a lookup and is left out;
+        norms are negligible). The second term is QK^T and AV over the full window, as
+        PaLM counts it (no discount for the causal mask). Used for MFU.
+        """
+        c = self.cfg
+        h, hs, L = c.hidden_size, c.head_dim, c.num_hidden_layers
+        attn = h * hs * (2 * c.num_attention_heads + 2 * c.num_key_value_heads)
+        if c.use_moe:
+            shared = c.n_shared_experts if c.generation == "minimind2" else 0
+            ffn = h * c.num_experts + 3 * h * (c.num_experts_per_tok * c.moe_intermediate_size
+                                                 + shared * c.intermediate_size)
+        else:
+            ffn = 3 * h * c.intermediate_size
+        n = L * (attn + ffn) + h * c.vocab_size
+        return 6.0 * n + 12.0 * L * c.num_attention_heads * hs * seq_len
+
+
+@torch.no_grad()
+def _hf_init(module: nn.Module) -> None:
+    """minimind3's weights come from HF ``post_init``: Linear/Embedding ~ N(0, 0.02), norms = 1.
+
+    Applied post-order with ``nn.Module.apply`` like HF's ``smart_apply``, so the tied
+    matrix is drawn twice (as embedding, then as lm_head) exactly as there.
+    """
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, mean=0.0, std=0.02)
+    elif isinstance(module, RMSNorm):
+        nn.init.ones_(module.weight)
+
+
+def build_model(cfg: ModelConfig, seed: Optional[int] = None) -> MiniMindForCausalLM:
+    """A freshly initialised model. With ``seed`` the init is reproducible and leaves the
+    global RNG untouched; MiniMind's own model under ``torch.manual_seed(seed)`` gets the
+    same weights."""
+    if seed is None:
+        return MiniMindForCausalLM(cfg)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return MiniMindForCausalLM(cfg)
+
+
+# --------------------------------------------------------------------------- MiniMind .pth I/O
+
+_PREFIXES = ("module.", "_orig_mod.")
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The model inside DDP (``.module``) and/or torch.compile (``._orig_mod``) wrappers."""
+    while True:
+        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+        if not isinstance(inner, nn.Module):
+            return model
+        model = inner
+
+
+def clean_state_dict(sd: dict) -> dict:
+    """Strip DDP (``module.``) and torch.compile (``_orig_mod.``) prefixes, in any nesting."""
+    out = {}
+    for key, value in sd.items():
+        while key.startswith(_PREFIXES):
+            key = key.split(".", 1)[1]
+        out[key] = value
+    return out
+
+
+def save_pth(model: nn.Module, path: str, dtype: torch.dtype = torch.float16) -> None:
+    """MiniMind's .pth: a plain state_dict in fp16 with both tied keys, written atomically
+    (a reader never sees a half-written file)."""
+    sd = {k: v.detach().to(dtype).cpu() for k, v in clean_state_dict(model.state_dict()).items()}
+    tmp = f"{path}.tmp"
+    torch.save(sd, tmp)
+    os.replace(tmp, path)
+
+
+def load_pth(model: nn.Module, path_or_state_dict, strict: bool = True):
+    """Load a MiniMind .pth (fp16 or fp32, with or without wrapper prefixes) into ``model``;
+    values are cast to the model's dtype. Returns load_state_dict's (missing, unexpected)."""
+    sd = path_or_state_dict
+    if not isinstance(sd, dict):
+        sd = torch.load(sd, map_location="cpu", weights_only=True)
+    return model.load_state_dict(clean_state_dict(sd), strict=strict)
+
+
+# --------------------------------------------------------------------------- generation
+
+
+def _sample_filter(logits: Tensor, top_k: int, top_p: float) -> Tensor:
+    """Set logits outside the top-k and outside the top-p nucleus to -inf. logits (V,)."""
+    if 0 < top_k < logits.numel():
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, sorted_idx = torch.sort(logits, descending=True)
+        cum = torch.cumsum(F.softmax(sorted_logits, dim=-1), dim=-1)
+        drop = cum > top_p
+        drop[1:] = drop[:-1].clone()  # keep the token that crosses top_p
+        drop[0] = False
+        logits = logits.masked_fill(drop.scatter(0, sorted_idx, drop), float("-inf"))
+    return logits
+
+
+@torch.inference_mode()
+def generate(model: MiniMindForCausalLM, input_ids: Tensor, max_new_tokens: int, temperature: float = 0.85,
+             top_p: float = 0.85, top_k: int = 50, repetition_penalty: float = 1.0, eos_token_id: Optional[int] = 2,
+             use_cache: bool = True, generator: Optional[torch.Generator] = None) -> Iterator[int]:
+    """Yield new token ids one at a time (streaming) for a single prompt ``input_ids`` (1, T).
+
+    Sampling follows MiniMind's: repetition penalty over every token seen, then
+    temperature, top-k, top-p. ``temperature == 0`` is greedy. Stops after yielding
+    ``eos_token_id`` or at the model's maximum length. The model runs in eval mode
+    and its previous mode is restored afterwards.
+    """
+    was_training = model.training
+    model.eval()
+    try:
+        ids = input_ids
+        past = None
+        limit = model.cfg.max_position_embeddings
+        for _ in range(max_new_tokens):
+            if ids.shape[1] >= limit:
+                return
+            step_in = ids[:, -1:] if past is not None else ids
+            out = model(step_in, past_key_values=past, use_cache=use_cache)
+            past = out.past_key_values
+            logits = out.logits[0, -1].float()  # (V,)
+            if repetition_penalty != 1.0:
+                seen = torch.unique(ids[0])
+                s = logits[seen]
+                logits[seen] = torch.where(s > 0, s / repetition_penalty, s * repetition_penalty)
+            if temperature == 0:
+                nxt = int(torch.argmax(logits))
+            else:
+                logits = _sample_filter(logits / temperature, top_k, top_p)
+                nxt = int(torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator))
+            yield nxt
+            if eos_token_id is not None and nxt == eos_token_id:
+                return
+            ids = torch.cat([ids, ids.new_tensor([[nxt]])], dim=1)
+    finally:
+        model.train(was_training)
