@@ -141,21 +141,19 @@ def cmd_export(args) -> int:
 
 
 def cmd_merge_lora(args) -> int:
-    from minimind_ray.model.lora import merge_lora
-    from minimind_ray.model.minimind import save_pth
-    from minimind_ray.weights import build_inference_model
-    from minimind_ray.model.lora import load_lora, apply_lora
-    from minimind_ray.config import LoRAConfig
-
-    model, _ = build_inference_model(args.base, args.preset, merge_lora=False)
     import torch
 
+    from minimind_ray.config import LoRAConfig
+    from minimind_ray.model.lora import apply_lora, load_lora, merge_lora
+    from minimind_ray.model.minimind import save_pth
+    from minimind_ray.weights import build_inference_model
+
+    model, _ = build_inference_model(args.base, args.preset, merge_lora=False)
     sd = torch.load(args.lora, map_location="cpu", weights_only=True)
     rank = next(v.shape[0] for k, v in sd.items() if k.endswith("lora.A.weight"))
     apply_lora(model, LoRAConfig(rank=rank, alpha=args.alpha))
     load_lora(model, sd)
-    merged = merge_lora(model) or model
-    save_pth(merged, args.out)
+    save_pth(merge_lora(model), args.out)
     print(f"merged: {args.out}")
     return 0
 

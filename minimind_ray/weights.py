@@ -105,7 +105,7 @@ def build_inference_model(source: str, preset: Optional[str] = None, merge_lora:
         apply_lora(model, lcfg)
         model.load_state_dict({k: v.float() for k, v in lw.state_dict.items()}, strict=True)
         if merge_lora:
-            merge(model)
+            model = merge(model)
     else:
         model.load_state_dict({k: v.float() for k, v in lw.state_dict.items()}, strict=True)
     return model.to(device).eval(), lw

@@ -114,8 +114,8 @@ class FaultInjector:
 class SampleLog:
     """Debug record of the sample ids each rank trained on, per step (exactly-once checks)."""
 
-    def __init__(self, directory: Optional[str], rank: int, world: int):
-        self.f = None
+    def __init__(self, directory: Optional[str], rank: int, world: int, attempt: int):
+        self.f, self.attempt = None, attempt
         if directory:
             Path(directory).mkdir(parents=True, exist_ok=True)
             self.f = open(Path(directory) / f"rank{rank}.jsonl", "a")
@@ -125,7 +125,8 @@ class SampleLog:
         if self.f is None:
             return
         ids = torch.cat([b["sample_ids"] for b in batches]).tolist()
-        self.f.write(json.dumps({"step": step, "rank": self.rank, "world": self.world, "ids": ids}) + "\n")
+        self.f.write(json.dumps({"step": step, "rank": self.rank, "world": self.world,
+                                 "attempt": self.attempt, "ids": ids}) + "\n")
         self.f.flush()
 
 
@@ -173,7 +174,7 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         model = DDP(raw_model, device_ids=[local_rank] if device.type == "cuda" else None,
-                    broadcast_buffers=False, gradient_as_bucket_view=True)
+                    forward_sync_buffers=False, gradient_as_bucket_view=True)  # RoPE tables are equal on all ranks
         comm = CommTimer()
         model.register_comm_hook(None, comm.hook)
     fwd_model = torch.compile(model) if cfg.train.compile else model
@@ -218,7 +219,7 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
                            system_metrics=cfg.tracking.system_metrics)
 
     faults = FaultInjector(cfg, config.get("run_dir"), rank)
-    samples = SampleLog(cfg.train.sample_log_dir, rank, world)
+    samples = SampleLog(cfg.train.sample_log_dir, rank, world, attempt=start_step)
     flops_per_token = raw_model.flops_per_token(cfg.data.max_seq_len)
     peak = peak_flops(device)
     meter = Meter()

@@ -203,6 +203,7 @@ def run(cfg: RunConfig) -> RunResult:
     """Train one stage end to end; resumes when a run of this name exists in storage."""
     import ray
     from ray.train import CheckpointConfig, FailureConfig, RunConfig as RayRunConfig, ScalingConfig
+    from ray.train.v2.api.config import LoggingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
     from ray.util.queue import Queue
 
@@ -217,15 +218,15 @@ def run(cfg: RunConfig) -> RunResult:
     storage = _storage(cfg)
     run_dir = f"{storage.rstrip('/')}/{name}"
 
+    gpus = ray.cluster_resources().get("GPU", 0)
+    use_gpu = bool(gpus) if cfg.cluster.use_gpu is None else cfg.cluster.use_gpu
+    cfg.cluster.use_gpu = use_gpu
+    check_resources(cfg, use_gpu)  # before any data work: a request that cannot fit fails in seconds
+
     tokenizer = resolve_tokenizer(cfg.data.tokenizer, cfg.data.cache_dir)
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ConfigError(f"model.vocab_size: {cfg.model.vocab_size} < tokenizer vocabulary {tokenizer.vocab_size}")
     prepared_dir = ensure_prepared(cfg.data, tokenizer)
-
-    gpus = ray.cluster_resources().get("GPU", 0)
-    use_gpu = bool(gpus) if cfg.cluster.use_gpu is None else cfg.cluster.use_gpu
-    cfg.cluster.use_gpu = use_gpu
-    check_resources(cfg, use_gpu)
     backend = cfg.cluster.backend if cfg.cluster.backend != "auto" else ("nccl" if use_gpu else "gloo")
 
     uri = run_id = None
@@ -255,6 +256,7 @@ def run(cfg: RunConfig) -> RunResult:
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.num_to_keep),
             failure_config=FailureConfig(max_failures=cfg.cluster.max_failures),
             callbacks=[_make_progress_callback(progress_q)],
+            logging_config=LoggingConfig(log_level="WARNING"),  # progress comes from ProgressPrinter
             worker_runtime_env={"env_vars": {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
                                              "TOKENIZERS_PARALLELISM": "false"}},
         ),
