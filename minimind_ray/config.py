@@ -217,8 +217,10 @@ def load_config(path: Optional[str] = None, overrides: Optional[List[str]] = Non
         merged = OmegaConf.merge(schema, {"model": base}, user)
     except ConfigError:
         raise
-    except Exception as e:  # omegaconf's errors name the key; re-raise as ours
-        raise ConfigError(str(e).splitlines()[0] if str(e) else repr(e)) from None
+    except Exception as e:  # omegaconf's errors: re-raise as ours, naming the key
+        msg = str(e).splitlines()[0] if str(e) else repr(e)
+        key = getattr(e, "full_key", None)
+        raise ConfigError(f"{key}: {msg}" if key and key not in msg else msg) from None
     cfg: RunConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
     validate(cfg)
     return cfg
