@@ -112,7 +112,11 @@ class FaultInjector:
 
 
 class SampleLog:
-    """Debug record of the sample ids each rank trained on, per step (exactly-once checks)."""
+    """Debug record, per step and rank, of the sample ids trained on and when the step's data arrived.
+
+    ``attempt`` is the step this worker group started from (0, or the restored checkpoint's
+    step), so replays after a restart can be told apart. Used by the exactly-once tests and
+    by bench/bench_train.py for recovery and checkpoint timings."""
 
     def __init__(self, directory: Optional[str], rank: int, world: int, attempt: int):
         self.f, self.attempt = None, attempt
@@ -126,7 +130,7 @@ class SampleLog:
             return
         ids = torch.cat([b["sample_ids"] for b in batches]).tolist()
         self.f.write(json.dumps({"step": step, "rank": self.rank, "world": self.world,
-                                 "attempt": self.attempt, "ids": ids}) + "\n")
+                                 "attempt": self.attempt, "t": time.time(), "ids": ids}) + "\n")
         self.f.flush()
 
 

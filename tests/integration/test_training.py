@@ -14,8 +14,6 @@ Between runs with the same worker count the order is identical, so equality is e
 """
 from __future__ import annotations
 
-import json
-from collections import defaultdict
 from pathlib import Path
 
 import pytest
@@ -24,61 +22,18 @@ import torch
 from minimind_ray.config import load_config
 from minimind_ray.train.checkpoint import MODEL
 
+from .helpers import (CKPT_EVERY, GLOBAL_BATCH, STEPS, assert_exactly_once, final_weights, loss_history, new_shared,
+                      run_tiny, sample_record)
+
 pytestmark = pytest.mark.integration
 
-STEPS, CKPT_EVERY, GLOBAL_BATCH = 12, 4, 16
 LOSS_ATOL_ACROSS_WORLD_SIZES = 2e-4
 WEIGHT_ATOL_ACROSS_WORLD_SIZES = 1e-4
 
 
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory):
-    base = tmp_path_factory.mktemp("training")
-    return {"base": base, "cache": base / "data_cache", "mlflow": f"sqlite:///{base}/mlflow.db"}
-
-
-def run_tiny(shared, name, *overrides):
-    from minimind_ray.train.trainer import run
-
-    base = shared["base"]
-    cfg = load_config("pipelines/configs/tiny.yaml", [
-        f"name={name}", f"train.max_steps={STEPS}", f"checkpoint.interval={CKPT_EVERY}", "train.log_interval=2",
-        f"train.global_batch_size={GLOBAL_BATCH}", "train.micro_batch_size=4", f"data.cache_dir={shared['cache']}",
-        f"checkpoint.storage_path={base / 'runs'}", f"tracking.uri={shared['mlflow']}",
-        f"train.sample_log_dir={base / 'samples' / name}", "train.collective_timeout_s=60", *overrides])
-    return run(cfg)
-
-
-def final_weights(res):
-    return torch.load(Path(res.checkpoint_dir) / MODEL, map_location="cpu", weights_only=True)
-
-
-def loss_history(shared, run_id):
-    from mlflow.tracking import MlflowClient
-
-    hist = MlflowClient(shared["mlflow"]).get_metric_history(run_id, "loss")
-    return sorted((m.step, m.value) for m in hist)
-
-
-def sample_record(shared, name):
-    """step -> set of sample ids trained at that step (union over ranks and replays), and the attempts seen."""
-    per_step, attempts, sizes = defaultdict(set), set(), defaultdict(int)
-    for f in (shared["base"] / "samples" / name).glob("rank*.jsonl"):
-        for line in f.read_text().splitlines():
-            r = json.loads(line)
-            per_step[r["step"]].update(r["ids"])
-            attempts.add(r["attempt"])
-    return per_step, attempts
-
-
-def assert_exactly_once(per_step, steps=STEPS, global_batch=GLOBAL_BATCH):
-    assert sorted(per_step) == list(range(1, steps + 1))
-    seen = set()
-    for s in range(1, steps + 1):
-        # a replayed step that drew different samples would show more than one global batch here
-        assert len(per_step[s]) == global_batch, f"step {s}: {len(per_step[s])} distinct samples"
-        assert not (per_step[s] & seen), f"step {s} repeats samples of an earlier step"
-        seen |= per_step[s]
+    return new_shared(tmp_path_factory, "training")
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,101 @@
+"""SFT, LoRA, DPO and distillation on the same loop: real Ray, 2 gloo workers, tiny preset.
+
+Every stage run here has a crash injected after its first checkpoint, so each also shows
+that the stage resumes from its checkpoint through the shared machinery.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from minimind_ray.config import load_config
+from minimind_ray.model.minimind import build_model, save_pth
+
+from .helpers import final_weights, loss_history, new_shared, run_tiny, sample_record
+
+pytestmark = pytest.mark.integration
+
+STEPS = 8
+CRASH = ("train.fail_at_step=5", "train.fail_mode=raise", "train.fail_rank=1")
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    s = new_shared(tmp_path_factory, "stages")
+    # the "earlier weights" every stage starts from: a MiniMind-style .pth (fp32 so base weights compare bitwise)
+    base = build_model(load_config("pipelines/configs/tiny.yaml").model, seed=11)
+    s["base_pth"] = s["base"] / "base.pth"
+    save_pth(base, str(s["base_pth"]), dtype=torch.float32)
+    return s
+
+
+def run_stage(shared, name, *overrides):
+    return run_tiny(shared, name, f"train.init_from={shared['base_pth']}", "train.warmup_steps=1", *CRASH,
+                    *overrides, steps=STEPS, ckpt_every=2)
+
+
+def assert_resumed_once(shared, name):
+    _, attempts = sample_record(shared, name)
+    assert attempts == {0, 4}, f"expected one restart from step 4, saw attempts {attempts}"
+
+
+def test_sft_lowers_assistant_loss_and_resumes(ray_session, shared):
+    res = run_stage(shared, "sft", "train.stage=sft", "data.format=sft", "train.lr=3e-3")
+    assert_resumed_once(shared, "sft")
+    losses = loss_history(shared, res.mlflow_run_id)
+    assert [s for s, _ in losses] == list(range(1, STEPS + 1))
+    assert losses[-1][1] < losses[0][1] - 0.5, losses
+
+
+def test_lora_changes_only_adapters_on_two_workers(ray_session, shared):
+    res = run_stage(shared, "lora", "train.stage=lora", "data.format=sft", "train.lr=1e-2", "train.lora.rank=4")
+    assert_resumed_once(shared, "lora")
+    w = final_weights(res)
+    base = torch.load(shared["base_pth"], weights_only=True)
+    assert all(torch.equal(w[k], base[k]) for k in base), "a frozen base weight changed"
+    lora_keys = [k for k in w if ".lora." in k]
+    assert lora_keys and all(k.endswith(("lora.A.weight", "lora.B.weight")) for k in lora_keys)
+    assert any(w[k].abs().sum() > 0 for k in lora_keys if k.endswith("lora.B.weight")), "adapters did not train"
+    # the exported artifact is the LoRA weights alone, in MiniMind's layout
+    lora_file = Path(res.exports["lora"])
+    exported = torch.load(lora_file, weights_only=True)
+    assert set(exported) == set(lora_keys)
+
+
+def test_dpo_margin_grows_on_hand_made_pairs(ray_session, shared, tmp_path_factory):
+    d = tmp_path_factory.mktemp("dpo_data")
+    pairs = []
+    for i in range(64):
+        q = f"What is {i} plus {i}?"
+        pairs.append({"chosen": [{"role": "user", "content": q}, {"role": "assistant", "content": f"{2 * i}."}],
+                      "rejected": [{"role": "user", "content": q},
+                                   {"role": "assistant", "content": "I refuse to count, sorry, bananas."}]})
+    f = d / "pairs.jsonl"
+    f.write_text("\n".join(json.dumps(p, ensure_ascii=False) for p in pairs) + "\n")
+    res = run_stage(shared, "dpo", "train.stage=dpo", "data.format=dpo", f"data.train_path=[{f}]", "train.lr=3e-3",
+                    "train.dpo.beta=0.5", "train.log_interval=1")
+    assert_resumed_once(shared, "dpo")
+    margins = loss_history(shared, res.mlflow_run_id, "reward_margin")
+    acc = loss_history(shared, res.mlflow_run_id, "reward_accuracy")
+    assert margins[-1][1] > margins[0][1] + 0.1, margins
+    assert acc[-1][1] >= 0.9
+    # the reference never enters the checkpoint: model.pth holds the policy's keys only
+    w = final_weights(res)
+    assert set(w) == set(build_model(load_config("pipelines/configs/tiny.yaml").model).state_dict())
+
+
+def test_distillation_from_a_frozen_teacher(ray_session, shared):
+    res = run_stage(shared, "distill", "train.stage=distill", "data.format=sft",
+                    f"train.distill.teacher_weights={shared['base_pth']}", "train.lr=3e-3",
+                    "train.log_interval=1")
+    assert_resumed_once(shared, "distill")
+    losses = loss_history(shared, res.mlflow_run_id)
+    kl = loss_history(shared, res.mlflow_run_id, "kl")
+    ce = loss_history(shared, res.mlflow_run_id, "ce")
+    assert [s for s, _ in losses] == list(range(1, STEPS + 1))
+    assert kl and ce and all(v >= 0 for _, v in kl)
+    # loss = alpha * CE + (1 - alpha) * T^2 * KL with MiniMind's alpha 0.5 (per-token means)
+    assert losses[-1][1] == pytest.approx(0.5 * ce[-1][1] + 0.5 * kl[-1][1], rel=1e-4)
