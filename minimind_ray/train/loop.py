@@ -5,8 +5,8 @@ Flow of one worker::
     restore  <- ray.train.get_checkpoint()     model, optimizer, scheduler, data position, RNG, MLflow run id
     stream   <- TrainStream(prepared data)     this rank's slice of each global batch, exactly once
     each step: all-reduce the step's loss weight -> micro-steps (no_sync but the last) -> clip -> AdamW
-    every log_interval: one all-reduce of the interval's sums -> ray.train.report(metrics) ; rank 0 -> MLflow
-    every checkpoint.interval and at the end: ray.train.report(metrics, checkpoint)
+    every log_interval: one all-reduce of the interval's sums ; rank 0 -> MLflow and the driver's console
+    every checkpoint.interval and at the end: ray.train.report(metrics, checkpoint)  (a barrier: only then)
 
 What differs per stage (loss, frozen parts, extra models) lives in objectives.py.
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import os
 import random
@@ -144,6 +145,7 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
     from minimind_ray.data.stream import PreparedDataset, TrainStream
     from minimind_ray.model.minimind import build_model
 
+    logging.getLogger("ray.train").setLevel(logging.WARNING)  # our progress lines replace Ray's per-report INFO
     cfg: RunConfig = from_dict(config["cfg"])
     ctx = ray.train.get_context()
     rank, world, local_rank = ctx.get_world_rank(), ctx.get_world_size(), ctx.get_local_rank()
@@ -222,6 +224,7 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
         logger = RunLogger(config["tracking_uri"], run_id, timeout_s=cfg.tracking.timeout_s,
                            system_metrics=cfg.tracking.system_metrics)
 
+    sink = config.get("progress_sink")
     faults = FaultInjector(cfg, config.get("run_dir"), rank)
     samples = SampleLog(cfg.train.sample_log_dir, rank, world, attempt=start_step)
     flops_per_token = raw_model.flops_per_token(cfg.data.max_seq_len)
@@ -236,6 +239,7 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
 
     model.train()
     grad_norm = torch.tensor(0.0)
+    comm_warned = False
     for step in range(start_step + 1, total_steps + 1):
         faults.maybe_fail(step)
         t_step = time.perf_counter()
@@ -306,9 +310,12 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
             metrics.update(evaluate(raw_model, objective, dataset, cfg, world, rank, device, autocast))
             model.train()
         if rank == 0:
-            if metrics.get("comm_fraction", 0.0) > cfg.train.comm_warn_fraction:
+            if sink is not None:  # fire-and-forget: the driver's console view
+                sink.push.remote({**metrics, "checkpoint": is_ckpt})
+            if metrics.get("comm_fraction", 0.0) > cfg.train.comm_warn_fraction and not comm_warned:
+                comm_warned = True  # once per worker group: the metric itself is logged every interval
                 print(f"[minimind-ray] WARNING: all-reduce took {metrics['comm_fraction']:.0%} of step time "
-                      f"(> {cfg.train.comm_warn_fraction:.0%}) at step {step}", flush=True)
+                      f"(> {cfg.train.comm_warn_fraction:.0%}) at step {step}; see metric comm_fraction", flush=True)
             if logger is not None:
                 for s, l in per_step_losses:
                     logger.log_metrics({"loss": l}, step=s)
@@ -333,9 +340,8 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
                               "data_state": stream.state_dict(), "world_size": world, "mlflow_run_id": run_id,
                               "stage": cfg.train.stage, "total_steps": total_steps,
                               "config": to_dict(cfg), "prepared_dir": config["prepared_dir"]})
+                # the only ray.train.report of the loop: it is a barrier, so it comes with a checkpoint
                 ray.train.report(metrics, checkpoint=Checkpoint.from_directory(tmp))
-        else:
-            ray.train.report(metrics)
 
     stream.close()
     if logger is not None:

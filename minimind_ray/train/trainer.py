@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import queue as _queue
 import sys
 import threading
 import time
@@ -52,7 +51,11 @@ def connect_ray(cfg: RunConfig):
     if ray.is_initialized():
         return ray
     address = cfg.cluster.address or os.environ.get("RAY_ADDRESS")
-    env = {"env_vars": {"PYTHONPATH": str(REPO_ROOT), "TOKENIZERS_PARALLELISM": "false"}}
+    env = {"env_vars": {
+        "PYTHONPATH": str(REPO_ROOT), "TOKENIZERS_PARALLELISM": "false",
+        # the Train controller polls workers at this interval; a checkpoint report waits for that poll
+        "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5"),
+    }}
     if address:
         ray.init(address=address, runtime_env=env if "RAY_JOB_ID" not in os.environ else None)
     else:
@@ -99,48 +102,65 @@ def check_resources(cfg: RunConfig, use_gpu: bool) -> None:
 # --------------------------------------------------------------------------- progress
 
 
-def _make_progress_callback(q):
+def make_progress_sink():
+    """A tiny actor that rank 0 pushes metrics to (fire-and-forget) and the driver drains.
+
+    Progress does not go through ``ray.train.report``: that call is a barrier across
+    workers polled by the controller (up to RAY_TRAIN_HEALTH_CHECK_INTERVAL_S, 2 s by
+    default), so the loop reports to Ray Train only when it has a checkpoint to hand over."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class ProgressSink:
+        def __init__(self):
+            self.items = []
+
+        def push(self, m):
+            self.items.append(m)
+            del self.items[:-1000]
+
+        def drain(self):
+            out, self.items = self.items, []
+            return out
+
+    return ProgressSink.remote()
+
+
+def _make_failure_callback(sink):
     from ray.train import UserCallback
 
-    class ProgressCallback(UserCallback):
-        """Runs in the Train controller; forwards rank 0's report to the driver's console."""
-
-        def after_report(self, run_context, metrics, checkpoint):
-            if metrics:
-                m = dict(metrics[0])
-                m["_checkpoint"] = checkpoint.path if checkpoint is not None else None
-                try:
-                    q.put_nowait(m)
-                except Exception:
-                    pass
+    class FailureNotice(UserCallback):
+        """Runs in the Train controller: tells the driver's console that workers failed."""
 
         def after_exception(self, run_context, worker_exceptions):
-            try:
-                q.put_nowait({"_error": {r: repr(e)[:500] for r, e in worker_exceptions.items()}})
-            except Exception:
-                pass
+            sink.push.remote({"_error": {r: repr(e)[:500] for r, e in worker_exceptions.items()}})
 
-    return ProgressCallback()
+    return FailureNotice()
 
 
 class ProgressPrinter(threading.Thread):
     """Driver-side view of training: a tqdm bar on a terminal, plain lines in a job log."""
 
-    def __init__(self, q, name: str):
+    def __init__(self, sink, name: str):
         super().__init__(daemon=True)
-        self.q, self.name, self.stop = q, name, threading.Event()
+        self.sink, self.name, self.stop = sink, name, threading.Event()
         self.tty = sys.stderr.isatty()
         self.bar = None
-        self.last: Dict[str, Any] = {}
         self.t0 = time.monotonic()
         self.first_step: Optional[int] = None
 
     def run(self):
-        while not self.stop.is_set():
-            try:
-                m = self.q.get(timeout=0.5)
-            except (_queue.Empty, Exception):
-                continue
+        while not self.stop.wait(0.5):
+            self.drain()
+
+    def drain(self):
+        import ray
+
+        try:
+            items = ray.get(self.sink.drain.remote(), timeout=10)
+        except Exception:
+            return
+        for m in items:
             self.show(m)
 
     def show(self, m: Dict[str, Any]):
@@ -149,9 +169,6 @@ class ProgressPrinter(threading.Thread):
                   f"cluster.max_failures allows)", flush=True)
             self.first_step, self.t0 = None, time.monotonic()
             return
-        if "step" not in m:
-            return
-        self.last = m
         step, total = int(m["step"]), int(m.get("total_steps", 0) or 0)
         if self.first_step is None:
             self.first_step, self.t0 = step, time.monotonic()
@@ -172,17 +189,13 @@ class ProgressPrinter(threading.Thread):
             self.bar.refresh()
         else:
             eta_s = "?" if math.isnan(eta) else time.strftime("%H:%M:%S", time.gmtime(eta))
-            ck = " [checkpoint]" if m.get("_checkpoint") else ""
+            ck = " [checkpoint]" if m.get("checkpoint") else ""
             print(f"[{self.name}] step {step}/{total} {desc} ETA {eta_s}{ck}", flush=True)
 
     def close(self):
         self.stop.set()
-        self.join(timeout=2)
-        try:
-            while True:
-                self.show(self.q.get_nowait())
-        except Exception:
-            pass
+        self.join(timeout=5)
+        self.drain()
         if self.bar is not None:
             self.bar.close()
 
@@ -205,7 +218,6 @@ def run(cfg: RunConfig) -> RunResult:
     from ray.train import CheckpointConfig, FailureConfig, RunConfig as RayRunConfig, ScalingConfig
     from ray.train.v2.api.config import LoggingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
-    from ray.util.queue import Queue
 
     from minimind_ray import tracking
     from minimind_ray.data.prepare import ensure_prepared
@@ -242,11 +254,11 @@ def run(cfg: RunConfig) -> RunResult:
 
     threads = cfg.train.threads_per_worker or max(1, math.ceil(cfg.cluster.cpus_per_worker))
     num_workers = (cfg.cluster.min_workers, cfg.cluster.num_workers) if cfg.cluster.min_workers else cfg.cluster.num_workers
-    progress_q = Queue(maxsize=1000, actor_options={"num_cpus": 0})
+    sink = make_progress_sink()
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"cfg": to_dict(cfg), "prepared_dir": prepared_dir, "mlflow_run_id": run_id,
-                           "tracking_uri": uri, "run_dir": run_dir},
+                           "tracking_uri": uri, "run_dir": run_dir, "progress_sink": sink},
         torch_config=TorchConfig(backend=backend, timeout_s=int(cfg.train.collective_timeout_s)),
         scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=use_gpu,
                                      resources_per_worker=worker_resources(cfg, use_gpu),
@@ -255,13 +267,13 @@ def run(cfg: RunConfig) -> RunResult:
             name=name, storage_path=storage,
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.num_to_keep),
             failure_config=FailureConfig(max_failures=cfg.cluster.max_failures),
-            callbacks=[_make_progress_callback(progress_q)],
+            callbacks=[_make_failure_callback(sink)],
             logging_config=LoggingConfig(log_level="WARNING"),  # progress comes from ProgressPrinter
             worker_runtime_env={"env_vars": {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
                                              "TOKENIZERS_PARALLELISM": "false"}},
         ),
     )
-    printer = ProgressPrinter(progress_q, name)
+    printer = ProgressPrinter(sink, name)
     printer.start()
     try:
         result = trainer.fit()
