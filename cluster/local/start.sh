@@ -1,0 +1,230 @@
+#!/usr/bin/env bash
+# Start a multi-node Ray cluster on this one machine: a head node and N worker nodes,
+# each a separate `ray start` (own raylet, object store, ports and --temp-dir), so that
+# multi-node behaviour (placement, node loss, elastic restarts) can be tried on a laptop.
+#
+#   cluster/local/start.sh [N]            N worker nodes (default 2)
+#   cluster/local/start.sh --node 2       (re)start worker node 2 of a running cluster
+#
+# Options:
+#   --name NAME         cluster name (default: local); state in $MMRAY_STATE_ROOT/NAME
+#                       (MMRAY_STATE_ROOT defaults to /tmp/mmray-<uid>)
+#   --state-dir DIR     explicit state dir (must be short: Ray's unix sockets live under it)
+#   --port P            base port (default 27000). Layout: P gcs, P+1 dashboard,
+#                       P+2 ray-client server, P+10+10k.. P+15+10k node k's node-manager,
+#                       object-manager, agent http, agent grpc, runtime-env agent,
+#                       metrics; P+500+100k..P+599+100k node k's worker ports (head k=0)
+#   --head-cpus C       logical CPUs on the head (default 2); the head has no trainslot,
+#                       so training workers land on worker nodes, the driver and Ray Data
+#                       tasks may use the head
+#   --worker-cpus C     logical CPUs per worker node (default 2)
+#   --worker-gpus G     GPUs per worker node (default 0)
+#   --slot NAME         custom resource, one unit per worker node (default trainslot);
+#                       pair with cluster.worker_resource=NAME
+#   --object-store-mb M object store per node in MiB (default 512)
+#   --timeout S         seconds to wait for each node (default 120)
+#   --drain-timeout S   on SIGTERM (stop.sh, kill_node.sh --graceful) a node first asks
+#                       the GCS to drain it and waits up to S seconds for its workers to
+#                       finish (Ray's default 30; here 0 = stop at once, as there is no
+#                       Serve traffic to move; $RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S wins)
+#
+# Every node runs `ray start --block` under setsid: its PID is recorded in
+# STATE/<node>.pid and is the session id of all of that node's processes, which is how
+# stop.sh and kill_node.sh find exactly what this script started (never `ray stop`,
+# which kills every Ray on the machine). The dashboard binds 127.0.0.1 only.
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/_common.sh"
+
+N=2; NAME=local; STATE_DIR=""; BASE=27000; HEAD_CPUS=2; WORKER_CPUS=2; WORKER_GPUS=0
+SLOT=trainslot; OBJ_MB=512; TIMEOUT=120; ONLY_NODE=""
+DRAIN="${RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S:-0}"
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --name) NAME="$2"; shift 2;;
+    --state-dir) STATE_DIR="$2"; shift 2;;
+    --port) BASE="$2"; shift 2;;
+    --head-cpus) HEAD_CPUS="$2"; shift 2;;
+    --worker-cpus) WORKER_CPUS="$2"; shift 2;;
+    --worker-gpus) WORKER_GPUS="$2"; shift 2;;
+    --slot) SLOT="$2"; shift 2;;
+    --object-store-mb) OBJ_MB="$2"; shift 2;;
+    --timeout) TIMEOUT="$2"; shift 2;;
+    --drain-timeout) DRAIN="$2"; shift 2;;
+    --node) ONLY_NODE="$2"; shift 2;;
+    -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0;;
+    [0-9]*) N="$1"; shift;;
+    *) die "unknown argument: $1 (see --help)";;
+  esac
+done
+[[ "$N" =~ ^[0-9]+$ && "$N" -le 16 ]] || die "N must be 0..16 worker nodes"
+resolve_state "$NAME" "$STATE_DIR"
+find_ray
+# Ray's unix sockets live at <temp-dir>/session_<date>_<pid>/sockets/<name>: AF_UNIX
+# paths are capped at 107 bytes, which leaves about 40 for the temp dir.
+[[ ${#STATE} -le 36 ]] || die "state dir '$STATE' is too long for Ray's socket paths (max 36 chars); use --state-dir /tmp/<short>"
+export RAY_USAGE_STATS_ENABLED=0
+# Read by each node's `ray start` when it gets SIGTERM. With Ray's default (30 s) a head
+# that ever ran a job waits the full 30 s: the detached actors left on it never let the
+# drain finish.
+export RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="$DRAIN"
+# The nodes' processes, and so every job entrypoint (`python -m pipelines...`), see the
+# Python that runs Ray first on PATH, as they would in a cluster image; without this a
+# job's `python` is whatever the caller's PATH finds (e.g. a system python without the deps).
+RAY_BIN_DIR="$(cd "$(dirname "$RAY_BIN")" && pwd)"
+export PATH="$RAY_BIN_DIR:$PATH"
+[[ -f "$RAY_BIN_DIR/activate" ]] && export VIRTUAL_ENV="$(dirname "$RAY_BIN_DIR")"
+
+node_ports() {  # k -> NM OM AGENT AGENT_GRPC RTENV METRICS WLO WHI
+  local k="$1" b=$((BASE + 10 + 10 * $1))
+  echo "$b $((b+1)) $((b+2)) $((b+3)) $((b+4)) $((b+5)) $((BASE+500+100*k)) $((BASE+599+100*k))"
+}
+
+check_free() {  # ports... : fail naming the first port something already listens on
+  "$PY_BIN" - "$@" <<'PY'
+import socket, sys
+ports = [int(p) for p in sys.argv[1:]]
+busy = []
+for p in ports:
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # like the servers that will bind it: a port only in TIME_WAIT is free
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        s.bind(("0.0.0.0", p))
+    except OSError:
+        busy.append(p)
+    finally:
+        s.close()
+if busy:
+    sys.exit(f"ports already in use: {busy[:10]}{' ...' if len(busy) > 10 else ''} (pick another --port)")
+PY
+}
+
+launch() {  # node-name k extra-args... : start `ray start --block` for one node, wait until ready
+  local node="$1" k="$2"; shift 2
+  local tdir="$STATE/$node" pidf="$STATE/$node.pid" logf="$STATE/$node.log"
+  if [[ -e "$pidf" ]] && is_our_leader "$(cat "$pidf")" "$tdir"; then
+    die "node $node of '$STATE' is already running (pid $(cat "$pidf")); stop.sh first"
+  fi
+  read -r NM OM AG AGG RTE MET WLO WHI <<<"$(node_ports "$k")"
+  local wports; wports=$(seq "$WLO" "$WHI")
+  check_free $NM $OM $AG $AGG $RTE $MET $wports
+  mkdir -p "$tdir"
+  # setsid: the node gets its own session, so its PID names all its processes.
+  # (No --node-ip-address 127.0.0.1: Ray resolves loopback to this machine's IP anyway;
+  # the nodes register under that IP and 127.0.0.1:<port> reaches the same listeners.)
+  setsid "$RAY_BIN" start --block --disable-usage-stats --log-style record \
+    --node-name "$node" --temp-dir="$tdir" \
+    --node-manager-port "$NM" --object-manager-port "$OM" \
+    --dashboard-agent-listen-port "$AG" --dashboard-agent-grpc-port "$AGG" \
+    --runtime-env-agent-port "$RTE" --metrics-export-port "$MET" \
+    --min-worker-port "$WLO" --max-worker-port "$WHI" \
+    --object-store-memory $((OBJ_MB * 1024 * 1024)) "$@" </dev/null >"$logf" 2>&1 &
+  local pid=$!
+  echo "$pid" > "$pidf"
+  STARTED+=("$node:$pid")
+}
+
+wait_ready() {  # node : until its `ray start` says the runtime started
+  local node="$1" pid; pid=$(cat "$STATE/$node.pid")
+  local deadline=$((SECONDS + TIMEOUT))
+  until grep -q "Ray runtime started" "$STATE/$node.log" 2>/dev/null; do
+    if ! pid_alive "$pid"; then
+      tail -n 30 "$STATE/$node.log" >&2; die "node $node exited during startup (log: $STATE/$node.log)"
+    fi
+    (( SECONDS < deadline )) || { tail -n 30 "$STATE/$node.log" >&2; die "node $node not ready after ${TIMEOUT}s"; }
+    sleep 0.3
+  done
+  local sid; sid=$(ps -o sid= -p "$pid" | tr -d ' ')
+  [[ "$sid" == "$pid" ]] || die "node $node (pid $pid) did not get its own session (sid $sid): stop.sh could not find its processes"
+}
+
+STARTED=()
+cleanup_on_error() {
+  local rc=$?
+  if (( rc != 0 )) && (( ${#STARTED[@]} > 0 )); then
+    log "startup failed; stopping the nodes this call started: ${STARTED[*]}"
+    for e in "${STARTED[@]}"; do
+      kill -TERM -- "-${e#*:}" 2>/dev/null || kill -TERM "${e#*:}" 2>/dev/null || true
+    done
+    sleep 2
+    for e in "${STARTED[@]}"; do
+      kill -KILL -- "-${e#*:}" 2>/dev/null || true
+      kill -KILL $(session_pids "${e#*:}") 2>/dev/null || true
+      rm -f "$STATE/${e%%:*}.pid"
+    done
+  fi
+}
+trap cleanup_on_error EXIT
+
+mkdir -p "$STATE"
+ADDR="127.0.0.1:$BASE"
+DASH="http://127.0.0.1:$((BASE + 1))"
+SLOT_JSON="{\"$SLOT\": 1}"
+worker_args=(--address "$ADDR" --num-cpus "$WORKER_CPUS" --num-gpus "$WORKER_GPUS" --resources "$SLOT_JSON")
+T0=$SECONDS
+# Processes on the nodes that look for "their" cluster without an address (Ray Train's
+# placement-group cleaner, the state API) would otherwise pick /tmp/ray's latest
+# cluster or fail with "Found multiple active Ray instances" when this machine runs
+# other Rays. RAY_ADDRESS pins them to this one (set again below for --node).
+export RAY_ADDRESS="$ADDR"
+
+if [[ -n "$ONLY_NODE" ]]; then
+  [[ -f "$STATE/cluster.env" ]] || die "no cluster in $STATE (start it first)"
+  # shellcheck disable=SC1091
+  source "$STATE/cluster.env"
+  BASE="$MMRAY_BASE_PORT"; ADDR="$RAY_ADDRESS"; export RAY_ADDRESS
+  WORKER_CPUS="$MMRAY_WORKER_CPUS"; WORKER_GPUS="$MMRAY_WORKER_GPUS"; SLOT="$MMRAY_SLOT"; OBJ_MB="$MMRAY_OBJECT_STORE_MB"
+  SLOT_JSON="{\"$SLOT\": 1}"
+  worker_args=(--address "$ADDR" --num-cpus "$WORKER_CPUS" --num-gpus "$WORKER_GPUS" --resources "$SLOT_JSON")
+  [[ "$ONLY_NODE" =~ ^[0-9]+$ && "$ONLY_NODE" -ge 1 && "$ONLY_NODE" -le 16 ]] || die "--node takes a worker index 1..16"
+  is_our_leader "$(cat "$STATE/h.pid" 2>/dev/null)" "$STATE/h" || die "the head of $STATE is not running"
+  launch "w$ONLY_NODE" "$ONLY_NODE" "${worker_args[@]}"
+  wait_ready "w$ONLY_NODE"
+  (( ONLY_NODE <= MMRAY_NUM_WORKER_NODES )) || sed -i "s/^MMRAY_NUM_WORKER_NODES=.*/MMRAY_NUM_WORKER_NODES=$ONLY_NODE/" "$STATE/cluster.env"
+  log "worker node w$ONLY_NODE up (pid $(cat "$STATE/w$ONLY_NODE.pid")) in $((SECONDS - T0))s"
+  STARTED=()
+  exit 0
+fi
+
+ls "$STATE"/*.pid >/dev/null 2>&1 && for f in "$STATE"/*.pid; do
+  n=$(basename "$f" .pid)
+  is_our_leader "$(cat "$f")" "$STATE/$n" && die "cluster '$STATE' is already running (node $n, pid $(cat "$f")); run cluster/local/stop.sh --state-dir $STATE"
+  rm -f "$f"
+done
+check_free "$BASE" "$((BASE + 1))" "$((BASE + 2))"
+
+log "starting head on $ADDR (state: $STATE)"
+launch h 0 --head --port "$BASE" --num-cpus "$HEAD_CPUS" --num-gpus 0 \
+  --include-dashboard true --dashboard-host 127.0.0.1 --dashboard-port "$((BASE + 1))" \
+  --ray-client-server-port "$((BASE + 2))"
+wait_ready h
+log "head up in $((SECONDS - T0))s; starting $N worker node(s)"
+for i in $(seq 1 "$N"); do launch "w$i" "$i" "${worker_args[@]}"; done
+for i in $(seq 1 "$N"); do wait_ready "w$i"; done
+
+cat > "$STATE/cluster.env" <<EOF
+# written by cluster/local/start.sh; source it to talk to this cluster
+export RAY_ADDRESS=$ADDR
+export RAY_API_SERVER_ADDRESS=$DASH
+MMRAY_STATE=$STATE
+MMRAY_BASE_PORT=$BASE
+MMRAY_NUM_WORKER_NODES=$N
+MMRAY_WORKER_CPUS=$WORKER_CPUS
+MMRAY_WORKER_GPUS=$WORKER_GPUS
+MMRAY_SLOT=$SLOT
+MMRAY_OBJECT_STORE_MB=$OBJ_MB
+EOF
+STARTED=()
+log "cluster up in $((SECONDS - T0))s"
+cat <<EOF
+Ray address:    $ADDR            (cluster.address=$ADDR, or: source $STATE/cluster.env)
+Dashboard:      $DASH    (job server too; bound to 127.0.0.1)
+Nodes:          head (${HEAD_CPUS} CPU, no $SLOT) + $N worker node(s) (${WORKER_CPUS} CPU, ${WORKER_GPUS} GPU, 1 $SLOT each)
+State:          $STATE
+Submit (from the repo root; absolute paths, as a job runs in a temp copy of the repo):
+  ray job submit --address $DASH --working-dir . -- python -m pipelines.pretrain \\
+    --config pipelines/configs/tiny.yaml cluster.worker_resource=$SLOT \\
+    checkpoint.storage_path=\$PWD/runs data.cache_dir=\$PWD/data_cache
+Kill a node:    cluster/local/kill_node.sh 1 --state-dir $STATE
+Stop:           cluster/local/stop.sh --state-dir $STATE
+EOF
