@@ -44,6 +44,22 @@ class RunResult:
 # --------------------------------------------------------------------------- Ray and resources
 
 
+def in_ray_job() -> bool:
+    """True in the driver of a `ray job submit` (Ray sets this variable there, not RAY_JOB_ID)."""
+    return "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ
+
+
+def warn_relative_paths(cfg: RunConfig) -> None:
+    """Under `ray job submit` the cwd is a temporary copy of the working dir: relative outputs vanish with it."""
+    rel = [f for f, v in (("checkpoint.storage_path", cfg.checkpoint.storage_path),
+                          ("data.cache_dir", cfg.data.cache_dir)) if "://" not in v and not os.path.isabs(v)]
+    if cfg.tracking.enabled and not (cfg.tracking.uri or os.environ.get("MLFLOW_TRACKING_URI")):
+        rel.append("tracking.uri")
+    if rel:
+        print(f"[minimind-ray] WARNING: {', '.join(rel)} resolve inside the job's temporary working dir "
+              f"({os.getcwd()}); pass absolute paths or URIs to keep the results", flush=True)
+
+
 def connect_ray(cfg: RunConfig):
     """Join cluster.address / RAY_ADDRESS, or start a local Ray sized for this run."""
     import ray
@@ -56,8 +72,10 @@ def connect_ray(cfg: RunConfig):
         # the Train controller polls workers at this interval; a checkpoint report waits for that poll
         "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5"),
     }}
-    if address:
-        ray.init(address=address, runtime_env=env if "RAY_JOB_ID" not in os.environ else None)
+    if in_ray_job():
+        ray.init()  # the job's own runtime env already applies; passing another one would conflict
+    elif address:
+        ray.init(address=address, runtime_env=env)
     else:
         # Logical CPUs: the workers plus room for Ray Data (it starves when workers take every CPU).
         need = math.ceil(cfg.cluster.num_workers * cfg.cluster.cpus_per_worker) + 1
@@ -227,6 +245,8 @@ def run(cfg: RunConfig) -> RunResult:
     name = cfg.name or default_run_name(cfg)
     cfg.name = name
     connect_ray(cfg)
+    if in_ray_job():
+        warn_relative_paths(cfg)
     storage = _storage(cfg)
     run_dir = f"{storage.rstrip('/')}/{name}"
 
