@@ -71,6 +71,9 @@ def connect_ray(cfg: RunConfig):
         "PYTHONPATH": str(REPO_ROOT), "TOKENIZERS_PARALLELISM": "false",
         # the Train controller polls workers at this interval; a checkpoint report waits for that poll
         "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5"),
+        # a worker group that cannot be placed (e.g. after a node loss) is retried, smaller when elastic
+        "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": os.environ.get("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S",
+                                                                 str(int(cfg.cluster.resource_timeout_s))),
     }}
     if in_ray_job():
         ray.init()  # the job's own runtime env already applies; passing another one would conflict
