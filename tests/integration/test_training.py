@@ -120,3 +120,16 @@ def test_a_request_the_cluster_cannot_hold_fails_fast(ray_session, shared):
     with pytest.raises(ClusterTooSmall, match="GPU"):
         run_tiny(shared, "too-big", "cluster.num_workers=4", "cluster.use_gpu=true", "cluster.resource_timeout_s=2")
     assert time.monotonic() - t0 < 60
+
+
+def test_a_hung_rank_is_detected_by_the_collective_timeout_and_recovered(baseline, shared):
+    """Rank 1 stops answering before step 7's all-reduce: rank 0's collective times out after 10 s,
+    the worker group restarts from step 4, and the run still ends bit-identical to the baseline."""
+    _, w_ref, _ = baseline
+    name = "hang"
+    res = run_tiny(shared, name, "train.hang_at_step=7", "train.fail_rank=1", "train.collective_timeout_s=10")
+    w = final_weights(res)
+    assert all(torch.equal(w[k], w_ref[k]) for k in w_ref)
+    per_step, attempts = sample_record(shared, name)
+    assert_exactly_once(per_step)
+    assert attempts == {0, CKPT_EVERY}
