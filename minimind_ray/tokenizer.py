@@ -1,0 +1,310 @@
+"""Tokenizers: load MiniMind's (or any HF ``tokenizer.json``), train one, render chat.
+
+Built on HF ``tokenizers`` (the Rust BPE) plus ``jinja2`` for chat templates, so the
+data pipeline and the training workers never import ``transformers``. The jinja
+environment mirrors the one ``transformers`` uses (sandboxed, ``trim_blocks``,
+``lstrip_blocks``, a ``tojson`` that keeps non-ASCII text), so a template renders the
+same string here as in ``AutoTokenizer.apply_chat_template``; tests check this against
+MiniMind's own templates.
+
+A tokenizer is identified by :meth:`Tokenizer.hash`: prepared data records it in its
+manifest, and training refuses prepared data made with a different tokenizer (token
+ids would silently mean different things).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import warnings
+from datetime import datetime
+from typing import Iterator, List, Optional
+
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2: MiniMind's layout
+
+# ChatML as MiniMind2 renders it: a system turn always comes first (a default one when the
+# conversation has none and no tools are given); tools are listed inside the system turn;
+# assistant tool calls are <tool_call> JSON blocks; consecutive tool results form one user
+# turn of <tool_response> blocks. Written for this project; its output matches MiniMind2's
+# template string for string (tests/unit/test_tokenizer.py).
+CHATML_TEMPLATE = r"""
+{%- set first_system = messages and messages[0].role == 'system' -%}
+{%- if tools -%}
+    {{- '<|im_start|>system\n' -}}
+    {%- if first_system -%}{{- messages[0].content + '\n\n' -}}{%- endif -%}
+    {{- '# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>' -}}
+    {%- for tool in tools -%}{{- '\n' + (tool | tojson) -}}{%- endfor -%}
+    {{- '\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n' -}}
+{%- elif first_system -%}
+    {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' -}}
+{%- else -%}
+    {{- '<|im_start|>system\nYou are a helpful assistant<|im_end|>\n' -}}
+{%- endif -%}
+{%- for m in messages -%}
+    {%- set content = m.content if m.content is string else '' -%}
+    {%- if m.role == 'user' or (m.role == 'system' and not loop.first) -%}
+        {{- '<|im_start|>' + m.role + '\n' + content + '<|im_end|>\n' -}}
+    {%- elif m.role == 'assistant' -%}
+        {{- '<|im_start|>assistant\n' + content -}}
+        {%- for call in (m.tool_calls or []) -%}
+            {%- set call = call.function if call.function else call -%}
+            {%- if content or not loop.first -%}{{- '\n' -}}{%- endif -%}
+            {{- '<tool_call>\n{"name": "' + call.name + '", "arguments": ' -}}
+            {{- call.arguments if call.arguments is string else (call.arguments | tojson) -}}
+            {{- '}\n</tool_call>' -}}
+        {%- endfor -%}
+        {{- '<|im_end|>\n' -}}
+    {%- elif m.role == 'tool' -%}
+        {%- if loop.first or loop.previtem.role != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}
+        {{- '\n<tool_response>\n' + content + '\n</tool_response>' -}}
+        {%- if loop.last or loop.nextitem.role != 'tool' -%}{{- '<|im_end|>\n' -}}{%- endif -%}
+    {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{- '<|im_start|>assistant\n' -}}
+    {%- if enable_thinking is defined and enable_thinking is false -%}{{- '<think>\n\n</think>\n\n' -}}{%- endif -%}
+{%- endif -%}
+""".strip()
+
+
+def _token_name(value) -> Optional[str]:
+    """tokenizer_config.json stores special tokens as strings or AddedToken dicts."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+def _compile(template: str):
+    """A sandboxed jinja environment configured like transformers' chat templating."""
+    import jinja2
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(template)
+
+
+class Tokenizer:
+    """A HF ``tokenizers.Tokenizer`` plus its ``tokenizer_config.json``.
+
+    ``encode`` never adds special tokens: the formats add bos/eos themselves (MiniMind's
+    pretrain rule) and chat text already contains them. Special tokens written in the
+    text (``<|im_start|>``) are still recognised as single ids, as in MiniMind.
+    Picklable (it travels to Ray Data tasks as its JSON).
+    """
+
+    def __init__(self, hf: tokenizers.Tokenizer, config: dict, path: str = ""):
+        self._hf = hf
+        self.config = dict(config)
+        self.path = path
+        self.vocab_size: int = hf.get_vocab_size(with_added_tokens=True)
+        self.bos_token = _token_name(self.config.get("bos_token")) or SPECIAL_TOKENS[1]
+        self.eos_token = _token_name(self.config.get("eos_token")) or SPECIAL_TOKENS[2]
+        self.pad_token = _token_name(self.config.get("pad_token")) or SPECIAL_TOKENS[0]
+        ids = {name: hf.token_to_id(name) for name in (self.bos_token, self.eos_token, self.pad_token)}
+        unknown = [name for name, i in ids.items() if i is None]
+        if unknown:
+            raise ValueError(f"tokenizer {path or '(in memory)'}: special tokens {unknown} are not in its vocabulary")
+        self.bos_id: int = ids[self.bos_token]
+        self.eos_id: int = ids[self.eos_token]
+        self.pad_id: int = ids[self.pad_token]
+        template = self.config.get("chat_template")
+        if isinstance(template, list):  # HF's named-template form
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        self.chat_template: Optional[str] = template
+        self._compiled = None
+        self._hash: Optional[str] = None
+
+    # pickling: the Rust object serialises as its JSON; the compiled template is rebuilt lazily
+    def __getstate__(self):
+        return {"json": self._hf.to_str(), "config": self.config, "path": self.path}
+
+    def __setstate__(self, state):
+        self.__init__(tokenizers.Tokenizer.from_str(state["json"]), state["config"], state["path"])
+
+    def encode(self, text: str) -> List[int]:
+        return self._hf.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: List[str]) -> List[List[int]]:
+        """Batch encoding (Rust; parallel unless TOKENIZERS_PARALLELISM=false). Offsets are not
+        computed (``encode_batch_fast``): nothing here needs them and they cost time."""
+        return [e.ids for e in self._hf.encode_batch_fast(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return self._hf.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> Optional[int]:
+        return self._hf.token_to_id(token)
+
+    def apply_chat_template(self, messages: List[dict], add_generation_prompt: bool = False, **kw) -> str:
+        """Render a conversation to text. ``kw`` reaches the template as variables: ``tools``,
+        ``enable_thinking`` (MiniMind2), ``open_thinking`` (minimind-3), ...; the special
+        token strings are available as ``bos_token`` etc., as in transformers."""
+        if not self.chat_template:
+            raise ValueError(f"tokenizer {self.path or '(in memory)'} has no chat_template in tokenizer_config.json")
+        if self._compiled is None:
+            self._compiled = _compile(self.chat_template)
+        special = {k: _token_name(v) for k, v in self.config.items()
+                   if k in ("bos_token", "eos_token", "pad_token", "unk_token")}
+        return self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                     **{"tools": None, **special, **kw})
+
+    def hash(self) -> str:
+        """sha256 of the canonical tokenizer JSON, the chat template and the bos/eos/pad names:
+        everything that decides which ids a text becomes. Independent of file formatting, so a
+        saved copy hashes the same as its original."""
+        if self._hash is None:
+            canon = json.dumps(json.loads(self._hf.to_str()), sort_keys=True, ensure_ascii=False,
+                               separators=(",", ":"))
+            h = hashlib.sha256(canon.encode())
+            for part in (self.chat_template or "", self.bos_token, self.eos_token, self.pad_token):
+                h.update(b"\0" + part.encode())
+            self._hash = h.hexdigest()
+        return self._hash
+
+    def save(self, out_dir: str) -> None:
+        """tokenizer.json + tokenizer_config.json (with the chat template): loadable here and by
+        ``transformers.AutoTokenizer``."""
+        os.makedirs(out_dir, exist_ok=True)
+        self._hf.save(os.path.join(out_dir, "tokenizer.json"))
+        config = dict(self.config)
+        if self.chat_template:
+            config["chat_template"] = self.chat_template
+        with open(os.path.join(out_dir, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+            json.dump(config, f, ensure_ascii=False, indent=2)
+
+    def __repr__(self) -> str:
+        return f"Tokenizer(path={self.path!r}, vocab_size={self.vocab_size}, hash={self.hash()[:12]})"
+
+
+def load_tokenizer(path_or_dir: str) -> Tokenizer:
+    """Load a directory holding tokenizer.json (+ tokenizer_config.json), or a tokenizer.json.
+
+    Without a tokenizer_config.json, MiniMind's special-token names are assumed and there
+    is no chat template (SFT/DPO data then cannot be rendered).
+    """
+    path = os.path.abspath(path_or_dir)
+    d = os.path.dirname(path) if path.endswith(".json") else path
+    tj = path if path.endswith(".json") else os.path.join(d, "tokenizer.json")
+    if not os.path.exists(tj):
+        raise FileNotFoundError(f"data.tokenizer: no tokenizer.json at {tj}")
+    config = {}
+    cfg_path = os.path.join(d, "tokenizer_config.json")
+    if os.path.exists(cfg_path):
+        with open(cfg_path, encoding="utf-8") as f:
+            config = json.load(f)
+    return Tokenizer(tokenizers.Tokenizer.from_file(tj), config, d)
+
+
+def _minimind_config() -> dict:
+    """tokenizer_config.json in MiniMind2's layout, so transformers loads it the same way."""
+    added = {str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
+                      "single_word": False, "special": True} for i, t in enumerate(SPECIAL_TOKENS)}
+    return {
+        "add_bos_token": False, "add_eos_token": False, "add_prefix_space": False,
+        "added_tokens_decoder": added, "additional_special_tokens": [],
+        "bos_token": SPECIAL_TOKENS[1], "eos_token": SPECIAL_TOKENS[2], "pad_token": SPECIAL_TOKENS[0],
+        "unk_token": SPECIAL_TOKENS[0], "clean_up_tokenization_spaces": False, "legacy": True,
+        "model_max_length": 32768, "spaces_between_special_tokens": False,
+        "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": CHATML_TEMPLATE,
+    }
+
+
+def _corpus_texts(files: List[str]) -> Iterator[str]:
+    """Texts of every record, streamed file by file: pretrain ``text``, the message contents
+    of ``conversations`` / ``chosen`` / ``rejected``. Unparseable lines are skipped here;
+    ``prepare`` is where bad records are counted."""
+    import pyarrow.parquet as pq
+
+    from minimind_ray.data.sources import filesystem, iter_lines, resolve_sources
+
+    def texts_of(rec):
+        if not isinstance(rec, dict):
+            return
+        if isinstance(rec.get("text"), str):
+            yield rec["text"]
+        for key in ("conversations", "chosen", "rejected"):
+            msgs = rec.get(key)
+            if isinstance(msgs, list):
+                parts = [m["content"] for m in msgs if isinstance(m, dict) and isinstance(m.get("content"), str)]
+                if parts:
+                    yield "\n".join(parts)
+
+    sources, missing = resolve_sources(files)
+    if missing:
+        raise FileNotFoundError(f"train_tokenizer: no data at {missing}")
+    for sf in sources:
+        if sf.kind == "parquet":
+            fs, path = filesystem(sf.uri)
+            with fs.open_input_file(path) as fh:
+                for batch in pq.ParquetFile(fh).iter_batches(batch_size=1024):
+                    for rec in batch.to_pylist():
+                        yield from texts_of(rec)
+            continue
+        for line in iter_lines(sf):
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            yield from texts_of(rec)
+
+
+def train_tokenizer(jsonl_files: List[str], out_dir: str, vocab_size: int = 6400) -> Tokenizer:
+    """Train a MiniMind-style ByteLevel BPE: special tokens <|endoftext|>=0, <|im_start|>=1,
+    <|im_end|>=2, then the 256 byte symbols, then merges up to ``vocab_size``.
+
+    The corpus is streamed (an iterator over the files), never held in memory. The
+    result gets the ChatML template and a MiniMind2-layout tokenizer_config.json, and is
+    written atomically: a directory appears complete or not at all.
+    """
+    hf = tokenizers.Tokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    hf.train_from_iterator(_corpus_texts(jsonl_files), trainer=trainer)
+    for i, tok in enumerate(SPECIAL_TOKENS):
+        assert hf.token_to_id(tok) == i, f"{tok} should have id {i}"
+    if hf.get_vocab_size() < vocab_size:
+        warnings.warn(f"train_tokenizer: the corpus only supports {hf.get_vocab_size()} tokens (< {vocab_size})")
+    out_dir = os.path.abspath(out_dir)
+    tok = Tokenizer(hf, _minimind_config(), out_dir)
+    parent = os.path.dirname(out_dir)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tokenizer-", dir=parent)
+    try:
+        tok.save(tmp)
+        if os.path.isdir(out_dir):
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return tok
+
+
+def resolve_tokenizer(spec: str, cache_dir: str) -> Tokenizer:
+    """``'builtin'``: the tokenizer trained on the demo corpus, trained once into
+    ``cache_dir/tokenizer-builtin`` and reused after; anything else: :func:`load_tokenizer`."""
+    if spec != "builtin":
+        return load_tokenizer(spec)
+    out = os.path.join(os.path.abspath(cache_dir), "tokenizer-builtin")
+    if os.path.exists(os.path.join(out, "tokenizer_config.json")):
+        return load_tokenizer(out)
+    from minimind_ray.data.demo import write_demo_corpus
+
+    demo = write_demo_corpus(os.path.join(os.path.abspath(cache_dir), "demo"))
+    return train_tokenizer([demo["pretrain"], demo["sft"], demo["dpo"]], out)
