@@ -14,7 +14,7 @@ from minimind_ray.generate import SamplingConfig, generate_text
 from minimind_ray.train.trainer import run
 from minimind_ray.weights import build_inference_model
 
-PROMPTS = ["What is the capital of France?", "12 + 7 = ?", "中国的首都是哪里？"]
+PROMPTS = ["What is the capital of France?", "What is 12 plus 7?", "中国的首都是哪里？", "Who are you?"]
 
 
 def main(argv=None) -> int:

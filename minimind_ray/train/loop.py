@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import math
 import os
 import random
@@ -145,7 +144,6 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
     from minimind_ray.data.stream import PreparedDataset, TrainStream
     from minimind_ray.model.minimind import build_model
 
-    logging.getLogger("ray.train").setLevel(logging.WARNING)  # our progress lines replace Ray's per-report INFO
     cfg: RunConfig = from_dict(config["cfg"])
     ctx = ray.train.get_context()
     rank, world, local_rank = ctx.get_world_rank(), ctx.get_world_size(), ctx.get_local_rank()
@@ -162,7 +160,7 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
     restored = ray.train.get_checkpoint()
     meta: Optional[Dict[str, Any]] = None
     if restored is None and cfg.train.init_from:
-        ckpt_io.load_model_weights(model, cfg.train.init_from, strict=False)
+        ckpt_io.load_model_weights(model, cfg.train.init_from, strict=True)
     objective.setup(model, device)  # freezes / builds frozen models from the *initial* weights
     train_state = rng = None
     if restored is not None:
@@ -251,16 +249,17 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
 
         # the step's loss is a mean over the *global* batch: all-reduce its weight first
         w_local = sum(objective.weight(b) for b in batches)
-        w = torch.tensor([float(w_local)], device=device)  # nccl reduces CUDA tensors, gloo CPU ones
+        w = torch.tensor(float(w_local), device=device, dtype=torch.float64)  # nccl: CUDA tensors, gloo: CPU
         faults.maybe_hang(step)
         if world > 1:
             dist.all_reduce(w)
-        w_global = max(float(w.item()), 1.0)
-        scale = world / w_global  # DDP averages gradients over ranks; undo that to sum, then divide
+        w = w.clamp_min(1.0)
+        scale = (world / w).float()  # DDP averages gradients over ranks; undo that to sum, then divide
 
-        loss_local = 0.0
-        aux_local = 0.0
-        extra_sums: Dict[str, float] = {}
+        # sums stay on the device: no host sync per micro-step (they are read once per log interval)
+        loss_local = torch.zeros((), device=device, dtype=torch.float64)
+        aux_local = torch.zeros((), device=device, dtype=torch.float64)
+        extra_sums: Dict[str, torch.Tensor] = {}
         tokens_local = 0
         for i, mb in enumerate(batches):
             mb = to_device(mb, device)
@@ -269,11 +268,11 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
                 loss_sum, aux, extra = objective.loss_sum(fwd_model, mb)
                 loss = loss_sum * scale + aux / n_micro
             loss.backward()
-            loss_local += float(loss_sum.detach())
-            aux_local += float(aux.detach()) / n_micro
+            loss_local += loss_sum.detach().double()
+            aux_local += aux.detach().double() / n_micro
             tokens_local += objective.tokens(mb)
             for k, v in extra.items():
-                extra_sums[k] = extra_sums.get(k, 0.0) + float(v)
+                extra_sums[k] = extra_sums.get(k, 0.0) + v.detach().double()
         if cfg.train.grad_clip > 0:
             grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip)
         else:
@@ -282,19 +281,15 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
 
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        dt = time.perf_counter() - t_step
         meter.steps += 1
         meter.tokens += tokens_local
-        meter.step_time += dt
         meter.data_wait += t_data
         if comm is not None:
             meter.comm_busy += comm.busy_s
             meter.comm_window += comm.window_s
         for k, v in extra_sums.items():
-            meter.add(k, v, 0.0)
-        per_step.append((step, loss_local, w_global, aux_local))
+            meter.add(k, v)
+        per_step.append((step, loss_local, w, aux_local))
 
         is_log = step % cfg.train.log_interval == 0 or step == total_steps
         is_ckpt = step % cfg.checkpoint.interval == 0 or step == total_steps
@@ -341,7 +336,9 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
                               "stage": cfg.train.stage, "total_steps": total_steps,
                               "config": to_dict(cfg), "prepared_dir": config["prepared_dir"]})
                 # the only ray.train.report of the loop: it is a barrier, so it comes with a checkpoint
-                ray.train.report(metrics, checkpoint=Checkpoint.from_directory(tmp))
+                # (a few keys: every metric already went to MLflow, and Ray logs what it is given)
+                brief = {k: metrics[k] for k in ("step", "epoch", "loss", "eval_loss", "tracking_summary") if k in metrics}
+                ray.train.report(brief, checkpoint=Checkpoint.from_directory(tmp))
 
     stream.close()
     if logger is not None:
@@ -350,23 +347,23 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
 
 def _reduce_interval(meter: Meter, per_step, world, device, cfg, step, total_steps, steps_per_epoch, scheduler,
                      grad_norm, flops_per_token, peak) -> Dict[str, Any]:
-    """One all-reduce of everything the interval summed, then the metrics dict."""
+    """One all-reduce of everything the interval summed, then the metrics dict (one host sync per interval)."""
     k = len(per_step)
     extra_keys = sorted(meter.sums)
-    vec = torch.tensor([l for _, l, _, _ in per_step] + [a for _, _, _, a in per_step]
-                       + [meter.tokens, meter.data_wait, meter.comm_busy, meter.comm_window]
-                       + [meter.sums[x] for x in extra_keys], dtype=torch.float64)
+    host = torch.tensor([meter.tokens, meter.data_wait, meter.comm_busy, meter.comm_window], dtype=torch.float64)
+    vec = torch.cat([torch.stack([l for _, l, _, _ in per_step]), torch.stack([a for _, _, _, a in per_step]),
+                     host.to(device)] + [meter.sums[x].reshape(1).to(device) for x in extra_keys])
     if world > 1:
-        t = vec.to(device) if device.type == "cuda" else vec
-        dist.all_reduce(t)
-        vec = t.cpu()
-    losses = [(per_step[i][0], float(vec[i]) / per_step[i][2]) for i in range(k)]
+        dist.all_reduce(vec)
+    vec = vec.cpu()
+    weights_per_step = torch.stack([w for _, _, w, _ in per_step]).cpu()
+    elapsed = max(time.perf_counter() - meter.t_start, 1e-9)  # wall time of the interval (the .cpu() synced)
+    losses = [(per_step[i][0], float(vec[i] / weights_per_step[i])) for i in range(k)]
     aux = [float(vec[k + i]) / world for i in range(k)]
     tokens, data_wait, comm_busy, comm_window = (float(x) for x in vec[2 * k:2 * k + 4])
-    elapsed = max(time.perf_counter() - meter.t_start, 1e-9)
-    step_time = meter.step_time / max(meter.steps, 1)
+    step_time = elapsed / max(meter.steps, 1)
     tok_s = tokens / elapsed
-    weights = sum(w for _, _, w, _ in per_step)
+    weights = float(weights_per_step.sum())
     m: Dict[str, Any] = {
         "step": step,
         "total_steps": total_steps,

@@ -105,7 +105,7 @@ class CommTimer:
 
 
 class Meter:
-    """Sums of per-step quantities between two reports."""
+    """Sums of per-step quantities between two metric reports (device tensors stay on the device)."""
 
     def __init__(self):
         self.reset()
@@ -113,17 +113,14 @@ class Meter:
     def reset(self):
         self.steps = 0
         self.tokens = 0
-        self.step_time = 0.0
         self.data_wait = 0.0
         self.comm_busy = 0.0
         self.comm_window = 0.0
-        self.sums: Dict[str, float] = {}
-        self.weights: Dict[str, float] = {}
+        self.sums: Dict[str, torch.Tensor] = {}
         self.t_start = time.perf_counter()
 
-    def add(self, key: str, value: float, weight: float = 1.0):
-        self.sums[key] = self.sums.get(key, 0.0) + float(value)
-        self.weights[key] = self.weights.get(key, 0.0) + float(weight)
+    def add(self, key: str, value: torch.Tensor) -> None:
+        self.sums[key] = self.sums[key] + value if key in self.sums else value
 
 
 def peak_memory_gb(device: torch.device) -> float:

@@ -82,7 +82,10 @@ def connect_ray(cfg: RunConfig):
     else:
         # Logical CPUs: the workers plus room for Ray Data (it starves when workers take every CPU).
         need = math.ceil(cfg.cluster.num_workers * cfg.cluster.cpus_per_worker) + 1
-        ray.init(num_cpus=max(os.cpu_count() or 1, need), include_dashboard=False, runtime_env=env)
+        # The dashboard (127.0.0.1 only) also serves the state API that Ray Train's placement-group
+        # cleaner polls; without it the cleaner logs a warning every few seconds.
+        ray.init(num_cpus=max(os.cpu_count() or 1, need), include_dashboard=True, dashboard_host="127.0.0.1",
+                 runtime_env=env)
     return ray
 
 
@@ -108,7 +111,6 @@ def check_resources(cfg: RunConfig, use_gpu: bool) -> None:
     while True:
         total = ray.cluster_resources()
         short = {k: (v * need_workers, total.get(k, 0.0)) for k, v in per.items() if total.get(k, 0.0) < v * need_workers}
-        # custom resources are per node: count whole units
         if not short:
             return
         if time.monotonic() >= deadline:
@@ -293,7 +295,8 @@ def run(cfg: RunConfig) -> RunResult:
             callbacks=[_make_failure_callback(sink)],
             logging_config=LoggingConfig(log_level="WARNING"),  # progress comes from ProgressPrinter
             worker_runtime_env={"env_vars": {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
-                                             "TOKENIZERS_PARALLELISM": "false"}},
+                                             "TOKENIZERS_PARALLELISM": "false",
+                                             "RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}},  # else prints show twice
         ),
     )
     printer = ProgressPrinter(sink, name)
