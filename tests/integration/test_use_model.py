@@ -98,3 +98,30 @@ def test_export_from_a_run_directory_gives_minimind_pth_and_an_hf_folder(trained
     hf = tmp_path / "export" / "hf"
     assert (hf / "config.json").exists() and (hf / "model.safetensors").exists() and (hf / "tokenizer.json").exists()
     assert "hf:" in out
+
+
+@pytest.mark.parametrize("preset,generation", [("tiny", "minimind2"), ("tiny3", "minimind3")])
+def test_a_bare_minimind_pth_loads_with_minimind_tokenizers(preset, generation, tmp_path):
+    """A MiniMind-style fp16 .pth with no run around it: the architecture is inferred from its shapes,
+    MiniMind's own tokenizer renders the chat (minimind-3 with its thinking switch)."""
+    from minimind_ray.config import ModelConfig
+    from minimind_ray.model.minimind import save_pth
+    from minimind_ray.model.presets import preset_values
+    from tests.conftest import minimind_tokenizer_dir
+
+    tok = minimind_tokenizer_dir(generation)
+    pth = tmp_path / "pretrain_64.pth"
+    save_pth(build_model(ModelConfig(**preset_values(preset)), seed=1), str(pth))
+    extra = ["--think"] if generation == "minimind3" else []
+    out = cli("generate", "--weights", str(pth), "--tokenizer", str(tok), "--prompt", "你好", "--temperature", "0",
+              "--max-new-tokens", "6", *extra)
+    # the CLI inferred the preset and used the tokenizer's template: same text as generating in-process
+    from minimind_ray.generate import SamplingConfig, generate_text
+    from minimind_ray.tokenizer import load_tokenizer
+    from minimind_ray.weights import build_inference_model
+
+    model, lw = build_inference_model(str(pth))
+    assert lw.model_cfg.preset == preset
+    want = generate_text(model, load_tokenizer(str(tok)), "你好", SamplingConfig(max_new_tokens=6, temperature=0.0),
+                         think=True if extra else None)
+    assert out == want + "\n"
