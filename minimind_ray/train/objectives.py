@@ -16,7 +16,6 @@ and a 2-worker run at the same global batch take the same steps.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 from typing import Dict, Iterable, Tuple
 
 import torch
@@ -44,7 +43,7 @@ class Objective:
     """Base: causal-LM cross-entropy on every target token (pretrain, SFT)."""
 
     name = "pretrain"
-    #: micro-batch keys holding token ids: moved to the device by the loop
+
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
 

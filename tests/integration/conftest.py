@@ -89,3 +89,5 @@ def mlflow_server(tmp_path_factory):
         yield server
     finally:
         server.stop()
+
+from .local_cluster import cluster_env  # noqa: E402,F401  (a fixture for the tests that start their own cluster)

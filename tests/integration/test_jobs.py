@@ -14,7 +14,7 @@ import pytest
 from minimind_ray.train.checkpoint import verify
 
 from .helpers import assert_exactly_once, sample_record
-from .test_local_cluster import RAY_BIN, REPO, _free_base, _sh, cluster_env  # noqa: F401 (fixture)
+from .local_cluster import RAY_BIN, REPO, _free_base, _sh
 
 pytestmark = pytest.mark.integration
 

@@ -10,8 +10,6 @@ are made fast so that a killed node is declared dead in seconds, not ~15 s.
 from __future__ import annotations
 
 import json
-import os
-import random
 import shutil
 import socket
 import subprocess
@@ -25,33 +23,7 @@ import pytest
 
 pytestmark = pytest.mark.integration
 
-REPO = Path(__file__).resolve().parents[2]
-LOCAL = REPO / "cluster" / "local"
-RAY_BIN = Path(sys.executable).parent / "ray"
-
-
-def _ports_free(ports) -> bool:
-    for p in ports:
-        s = socket.socket()
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("0.0.0.0", p))
-        except OSError:
-            return False
-        finally:
-            s.close()
-    return True
-
-
-def _free_base(worker_nodes: int = 1) -> int:
-    """A base port whose whole block (start.sh's layout) is free; below the ephemeral range."""
-    for _ in range(50):
-        base = random.randrange(20000, 26000, 100)
-        block = list(range(base, base + 3)) + [base + 10 + 10 * k + j for k in range(worker_nodes + 1) for j in range(6)]
-        block += list(range(base + 500, base + 600 + 100 * worker_nodes))
-        if _ports_free(block):
-            return base
-    pytest.skip("no free port block for a local cluster")
+from .local_cluster import _free_base, _sh
 
 
 def _alive(pid: int) -> bool:
@@ -74,10 +46,6 @@ def _comm(pid: int) -> str:
         return Path(f"/proc/{pid}/comm").read_text().strip()
     except OSError:
         return ""
-
-
-def _sh(script: str, *args: str, env: dict, timeout: float = 150) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(LOCAL / script), *args], capture_output=True, text=True, env=env, timeout=timeout)
 
 
 def _ray_query(address: str, code: str, timeout: float = 90) -> dict:
@@ -113,21 +81,6 @@ def decoys(tmp_path):
     for p in procs:
         p.kill()
         p.wait()
-
-
-@pytest.fixture
-def cluster_env():
-    state = tempfile.mkdtemp(prefix="mmr", dir="/tmp")  # short: Ray's socket paths live under it
-    env = dict(os.environ, RAY_BIN=str(RAY_BIN),
-               # GCS declares a silent raylet dead after period x threshold (defaults: ~15 s)
-               RAY_health_check_initial_delay_ms="1000", RAY_health_check_period_ms="500",
-               RAY_health_check_timeout_ms="1000", RAY_health_check_failure_threshold="4")
-    env.pop("RAY_ADDRESS", None)
-    yield state, env
-    # whatever happened, stop what start.sh started, then drop the state
-    if any(Path(state).glob("*.pid")):
-        _sh("stop.sh", "--state-dir", state, "--timeout", "10", env=env, timeout=60)
-    shutil.rmtree(state, ignore_errors=True)
 
 
 @pytest.mark.timeout(240)

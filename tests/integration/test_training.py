@@ -22,7 +22,7 @@ import torch
 from minimind_ray.config import load_config
 from minimind_ray.train.checkpoint import MODEL
 
-from .helpers import (CKPT_EVERY, GLOBAL_BATCH, STEPS, assert_exactly_once, final_weights, loss_history, new_shared,
+from .helpers import (CKPT_EVERY, STEPS, assert_exactly_once, final_weights, loss_history, new_shared,
                       run_tiny, sample_record)
 
 pytestmark = pytest.mark.integration
