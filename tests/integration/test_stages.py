@@ -63,6 +63,27 @@ def test_lora_changes_only_adapters_on_two_workers(ray_session, shared):
     lora_file = Path(res.exports["lora"])
     exported = torch.load(lora_file, weights_only=True)
     assert set(exported) == set(lora_keys)
+    # `minimind-ray merge-lora` folds them into the base: same logits as base + adapters
+    import subprocess
+    import sys
+
+    from minimind_ray.config import LoRAConfig
+    from minimind_ray.model.lora import apply_lora, load_lora
+
+    merged = shared["base"] / "merged.pth"
+    p = subprocess.run([sys.executable, "-m", "minimind_ray.cli", "merge-lora", "--base", str(shared["base_pth"]),
+                        "--lora", str(lora_file), "--out", str(merged)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    cfg = load_config("pipelines/configs/tiny.yaml").model
+    with_adapters = build_model(cfg)
+    with_adapters.load_state_dict(base)
+    apply_lora(with_adapters, LoRAConfig(rank=4))
+    load_lora(with_adapters, {k: v.float() for k, v in exported.items()})
+    plain = build_model(cfg)
+    plain.load_state_dict({k: v.float() for k, v in torch.load(merged, weights_only=True).items()}, strict=True)
+    ids = torch.randint(3, 6400, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():  # merged.pth is fp16 on disk, like MiniMind's: compare to fp16 rounding
+        torch.testing.assert_close(plain(ids).logits, with_adapters(ids).logits, atol=2e-2, rtol=1e-2)
 
 
 def test_dpo_margin_grows_on_hand_made_pairs(ray_session, shared, tmp_path_factory):

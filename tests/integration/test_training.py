@@ -53,9 +53,14 @@ def test_baseline_runs_with_checkpoints_and_exactly_once(baseline, shared):
     assert attempts == {0}
 
 
-def test_one_worker_matches_two_workers(baseline, shared):
+@pytest.fixture(scope="module")
+def one_worker(ray_session, shared):
+    return run_tiny(shared, "baseline-1w", "cluster.num_workers=1")
+
+
+def test_one_worker_matches_two_workers(baseline, one_worker, shared):
     _, w2, losses2 = baseline
-    res = run_tiny(shared, "baseline-1w", "cluster.num_workers=1")
+    res = one_worker
     losses1 = loss_history(shared, res.mlflow_run_id)
     assert [s for s, _ in losses1] == [s for s, _ in losses2]
     for (s, a), (_, b) in zip(losses1, losses2):
@@ -63,6 +68,51 @@ def test_one_worker_matches_two_workers(baseline, shared):
     w1 = final_weights(res)
     for k in w2:
         torch.testing.assert_close(w1[k], w2[k], atol=WEIGHT_ATOL_ACROSS_WORLD_SIZES, rtol=0)
+
+
+def test_one_worker_equals_plain_single_process_training(one_worker):
+    """world_size=1 on Ray Train is plain PyTorch: the same steps written out here, with no Ray, give
+    bit-identical weights (same data order, same ops, one thread like the worker)."""
+    import json
+
+    from minimind_ray.config import from_dict
+    from minimind_ray.data.stream import PreparedDataset, TrainStream
+    from minimind_ray.model.minimind import build_model
+    from minimind_ray.train.loop import lr_lambda
+    from minimind_ray.train.objectives import build_objective
+
+    meta = json.loads((Path(one_worker.checkpoint_dir) / "meta.json").read_text())
+    cfg = from_dict(meta["config"])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(cfg.train.seed)
+        model = build_model(cfg.model, seed=cfg.train.seed)
+        obj = build_objective(cfg)
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=cfg.train.lr, betas=(cfg.train.beta1, cfg.train.beta2),
+                                weight_decay=cfg.train.weight_decay)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, STEPS))
+        stream = TrainStream(PreparedDataset(meta["prepared_dir"], cfg.data.eval_fraction), split="train",
+                             global_batch_size=cfg.train.global_batch_size, micro_batch_size=cfg.train.micro_batch_size,
+                             world_size=1, rank=0, seed=cfg.train.seed, shuffle=cfg.data.shuffle,
+                             shuffle_window_blocks=cfg.data.shuffle_window_blocks, prefetch_steps=0)
+        for _ in range(STEPS):
+            batches = stream.next_step()
+            w = torch.tensor(float(sum(obj.weight(b) for b in batches)), dtype=torch.float64).clamp_min(1.0)
+            for mb in batches:
+                loss_sum, aux, _ = obj.loss_sum(model, mb)
+                (loss_sum * (1 / w).float() + aux / len(batches)).backward()
+            torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip)
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+        stream.close()
+    finally:
+        torch.set_num_threads(threads)
+    w_ray = final_weights(one_worker)
+    plain = model.state_dict()
+    assert all(torch.equal(w_ray[k], plain[k]) for k in w_ray)
 
 
 @pytest.mark.parametrize("mode,step,rank", [("raise", 6, 0), ("sigkill", 7, 1)])
