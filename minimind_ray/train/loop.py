@@ -51,10 +51,14 @@ def lr_lambda(cfg: RunConfig, total_steps: int):
     return cosine
 
 
-def pick_device(cfg: RunConfig, local_rank: int) -> torch.device:
-    if torch.cuda.is_available() and cfg.cluster.use_gpu is not False:
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
+def pick_device(cfg: RunConfig) -> torch.device:
+    """This worker's GPU when the run uses GPUs (Ray maps its GPU ids through CUDA_VISIBLE_DEVICES), else CPU."""
+    if cfg.cluster.use_gpu is not False and torch.cuda.is_available():
+        from ray.train.torch import get_device
+
+        device = get_device()
+        torch.cuda.set_device(device)
+        return device
     return torch.device("cpu")
 
 
@@ -146,10 +150,10 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
 
     cfg: RunConfig = from_dict(config["cfg"])
     ctx = ray.train.get_context()
-    rank, world, local_rank = ctx.get_world_rank(), ctx.get_world_size(), ctx.get_local_rank()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
     threads = cfg.train.threads_per_worker or max(1, math.ceil(cfg.cluster.cpus_per_worker))
     torch.set_num_threads(threads)
-    device = pick_device(cfg, local_rank)
+    device = pick_device(cfg)
     autocast = autocast_for(cfg, device)
     torch.manual_seed(cfg.train.seed)
     random.seed(cfg.train.seed)
@@ -177,7 +181,7 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
     if world > 1:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        model = DDP(raw_model, device_ids=[local_rank] if device.type == "cuda" else None,
+        model = DDP(raw_model, device_ids=[device.index] if device.type == "cuda" else None,
                     forward_sync_buffers=False, gradient_as_bucket_view=True)  # RoPE tables are equal on all ranks
         comm = CommTimer()
         model.register_comm_hook(None, comm.hook)
