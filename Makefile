@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test ui install clean-runs
+.PHONY: demo test ui install
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
-STAGES = ("pretrain", "sft", "lora", "dpo", "distill")
+from minimind_ray.config import STAGES
 
 
 def _fields_epilog() -> str:
@@ -123,8 +123,8 @@ def cmd_chat(args) -> int:
 def cmd_eval(args) -> int:
     from minimind_ray.evaluate import evaluate_weights
 
-    res = evaluate_weights(args.weights, data=args.data, preset=args.preset, tokenizer=args.tokenizer,
-                           batches=args.batches, micro_batch_size=args.micro_batch_size)
+    res = evaluate_weights(args.weights, data=args.data, preset=args.preset, batches=args.batches,
+                           micro_batch_size=args.micro_batch_size)
     print(json.dumps(res, indent=1))
     return 0
 
@@ -185,10 +185,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--out", help="output cache directory (default data.cache_dir)")
     sp.set_defaults(fn=cmd_prepare)
 
-    def with_weights(sp):
+    def with_weights(sp, tokenizer=True):
         sp.add_argument("--weights", required=True, help=".pth, checkpoint dir, run dir or storage URI")
         sp.add_argument("--preset", help="model preset for a bare .pth (default: inferred from shapes)")
-        sp.add_argument("--tokenizer", help="tokenizer dir (default: the run's)")
+        if tokenizer:
+            sp.add_argument("--tokenizer", help="tokenizer dir (default: the run's)")
 
     def with_sampling(sp):
         sp.add_argument("--max-new-tokens", type=int, default=256)
@@ -214,8 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(fn=cmd_chat)
 
     sp = sub.add_parser("eval", help="eval loss and perplexity on a held-out split")
-    with_weights(sp)
-    sp.add_argument("--data", help="prepared dir or jsonl (default: the run's eval split)")
+    with_weights(sp, tokenizer=False)
+    sp.add_argument("--data", help="a prepared dir (minimind-ray prepare), all of it held out; "
+                                   "default: the eval split of the run the weights come from")
     sp.add_argument("--batches", type=int, default=0, help="micro-batches to use (0 = all)")
     sp.add_argument("--micro-batch-size", type=int, default=8)
     sp.set_defaults(fn=cmd_eval)
@@ -223,7 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("export", help="export weights to MiniMind .pth and/or a Hugging Face folder")
     sp.add_argument("source", help=".pth, checkpoint dir, run dir or storage URI")
     sp.add_argument("--out", required=True)
-    sp.add_argument("--format", default="minimind,hf", help="comma list of: minimind, hf, safetensors")
+    sp.add_argument("--format", default="minimind,hf",
+                    help="comma list of: minimind (fp16 .pth), hf (transformers folder), safetensors (MiniMind keys)")
     sp.add_argument("--preset", help="for a bare .pth")
     sp.add_argument("--tokenizer", help="tokenizer dir to include (default: the run's)")
     sp.add_argument("--lora", choices=("merge", "separate"), default="merge",
@@ -254,6 +257,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         return args.fn(args)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
+        return 2
+    except (ValueError, FileNotFoundError) as e:  # bad paths or arguments: a message, not a traceback
+        print(f"error: {e}", file=sys.stderr)
         return 2
 
 

@@ -9,6 +9,7 @@ OmegaConf (``train.lr=3e-4 cluster.num_workers=2``), then checked by
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
@@ -126,7 +127,7 @@ class TrainConfig:
     compile: bool = _f(False, "torch.compile the model")
     log_interval: int = _f(10, "optimizer steps between metric reports")
     eval_interval: int = _f(0, "optimizer steps between evaluations (0 = only at the end, if there is an eval split)")
-    eval_batches: int = _f(8, "micro-batches per evaluation")
+    eval_batches: int = _f(8, "micro-batches per rank per evaluation (0 = the whole eval split)")
     comm_warn_fraction: float = _f(0.10, "warn when all-reduce time exceeds this fraction of step time")
     fail_at_step: Optional[int] = _f(None, "fault injection: fail once when this step is reached")
     fail_mode: str = _f("raise", "fault injection: 'raise', 'exit' (os._exit) or 'sigkill'")
@@ -273,6 +274,11 @@ FORMATS = ("pretrain", "sft", "dpo")
 def _need(cond: bool, field_name: str, msg: str):
     if not cond:
         raise ConfigError(f"{field_name}: {msg}")
+
+
+def worker_threads(cfg: RunConfig) -> int:
+    """torch/OMP threads of one training worker."""
+    return cfg.train.threads_per_worker or max(1, math.ceil(cfg.cluster.cpus_per_worker))
 
 
 def accumulation_steps(cfg: RunConfig, world_size: int) -> int:

@@ -39,7 +39,7 @@ def eval_metrics(loss_sum: float, weight: float) -> Dict[str, float]:
 
 
 def evaluate_weights(weights: str, data: Optional[str] = None, preset: Optional[str] = None,
-                     tokenizer: Optional[str] = None, batches: int = 0, micro_batch_size: int = 8,
+                     batches: int = 0, micro_batch_size: int = 8,
                      device: Optional[str] = None) -> Dict[str, float]:
     """Evaluate ``weights`` on ``data`` (a prepared dir), or on the eval split of the run they came from."""
     from minimind_ray.config import RunConfig

@@ -181,6 +181,10 @@ def export_hf(model: nn.Module, tokenizer_dir, out_dir, dtype: Optional[torch.dt
 # --------------------------------------------------------------------------- from a run
 
 
+# MiniMind's file-name prefix for the weights each stage produces (its trainers' naming)
+FILE_STAGE = {"pretrain": "pretrain", "sft": "full_sft", "lora": "full_sft", "dpo": "dpo", "distill": "full_dist"}
+
+
 def _export_model(model: nn.Module, out_dir: Path, stage: str, formats, tokenizer_dir: Optional[str],
                   lora: str = "merge") -> Dict[str, str]:
     """Write the requested formats of one in-memory model. LoRA: adapters alone (``lora='separate'``,
@@ -189,6 +193,8 @@ def _export_model(model: nn.Module, out_dir: Path, stage: str, formats, tokenize
 
     from minimind_ray.model.lora import merge_lora
 
+    if "hf" in formats and tokenizer_dir is None:
+        raise ValueError("the HF export needs a tokenizer folder: pass --tokenizer (or drop 'hf' from --format)")
     out_dir.mkdir(parents=True, exist_ok=True)
     paths: Dict[str, str] = {}
     if _has_lora(model):
@@ -198,7 +204,7 @@ def _export_model(model: nn.Module, out_dir: Path, stage: str, formats, tokenize
         model = merge_lora(model)
     if "minimind" in formats:
         paths["pth"] = export_minimind_pth(model, out_dir, stage=stage)
-    if "safetensors" in formats or "minimind" in formats:
+    if "safetensors" in formats:
         sd = clean_state_dict(unwrap_model(model).state_dict())
         if unwrap_model(model).cfg.tie_word_embeddings:
             sd.pop("lm_head.weight", None)
@@ -208,8 +214,6 @@ def _export_model(model: nn.Module, out_dir: Path, stage: str, formats, tokenize
         os.replace(str(st) + ".tmp", st)
         paths["safetensors"] = str(st)
     if "hf" in formats:
-        if tokenizer_dir is None:
-            raise ValueError("the HF export needs a tokenizer folder (--tokenizer)")
         try:
             paths["hf"] = export_hf(model, tokenizer_dir, out_dir / "hf", dtype=torch.float16)
         except NotImplementedError as e:
@@ -223,7 +227,7 @@ def export_run_checkpoint(cfg, ckpt_dir: Path, out_dir: Path, tokenizer) -> Dict
     from minimind_ray.weights import build_inference_model
 
     model, _ = build_inference_model(str(ckpt_dir), merge_lora=False)
-    stage = {"sft": "full_sft", "lora": "full_sft"}.get(cfg.train.stage, cfg.train.stage)
+    stage = FILE_STAGE[cfg.train.stage]
     return _export_model(model, Path(out_dir), stage, ("minimind", "safetensors"), tokenizer.path, lora="merge")
 
 
@@ -237,7 +241,7 @@ def export_from_source(source: str, out, formats=("minimind", "hf"), preset: Opt
     tok_dir = tokenizer
     stage = "pretrain"
     if lw.run_cfg is not None:
-        stage = {"sft": "full_sft", "lora": "full_sft"}.get(lw.run_cfg.train.stage, lw.run_cfg.train.stage)
+        stage = FILE_STAGE[lw.run_cfg.train.stage]
         if tok_dir is None:
             from minimind_ray.tokenizer import resolve_tokenizer
 

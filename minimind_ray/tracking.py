@@ -645,7 +645,8 @@ def plot_loss_curve(history: Dict[str, List[Tuple[int, float]]], out_png: str) -
 
 def log_final_artifacts(uri: str, run_id: str, *, pth_path: Optional[str], safetensors_path: Optional[str],
                         tokenizer_dir: Optional[str], manifest_path: Optional[str],
-                        registered_model: Optional[str], timeout_s: float = 60.0) -> dict:
+                        registered_model: Optional[str], extra: Optional[Dict[str, str]] = None,
+                        timeout_s: float = 60.0) -> dict:
     """Driver side, after training: model files, tokenizer, data manifest and loss curve into
     the run, then a registered model version pointing at the run's ``model/`` directory.
 
@@ -657,6 +658,8 @@ def log_final_artifacts(uri: str, run_id: str, *, pth_path: Optional[str], safet
     The version's source is the run's artifact URI + ``/model``: MLflow 3.17 accepts a plain
     artifact directory (no MLmodel file) when ``run_id`` is given and the source lies inside
     that run's artifact root. Calling it again for the same run reuses the existing version.
+    ``extra`` maps more local files to artifact directories (LoRA weights, the checkpoint index).
+    No version is registered when no model file was given.
     Returns ``{'model_version': str | None, 'errors': [...]}``.
     """
     errors: List[str] = []
@@ -674,7 +677,8 @@ def log_final_artifacts(uri: str, run_id: str, *, pth_path: Optional[str], safet
         client = attempt("connect", lambda: _client(uri))
         if client is None:
             return {"model_version": None, "errors": errors}
-        for path, dest in ((pth_path, "model"), (safetensors_path, "model"), (manifest_path, "data")):
+        files = [(pth_path, "model"), (safetensors_path, "model"), (manifest_path, "data")]
+        for path, dest in files + list((extra or {}).items()):
             if path:
                 attempt(f"upload {path}", lambda p=path, d=dest: client.log_artifact(run_id, p, d))
         if tokenizer_dir:
@@ -691,7 +695,7 @@ def log_final_artifacts(uri: str, run_id: str, *, pth_path: Optional[str], safet
                 client.log_artifact(run_id, plot_loss_curve(history, os.path.join(tmp, "loss.png")), "plots")
 
         attempt("loss plot", plot)
-        if registered_model:
+        if registered_model and (pth_path or safetensors_path):
             version = attempt("register model", lambda: _register(client, registered_model, run_id))
     return {"model_version": version, "errors": errors}
 

@@ -23,8 +23,12 @@ def main(argv=None) -> int:
     ap.add_argument("overrides", nargs="*", help="applied to both stages, e.g. cluster.num_workers=1")
     args = ap.parse_args(argv)
     extra = list(args.overrides)
-    if args.gpu:
-        extra += ["model.preset=minimind2-small", "cluster.use_gpu=true"]
+    if args.gpu:  # one worker per local GPU, 16 sequences each per micro-step
+        import torch
+
+        n = max(torch.cuda.device_count(), 1)
+        extra = ["model.preset=minimind2-small", "cluster.use_gpu=true", f"cluster.num_workers={n}",
+                 f"train.global_batch_size={32 * n}", "train.micro_batch_size=16", *extra]
     stamp = time.strftime("%Y%m%d-%H%M%S")
     t0 = time.time()
 

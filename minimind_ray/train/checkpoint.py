@@ -65,8 +65,8 @@ def json_save_atomic(obj: Any, path: Path) -> None:
 def rng_state() -> Dict[str, Any]:
     state = {"torch": torch.get_rng_state(), "python": list(random.getstate()[1]),
              "python_version": random.getstate()[0], "python_gauss": random.getstate()[2]}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if torch.cuda.is_available():  # this rank's device only: a restart may see a different set of GPUs
+        state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
@@ -74,7 +74,7 @@ def set_rng_state(state: Dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate((state["python_version"], tuple(state["python"]), state["python_gauss"]))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state(state["cuda"])
 
 
 def write_rank_files(ckpt_dir: Path, rank: int) -> None:
@@ -127,14 +127,24 @@ def load_rng(ckpt_dir: Path, rank: int) -> Optional[Dict[str, Any]]:
 
 
 def load_model_weights(model: torch.nn.Module, source: str, strict: bool = True) -> None:
-    """Weights from a MiniMind ``.pth`` file or a checkpoint directory (its model.pth)."""
-    p = Path(source)
-    if p.is_dir():
-        verify(p)
-        p = p / MODEL
-    if not p.exists():
-        raise FileNotFoundError(f"weights not found: {source}")
-    load_pth(model, str(p), strict=strict)
+    """Weights from any source ``minimind_ray.weights`` understands (a ``.pth``, a checkpoint or run
+    directory, a storage URI). LoRA adapters in the source are merged first when ``model`` has none."""
+    import copy
+
+    from minimind_ray.config import LoRAConfig
+    from minimind_ray.model.lora import apply_lora, merge_lora
+    from minimind_ray.weights import load_weights
+
+    lw = load_weights(source, preset=model.cfg.preset)
+    sd = lw.state_dict
+    if any(".lora." in k for k in sd) and not any(".lora." in k for k in model.state_dict()):
+        lcfg = lw.run_cfg.train.lora if lw.run_cfg else LoRAConfig(
+            rank=next(v.shape[0] for k, v in sd.items() if k.endswith("lora.A.weight")))
+        tmp = copy.deepcopy(model)
+        apply_lora(tmp, lcfg)
+        load_pth(tmp, sd, strict=True)
+        sd = merge_lora(tmp).state_dict()
+    load_pth(model, sd, strict=strict)
 
 
 def latest_checkpoint(run_dir: Path) -> Optional[Path]:

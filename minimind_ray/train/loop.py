@@ -26,7 +26,7 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from minimind_ray.config import RunConfig, accumulation_steps, from_dict, to_dict
+from minimind_ray.config import RunConfig, from_dict, to_dict, worker_threads
 from minimind_ray.train import checkpoint as ckpt_io
 from minimind_ray.train.metrics import CommTimer, Meter, device_name, peak_flops, peak_memory_gb
 from minimind_ray.train.objectives import Objective, build_objective
@@ -151,21 +151,20 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
     cfg: RunConfig = from_dict(config["cfg"])
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    threads = cfg.train.threads_per_worker or max(1, math.ceil(cfg.cluster.cpus_per_worker))
-    torch.set_num_threads(threads)
+    torch.set_num_threads(worker_threads(cfg))
     device = pick_device(cfg)
     autocast = autocast_for(cfg, device)
-    torch.manual_seed(cfg.train.seed)
-    random.seed(cfg.train.seed)
 
     # ---- model, stage plug-in, restore
-    model = build_model(cfg.model, seed=cfg.train.seed)
+    model = build_model(cfg.model, seed=cfg.train.seed)  # the same init on every rank (build_model forks the RNG)
+    torch.manual_seed(cfg.train.seed + rank)  # dropout and sampling differ per rank
+    random.seed(cfg.train.seed + rank)
     objective: Objective = build_objective(cfg)
     restored = ray.train.get_checkpoint()
     meta: Optional[Dict[str, Any]] = None
-    if restored is None and cfg.train.init_from:
+    if cfg.train.init_from:  # also on restore: DPO's reference is a copy of the *initial* weights
         ckpt_io.load_model_weights(model, cfg.train.init_from, strict=True)
-    objective.setup(model, device)  # freezes / builds frozen models from the *initial* weights
+    objective.setup(model, device)  # freezes / builds frozen models from the initial weights
     train_state = rng = None
     if restored is not None:
         with restored.as_directory() as d:
@@ -198,7 +197,7 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
                          seed=cfg.train.seed, shuffle=cfg.data.shuffle,
                          shuffle_window_blocks=cfg.data.shuffle_window_blocks,
                          prefetch_steps=cfg.data.prefetch_steps)
-    n_micro = accumulation_steps(cfg, world)
+    n_micro = stream.accumulation_steps
     total_steps = cfg.train.max_steps or cfg.train.epochs * stream.steps_per_epoch
     if total_steps <= 0:
         raise ValueError(f"{config['prepared_dir']}: {dataset.num_sequences('train')} training sequences "
@@ -240,7 +239,6 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
               f"equalise ranks), {total_steps} steps, accumulation {n_micro}", flush=True)
 
     model.train()
-    grad_norm = torch.tensor(0.0)
     comm_warned = False
     for step in range(start_step + 1, total_steps + 1):
         faults.maybe_fail(step)
@@ -248,12 +246,10 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
         batches = stream.next_step()
         t_data = time.perf_counter() - t_step
         samples.write(step, batches)
-        if comm is not None:
-            comm.reset()
 
         # the step's loss is a mean over the *global* batch: all-reduce its weight first
         w_local = sum(objective.weight(b) for b in batches)
-        w = torch.tensor(float(w_local), device=device, dtype=torch.float64)  # nccl: CUDA tensors, gloo: CPU
+        w = torch.full((), float(w_local), device=device, dtype=torch.float64)  # a fill, no host->device copy
         faults.maybe_hang(step)
         if world > 1:
             dist.all_reduce(w)
@@ -282,15 +278,13 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
         else:
             grad_norm = torch.nn.utils.clip_grad_norm_(params, float("inf"))
         optimizer.step()
+        lr = scheduler.get_last_lr()[0]  # the lr this step used
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
 
         meter.steps += 1
         meter.tokens += tokens_local
         meter.data_wait += t_data
-        if comm is not None:
-            meter.comm_busy += comm.busy_s
-            meter.comm_window += comm.window_s
         for k, v in extra_sums.items():
             meter.add(k, v)
         per_step.append((step, loss_local, w, aux_local))
@@ -302,8 +296,9 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
         if not (is_log or is_ckpt or is_eval):
             continue
 
-        metrics = _reduce_interval(meter, per_step, world, device, cfg, step, total_steps,
-                                   stream.steps_per_epoch, scheduler, grad_norm, flops_per_token, peak)
+        meter.comm_busy = comm.collect() if comm is not None else 0.0
+        metrics = _reduce_interval(meter, per_step, world, device, step, total_steps, stream.steps_per_epoch, lr,
+                                   grad_norm, flops_per_token, peak)
         per_step_losses = metrics.pop("_per_step_loss")
         if is_eval:
             metrics.update(evaluate(raw_model, objective, dataset, cfg, world, rank, device, autocast))
@@ -349,12 +344,12 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
         logger.close()
 
 
-def _reduce_interval(meter: Meter, per_step, world, device, cfg, step, total_steps, steps_per_epoch, scheduler,
+def _reduce_interval(meter: Meter, per_step, world, device, step, total_steps, steps_per_epoch, lr,
                      grad_norm, flops_per_token, peak) -> Dict[str, Any]:
     """One all-reduce of everything the interval summed, then the metrics dict (one host sync per interval)."""
     k = len(per_step)
     extra_keys = sorted(meter.sums)
-    host = torch.tensor([meter.tokens, meter.data_wait, meter.comm_busy, meter.comm_window], dtype=torch.float64)
+    host = torch.tensor([meter.tokens, meter.data_wait, meter.comm_busy], dtype=torch.float64)
     vec = torch.cat([torch.stack([l for _, l, _, _ in per_step]), torch.stack([a for _, _, _, a in per_step]),
                      host.to(device)] + [meter.sums[x].reshape(1).to(device) for x in extra_keys])
     if world > 1:
@@ -364,7 +359,7 @@ def _reduce_interval(meter: Meter, per_step, world, device, cfg, step, total_ste
     elapsed = max(time.perf_counter() - meter.t_start, 1e-9)  # wall time of the interval (the .cpu() synced)
     losses = [(per_step[i][0], float(vec[i] / weights_per_step[i])) for i in range(k)]
     aux = [float(vec[k + i]) / world for i in range(k)]
-    tokens, data_wait, comm_busy, comm_window = (float(x) for x in vec[2 * k:2 * k + 4])
+    tokens, data_wait, comm_busy = (float(x) for x in vec[2 * k:2 * k + 3])
     step_time = elapsed / max(meter.steps, 1)
     tok_s = tokens / elapsed
     weights = float(weights_per_step.sum())
@@ -375,7 +370,7 @@ def _reduce_interval(meter: Meter, per_step, world, device, cfg, step, total_ste
         "loss": losses[-1][1],
         "loss_interval": sum(float(vec[i]) for i in range(k)) / max(weights, 1.0),
         "aux_loss": aux[-1],
-        "lr": scheduler.get_last_lr()[0],
+        "lr": lr,
         "grad_norm": float(grad_norm),
         "tokens_per_s": tok_s,
         "tokens_per_s_per_worker": tok_s / world,
@@ -383,13 +378,12 @@ def _reduce_interval(meter: Meter, per_step, world, device, cfg, step, total_ste
         "step_time_s": step_time,
         "data_wait_s": data_wait / world / max(meter.steps, 1),
         "allreduce_s": comm_busy / world / max(meter.steps, 1),
-        "allreduce_window_s": comm_window / world / max(meter.steps, 1),
         "comm_fraction": (comm_busy / world / max(meter.steps, 1)) / max(step_time, 1e-9),
         "peak_mem_gb": peak_memory_gb(device),
         "world_size": world,
     }
     for i, x in enumerate(extra_keys):
-        m[x] = float(vec[2 * k + 4 + i]) / max(weights, 1.0)
+        m[x] = float(vec[2 * k + 3 + i]) / max(weights, 1.0)
     m["_per_step_loss"] = losses
     return m
 

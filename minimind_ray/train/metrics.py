@@ -60,45 +60,48 @@ def peak_flops(device: torch.device) -> Optional[float]:
 class CommTimer:
     """DDP communication hook that all-reduces gradient buckets and times them.
 
-    Each bucket's time runs from the moment DDP hands the bucket over (its
-    gradients are ready) until the all-reduce future completes. Buckets overlap
-    with the rest of backward, so the sum is the communication *busy* time, an
-    upper bound of what the step waited for; ``window`` (first bucket handed over
-    to last completion) is reported too.
+    Each bucket's time runs from the moment DDP hands the bucket over (its gradients are
+    ready) until its all-reduce completes: wall clock with gloo; CUDA events with NCCL,
+    whose futures complete when the work is *queued*, so only events on the stream
+    that waits for the result measure it. Buckets overlap with the rest of backward, so
+    the sum is the communication busy time, an upper bound of what the step waited for.
+    ``collect()`` returns the sum since the last call (with NCCL it synchronises on the
+    recorded events, so call it once per log interval, not per step).
     """
 
     def __init__(self, process_group=None):
         self.pg = process_group
         self._lock = threading.Lock()
-        self.reset()
+        self._busy_s = 0.0
+        self._events = []  # (start, end) CUDA events
 
-    def reset(self):
+    def collect(self) -> float:
         with self._lock:
-            self.busy_s = 0.0
-            self.first = None
-            self.last = None
-            self.buckets = 0
-
-    def _done(self, t0):
-        t1 = time.perf_counter()
-        with self._lock:
-            self.busy_s += t1 - t0
-            self.buckets += 1
-            self.first = t0 if self.first is None else min(self.first, t0)
-            self.last = t1 if self.last is None else max(self.last, t1)
-
-    @property
-    def window_s(self) -> float:
-        return 0.0 if self.first is None else self.last - self.first
+            events, self._events = self._events, []
+            busy, self._busy_s = self._busy_s, 0.0
+        for start, end in events:
+            end.synchronize()
+            busy += start.elapsed_time(end) / 1000.0
+        return busy
 
     def hook(self, state, bucket):
-        t0 = time.perf_counter()
         group = self.pg or dist.group.WORLD
         tensor = bucket.buffer().div_(dist.get_world_size(group))
+        if tensor.is_cuda:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+        t0 = time.perf_counter()
         fut = dist.all_reduce(tensor, group=group, async_op=True).get_future()
 
         def finish(f):
-            self._done(t0)
+            if tensor.is_cuda:  # runs on a stream that waits for the all-reduce
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                with self._lock:
+                    self._events.append((start, end))
+            else:
+                with self._lock:
+                    self._busy_s += time.perf_counter() - t0
             return f.value()[0]
 
         return fut.then(finish)
@@ -115,7 +118,6 @@ class Meter:
         self.tokens = 0
         self.data_wait = 0.0
         self.comm_busy = 0.0
-        self.comm_window = 0.0
         self.sums: Dict[str, torch.Tensor] = {}
         self.t_start = time.perf_counter()
 

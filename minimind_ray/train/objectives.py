@@ -2,7 +2,7 @@
 
 The training loop (loop.py) is the same for every stage. An objective supplies:
 
-* ``setup(model, cfg, device)``: freeze what must not train, build frozen extra
+* ``setup(model, device)``: freeze what must not train, build frozen extra
   models (DPO reference, distillation teacher);
 * ``weight(batch)``: how many loss units a micro-batch holds (target tokens, or
   preference pairs), computable before the forward pass;
@@ -16,7 +16,7 @@ and a 2-worker run at the same global batch take the same steps.
 from __future__ import annotations
 
 import copy
-from typing import Dict, Iterable, Tuple
+from typing import Dict, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -49,9 +49,6 @@ class Objective:
 
     def setup(self, model: nn.Module, device: torch.device) -> None:
         """Called once before DDP wrapping; the default trains every parameter."""
-
-    def trainable_parameters(self, model: nn.Module) -> Iterable[nn.Parameter]:
-        return [p for p in model.parameters() if p.requires_grad]
 
     def weight(self, batch: Batch) -> int:
         return int(batch["targets"].ne(-100).sum())
@@ -174,13 +171,13 @@ class DistillObjective(Objective):
         out = model(batch["input_ids"])
         with torch.no_grad():
             t_logits = self.teacher(batch["input_ids"]).logits
-        mask = batch["targets"].ne(-100)
-        s = out.logits.float()[mask]  # (N, V)
-        t = t_logits.float()[mask]
-        ce = F.cross_entropy(s, batch["targets"][mask], reduction="sum")
+        targets = batch["targets"]
+        s, t = out.logits.float(), t_logits.float()  # (B, T, V)
+        ce = F.cross_entropy(s.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum")
         T = d.temperature
-        kl = F.kl_div(F.log_softmax(s / T, -1), F.log_softmax(t / T, -1), log_target=True,
-                      reduction="none").sum(-1).sum() * (T * T)
+        kl_tok = F.kl_div(F.log_softmax(s / T, -1), F.log_softmax(t / T, -1), log_target=True,
+                          reduction="none").sum(-1)  # (B, T); masked by multiplication: no host sync
+        kl = (kl_tok * targets.ne(-100)).sum() * (T * T)
         loss = d.alpha * ce + (1.0 - d.alpha) * kl
         return loss, out.aux_loss, {"ce": ce.detach(), "kl": kl.detach()}
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-from minimind_ray.config import ConfigError, RunConfig, to_dict
+from minimind_ray.config import ConfigError, RunConfig, to_dict, worker_threads
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -235,6 +235,39 @@ def _storage(cfg: RunConfig) -> str:
     return sp if "://" in sp else str(Path(sp).expanduser().resolve())
 
 
+def _finish(cfg: RunConfig, result, name, run_dir, storage, run_id, uri, tokenizer, prepared_dir) -> RunResult:
+    """Exports of the final checkpoint (fetched first when storage is a URI), then MLflow artifacts."""
+    import tempfile
+
+    from minimind_ray import tracking
+    from minimind_ray.export import export_run_checkpoint
+
+    ck = result.checkpoint
+    ckpt_dir = None if ck is None else (ck.path if "://" not in storage else f"{run_dir}/{Path(ck.path).name}")
+    out = RunResult(name=name, run_dir=run_dir, checkpoint_dir=ckpt_dir, mlflow_run_id=run_id, tracking_uri=uri,
+                    metrics=dict(result.metrics or {}))
+    if ck is None:
+        return out
+    local = Path(ck.path) if "://" not in storage else Path(ck.to_directory(tempfile.mkdtemp(prefix="mmr-final-")))
+    export_dir = Path(run_dir) / "export" if "://" not in storage else local.parent / "export"
+    out.exports = export_run_checkpoint(cfg, local, export_dir, tokenizer)
+    index = export_dir / "checkpoints.json"  # where every kept checkpoint is, by step: MLflow points at storage
+    index.write_text(json.dumps([{"path": f"{run_dir}/{Path(c.path).name}", **{k: m.get(k) for k in ("step", "loss")}}
+                                 for c, m in (result.best_checkpoints or [])], indent=1))
+    if run_id:
+        extra = {str(index): "checkpoints"}
+        if "lora" in out.exports:
+            extra[out.exports["lora"]] = "model/lora"
+        final = tracking.log_final_artifacts(
+            uri, run_id, pth_path=out.exports.get("pth"), safetensors_path=out.exports.get("safetensors"),
+            tokenizer_dir=tokenizer.path, manifest_path=str(Path(prepared_dir) / "manifest.json"),
+            registered_model=cfg.tracking.registered_model or f"minimind-{cfg.train.stage}", extra=extra)
+        out.metrics["model_version"] = final.get("model_version")
+        if final.get("errors"):
+            print(f"[{name}] tracking: not everything was logged: {final['errors']}", flush=True)
+    return out
+
+
 def run(cfg: RunConfig) -> RunResult:
     """Train one stage end to end; resumes when a run of this name exists in storage."""
     import ray
@@ -277,7 +310,7 @@ def run(cfg: RunConfig) -> RunResult:
             print(f"[{name}] WARNING: MLflow at {uri} unavailable ({type(e).__name__}: {e}); training untracked",
                   flush=True)
 
-    threads = cfg.train.threads_per_worker or max(1, math.ceil(cfg.cluster.cpus_per_worker))
+    threads = worker_threads(cfg)
     num_workers = (cfg.cluster.min_workers, cfg.cluster.num_workers) if cfg.cluster.min_workers else cfg.cluster.num_workers
     sink = make_progress_sink()
     trainer = TorchTrainer(
@@ -309,21 +342,13 @@ def run(cfg: RunConfig) -> RunResult:
             tracking.finish_run(uri, run_id, "FAILED", error=f"{type(e).__name__}: {e}")
         raise
     printer.close()
-    ckpt_dir = result.checkpoint.path if result.checkpoint is not None else None
-    out = RunResult(name=name, run_dir=run_dir, checkpoint_dir=ckpt_dir, mlflow_run_id=run_id, tracking_uri=uri,
-                    metrics=dict(result.metrics or {}))
-    if ckpt_dir and "://" not in ckpt_dir:
-        from minimind_ray.export import export_run_checkpoint
-
-        out.exports = export_run_checkpoint(cfg, Path(ckpt_dir), Path(run_dir) / "export", tokenizer)
+    try:
+        out = _finish(cfg, result, name, run_dir, storage, run_id, uri, tokenizer, prepared_dir)
+    except BaseException as e:
+        if run_id:
+            tracking.finish_run(uri, run_id, "FAILED", error=f"after training: {type(e).__name__}: {e}")
+        raise
     if run_id:
-        final = tracking.log_final_artifacts(
-            uri, run_id, pth_path=out.exports.get("pth"), safetensors_path=out.exports.get("safetensors"),
-            tokenizer_dir=tokenizer.path, manifest_path=str(Path(prepared_dir) / "manifest.json"),
-            registered_model=cfg.tracking.registered_model or f"minimind-{cfg.train.stage}")
-        out.metrics["model_version"] = final.get("model_version")
-        if final.get("errors"):
-            print(f"[{name}] tracking: not everything was logged: {final['errors']}", flush=True)
         tracking.finish_run(uri, run_id, "FINISHED")
     summary = out.metrics.get("tracking_summary")
     if summary:

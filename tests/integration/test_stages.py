@@ -32,9 +32,9 @@ def shared(tmp_path_factory):
     return s
 
 
-def run_stage(shared, name, *overrides):
-    return run_tiny(shared, name, f"train.init_from={shared['base_pth']}", "train.warmup_steps=1", *CRASH,
-                    *overrides, steps=STEPS, ckpt_every=2)
+def run_stage(shared, name, *overrides, crash=True):
+    return run_tiny(shared, name, f"train.init_from={shared['base_pth']}", "train.warmup_steps=1",
+                    *(CRASH if crash else ()), *overrides, steps=STEPS, ckpt_every=2)
 
 
 def assert_resumed_once(shared, name):
@@ -96,9 +96,15 @@ def test_dpo_margin_grows_on_hand_made_pairs(ray_session, shared, tmp_path_facto
                                    {"role": "assistant", "content": "I refuse to count, sorry, bananas."}]})
     f = d / "pairs.jsonl"
     f.write_text("\n".join(json.dumps(p, ensure_ascii=False) for p in pairs) + "\n")
-    res = run_stage(shared, "dpo", "train.stage=dpo", "data.format=dpo", f"data.train_path=[{f}]", "train.lr=3e-3",
-                    "train.dpo.beta=0.5", "train.log_interval=1")
+    dpo = ("train.stage=dpo", "data.format=dpo", f"data.train_path=[{f}]", "train.lr=3e-3", "train.dpo.beta=0.5",
+           "train.log_interval=1")
+    res = run_stage(shared, "dpo", *dpo)
     assert_resumed_once(shared, "dpo")
+    # the restarted workers rebuilt the same frozen reference (a copy of init_from, not of the checkpoint):
+    # the run ends exactly where an uninterrupted one does
+    clean = run_stage(shared, "dpo-no-crash", *dpo, crash=False)
+    w_clean = final_weights(clean)
+    assert all(torch.equal(v, w_clean[k]) for k, v in final_weights(res).items())
     margins = loss_history(shared, res.mlflow_run_id, "reward_margin")
     acc = loss_history(shared, res.mlflow_run_id, "reward_accuracy")
     assert margins[-1][1] > margins[0][1] + 0.1, margins
