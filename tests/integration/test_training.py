@@ -31,6 +31,15 @@ LOSS_ATOL_ACROSS_WORLD_SIZES = 2e-4
 WEIGHT_ATOL_ACROSS_WORLD_SIZES = 1e-4
 
 
+def assert_same_run_across_world_sizes(losses, losses_ref, weights, weights_ref):
+    """Same steps, losses and final weights as the reference, to the cross-world-size tolerances."""
+    assert [s for s, _ in losses] == [s for s, _ in losses_ref] == list(range(1, STEPS + 1))
+    for (s, a), (_, b) in zip(losses, losses_ref):
+        assert abs(a - b) <= LOSS_ATOL_ACROSS_WORLD_SIZES, f"step {s}: {a} vs reference {b}"
+    for k in weights_ref:
+        torch.testing.assert_close(weights[k], weights_ref[k], atol=WEIGHT_ATOL_ACROSS_WORLD_SIZES, rtol=0)
+
+
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory):
     return new_shared(tmp_path_factory, "training")
@@ -61,13 +70,7 @@ def one_worker(ray_session, shared):
 def test_one_worker_matches_two_workers(baseline, one_worker, shared):
     _, w2, losses2 = baseline
     res = one_worker
-    losses1 = loss_history(shared, res.mlflow_run_id)
-    assert [s for s, _ in losses1] == [s for s, _ in losses2]
-    for (s, a), (_, b) in zip(losses1, losses2):
-        assert abs(a - b) <= LOSS_ATOL_ACROSS_WORLD_SIZES, f"step {s}: 1 worker {a} vs 2 workers {b}"
-    w1 = final_weights(res)
-    for k in w2:
-        torch.testing.assert_close(w1[k], w2[k], atol=WEIGHT_ATOL_ACROSS_WORLD_SIZES, rtol=0)
+    assert_same_run_across_world_sizes(loss_history(shared, res.mlflow_run_id), losses2, final_weights(res), w2)
 
 
 def test_one_worker_equals_plain_single_process_training(one_worker):
@@ -143,13 +146,8 @@ def test_driver_resume_with_a_different_worker_count(baseline, shared):
     per_step, attempts = sample_record(shared, name)
     assert attempts == {0, CKPT_EVERY}
     assert_exactly_once(per_step)
-    losses = loss_history(shared, res.mlflow_run_id)
-    assert [s for s, _ in losses] == list(range(1, STEPS + 1)), "steps doubled or missing in the resumed MLflow run"
-    for (s, a), (_, b) in zip(losses, losses_ref):
-        assert abs(a - b) <= LOSS_ATOL_ACROSS_WORLD_SIZES, f"step {s}"
-    w = final_weights(res)
-    for k in w_ref:
-        torch.testing.assert_close(w[k], w_ref[k], atol=WEIGHT_ATOL_ACROSS_WORLD_SIZES, rtol=0)
+    # each step once in the resumed MLflow run, with the uninterrupted run's values
+    assert_same_run_across_world_sizes(loss_history(shared, res.mlflow_run_id), losses_ref, final_weights(res), w_ref)
 
 
 def test_checkpoint_loads_into_a_bare_model_with_strict_keys(baseline):
