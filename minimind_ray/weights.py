@@ -88,24 +88,28 @@ def load_weights(source: str, preset: Optional[str] = None) -> LoadedWeights:
     return LoadedWeights(sd, mc, None, None)
 
 
+def apply_weights(model, lw: LoadedWeights, merge_lora: bool = True):
+    """Load ``lw`` into a model built from its config. LoRA adapters in the weights are attached
+    (with the run's LoRA config, or the rank read off the tensors), then folded in unless ``merge_lora`` is False."""
+    from minimind_ray.config import LoRAConfig
+    from minimind_ray.model.lora import apply_lora, merge_lora as merge
+
+    sd = {k: v.float() for k, v in lw.state_dict.items()}
+    if any(".lora." in k for k in sd):
+        lcfg = lw.run_cfg.train.lora if lw.run_cfg else LoRAConfig(
+            rank=next(v.shape[0] for k, v in sd.items() if k.endswith("lora.A.weight")))
+        apply_lora(model, lcfg)
+        model.load_state_dict(sd, strict=True)
+        return merge(model) if merge_lora else model
+    model.load_state_dict(sd, strict=True)
+    return model
+
+
 def build_inference_model(source: str, preset: Optional[str] = None, merge_lora: bool = True,
                           device: str = "cpu"):
     """(model in eval mode, LoadedWeights). LoRA adapters in the weights are merged (or kept)."""
-    from minimind_ray.model.lora import apply_lora, merge_lora as merge
     from minimind_ray.model.minimind import build_model
 
     lw = load_weights(source, preset)
-    model = build_model(lw.model_cfg)
-    if any(".lora." in k for k in lw.state_dict):
-        lcfg = lw.run_cfg.train.lora if lw.run_cfg else None
-        if lcfg is None:
-            from minimind_ray.config import LoRAConfig
-
-            lcfg = LoRAConfig(rank=next(v.shape[0] for k, v in lw.state_dict.items() if k.endswith("lora.A.weight")))
-        apply_lora(model, lcfg)
-        model.load_state_dict({k: v.float() for k, v in lw.state_dict.items()}, strict=True)
-        if merge_lora:
-            model = merge(model)
-    else:
-        model.load_state_dict({k: v.float() for k, v in lw.state_dict.items()}, strict=True)
+    model = apply_weights(build_model(lw.model_cfg), lw, merge_lora=merge_lora)
     return model.to(device).eval(), lw

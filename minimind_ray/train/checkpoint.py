@@ -131,19 +131,12 @@ def load_model_weights(model: torch.nn.Module, source: str, strict: bool = True)
     directory, a storage URI). LoRA adapters in the source are merged first when ``model`` has none."""
     import copy
 
-    from minimind_ray.config import LoRAConfig
-    from minimind_ray.model.lora import apply_lora, merge_lora
-    from minimind_ray.weights import load_weights
+    from minimind_ray.weights import apply_weights, load_weights
 
     lw = load_weights(source, preset=model.cfg.preset)
     sd = lw.state_dict
     if any(".lora." in k for k in sd) and not any(".lora." in k for k in model.state_dict()):
-        lcfg = lw.run_cfg.train.lora if lw.run_cfg else LoRAConfig(
-            rank=next(v.shape[0] for k, v in sd.items() if k.endswith("lora.A.weight")))
-        tmp = copy.deepcopy(model)
-        apply_lora(tmp, lcfg)
-        load_pth(tmp, sd, strict=True)
-        sd = merge_lora(tmp).state_dict()
+        sd = apply_weights(copy.deepcopy(model), lw, merge_lora=True).state_dict()
     load_pth(model, sd, strict=strict)
 
 
