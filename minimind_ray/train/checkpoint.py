@@ -16,12 +16,13 @@ refused by :func:`verify` instead of being loaded half-written.
 """
 from __future__ import annotations
 
+import io
 import json
 import os
 import random
 import tempfile
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -95,20 +96,50 @@ def write_rank0_files(ckpt_dir: Path, *, model_state: Dict[str, torch.Tensor], o
                      ckpt_dir / COMPLETE)
 
 
-def verify(ckpt_dir: Path) -> Dict[str, Any]:
-    """The COMPLETE record, after checking every listed file is there at its size."""
-    ckpt_dir = Path(ckpt_dir)
-    marker = ckpt_dir / COMPLETE
-    if not marker.exists():
-        raise CheckpointError(f"{ckpt_dir}: no {COMPLETE}; the checkpoint was not finished and is not used")
-    rec = json.loads(marker.read_text())
-    for name, size in rec["files"].items():
-        p = ckpt_dir / name
-        if not p.exists() or p.stat().st_size != size:
+def _fs_path(location) -> Tuple[Any, str]:
+    """(pyarrow filesystem, path) for a local path or a storage URI (s3://, gs://, file://, ...)."""
+    import pyarrow.fs as pafs
+
+    s = str(location)
+    if "://" in s:
+        return pafs.FileSystem.from_uri(s)
+    return pafs.LocalFileSystem(), os.path.abspath(s)
+
+
+def _read_bytes(fs, path: str) -> bytes:
+    with fs.open_input_stream(path) as f:
+        return f.read()
+
+
+def verify(ckpt_dir, deep: bool = False, filesystem=None) -> Dict[str, Any]:
+    """The COMPLETE record, after checking every listed file is there at its size.
+
+    ``ckpt_dir`` is a local path or a storage URI (or a path on ``filesystem``). ``deep`` also
+    loads every rank's RNG file, whose size rank 0 cannot know: use it for a checkpoint that Ray
+    never registered, whose upload a crash may have cut short."""
+    import pyarrow.fs as pafs
+
+    fs, root = (filesystem, str(ckpt_dir)) if filesystem is not None else _fs_path(ckpt_dir)
+    root = root.rstrip("/")
+    try:
+        rec = json.loads(_read_bytes(fs, f"{root}/{COMPLETE}"))
+    except (FileNotFoundError, OSError, ValueError):
+        raise CheckpointError(f"{ckpt_dir}: no readable {COMPLETE}; the checkpoint was not finished and is not used")
+    names = list(rec["files"])
+    infos = fs.get_file_info([f"{root}/{n}" for n in names])
+    for name, info in zip(names, infos):
+        if info.type != pafs.FileType.File or info.size != rec["files"][name]:
             raise CheckpointError(f"{ckpt_dir}: {name} missing or of the wrong size; checkpoint refused")
-    for r in rec["rng_ranks"]:
-        if not (ckpt_dir / "rng" / f"rank_{r}.pt").exists():
+    rng_paths = [f"{root}/rng/rank_{r}.pt" for r in rec["rng_ranks"]]
+    for r, info in zip(rec["rng_ranks"], fs.get_file_info(rng_paths)):
+        if info.type != pafs.FileType.File:
             raise CheckpointError(f"{ckpt_dir}: rng/rank_{r}.pt missing; checkpoint refused")
+    if deep:
+        for r, p in zip(rec["rng_ranks"], rng_paths):
+            try:
+                torch.load(io.BytesIO(_read_bytes(fs, p)), map_location="cpu", weights_only=True)
+            except Exception as e:  # a truncated zip, a half-copied pickle
+                raise CheckpointError(f"{ckpt_dir}: rng/rank_{r}.pt unreadable ({e}); checkpoint refused")
     return rec
 
 
@@ -140,14 +171,84 @@ def load_model_weights(model: torch.nn.Module, source: str, strict: bool = True)
     load_pth(model, sd, strict=strict)
 
 
-def latest_checkpoint(run_dir: Path) -> Optional[Path]:
-    """The newest complete checkpoint_* directory of a Ray Train run directory (no Ray needed)."""
-    run_dir = Path(run_dir)
-    cands = []
-    for d in run_dir.glob("checkpoint_*"):
+def checkpoints_in(run_dir) -> List[Tuple[int, str]]:
+    """(step, path) of every checkpoint_* directory of a run that has a COMPLETE marker, newest
+    first; paths are on the run directory's filesystem. Markers only: :func:`verify` each before use."""
+    import pyarrow.fs as pafs
+
+    fs, root = _fs_path(run_dir)
+    try:
+        entries = fs.get_file_info(pafs.FileSelector(root.rstrip("/"), allow_not_found=True))
+    except OSError:
+        return []
+    found = []
+    for e in entries:
+        if e.type != pafs.FileType.Directory or not e.base_name.startswith("checkpoint_"):
+            continue
         try:
-            rec = verify(d)
+            step = json.loads(_read_bytes(fs, f"{e.path}/{COMPLETE}"))["step"]
+        except (FileNotFoundError, OSError, ValueError, KeyError):
+            continue
+        found.append((int(step), e.path))
+    return sorted(found, reverse=True)
+
+
+def _newest_verified(run_dir, deep: bool, newer_than: int) -> Optional[Tuple[int, str]]:
+    fs, _ = _fs_path(run_dir)
+    for step, path in checkpoints_in(run_dir):
+        if step <= newer_than:
+            break
+        try:
+            verify(path, deep=deep, filesystem=fs)
         except CheckpointError:
             continue
-        cands.append((rec["step"], d))
-    return max(cands)[1] if cands else None
+        return step, path
+    return None
+
+
+def latest_checkpoint(run_dir, deep: bool = False):
+    """The newest complete checkpoint_* directory of a Ray Train run directory (no Ray needed),
+    or None. A local ``run_dir`` gives a Path; a URI gives the path on its filesystem."""
+    found = _newest_verified(run_dir, deep, -1)
+    if found is None:
+        return None
+    return Path(found[1]) if "://" not in str(run_dir) else found[1]
+
+
+def restore_point(registered, run_dir: Optional[str], rank: int, world: int):
+    """The checkpoint a (re)started worker group resumes from: the newest complete one.
+
+    Ray registers a checkpoint only once its controller has collected every rank's report, which
+    it polls for every couple of seconds. A worker killed hard in between (SIGKILL, OOM, a lost
+    node) takes the newest checkpoint's registration with it, although every rank had uploaded its
+    files; ``ray.train.get_checkpoint()`` then names the one before, and the restart would cost two
+    checkpoint intervals. So the run directory is searched too, and a newer checkpoint that
+    verifies (every file at its size, every rank's RNG file readable) wins. Rank 0 decides and
+    broadcasts, so that every rank restores the same step.
+    (Ray's ``num_to_keep`` does not know such a checkpoint and leaves it on storage.)"""
+    from ray.train import Checkpoint
+
+    choice = None
+    if rank == 0 and run_dir:
+        reg_step = -1
+        if registered is not None:
+            try:
+                reg_step = verify(registered.path, filesystem=registered.filesystem)["step"]
+            except CheckpointError:
+                pass  # a newer one may still do; if none does, the restore refuses it with this error
+        newer = _newest_verified(run_dir, deep=True, newer_than=reg_step)
+        if newer is not None:
+            choice = newer[1]
+            print(f"[minimind-ray] resuming from {choice} (step {newer[0]}), newer than the "
+                  f"checkpoint Ray registered (step {reg_step if reg_step >= 0 else 'none'})", flush=True)
+    if world > 1:
+        import torch.distributed as dist
+
+        box = [choice]
+        dist.broadcast_object_list(box, src=0)
+        choice = box[0]
+    if choice is None:
+        return registered
+    fs, _ = _fs_path(run_dir)
+    return Checkpoint(choice, filesystem=fs)
+

@@ -2,7 +2,8 @@
 
 Flow of one worker::
 
-    restore  <- ray.train.get_checkpoint()     model, optimizer, scheduler, data position, RNG, MLflow run id
+    restore  <- the newest complete checkpoint (Ray's, or a newer one in storage that a crash kept
+                Ray from registering): model, optimizer, scheduler, data position, RNG, MLflow run id
     stream   <- TrainStream(prepared data)     this rank's slice of each global batch, exactly once
     each step: all-reduce the step's loss weight -> micro-steps (no_sync but the last) -> clip -> AdamW
     every log_interval: one all-reduce of the interval's sums ; rank 0 -> MLflow and the driver's console
@@ -160,7 +161,8 @@ def train_loop_per_worker(config: Dict[str, Any]) -> None:
     torch.manual_seed(cfg.train.seed + rank)  # dropout and sampling differ per rank
     random.seed(cfg.train.seed + rank)
     objective: Objective = build_objective(cfg)
-    restored = ray.train.get_checkpoint()
+    # Ray's registered checkpoint, or a newer complete one a hard crash kept Ray from registering
+    restored = ckpt_io.restore_point(ray.train.get_checkpoint(), config.get("run_dir"), rank, world)
     meta: Optional[Dict[str, Any]] = None
     if cfg.train.init_from:  # also on restore: DPO's reference is a copy of the *initial* weights
         ckpt_io.load_model_weights(model, cfg.train.init_from, strict=True)

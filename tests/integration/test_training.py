@@ -127,8 +127,9 @@ def test_crash_recovers_to_identical_weights(baseline, shared, mode, step, rank)
     assert all(torch.equal(w[k], w_ref[k]) for k in w_ref), "recovered weights differ from the uninterrupted run"
     per_step, attempts = sample_record(shared, name)
     assert_exactly_once(per_step)
-    # the worker group restarted once, from a checkpoint at or before the crash
-    assert len(attempts) == 2 and max(attempts) <= step - 1 and max(attempts) % CKPT_EVERY == 0
+    # the worker group restarted once, from the newest checkpoint before the crash, even when a hard
+    # kill kept Ray from registering it: a crash costs at most one checkpoint interval
+    assert attempts == {0, (step - 1) // CKPT_EVERY * CKPT_EVERY}
     # one MLflow run, each step logged once, with the uninterrupted run's values
     losses = loss_history(shared, res.mlflow_run_id)
     assert [s for s, _ in losses] == list(range(1, STEPS + 1))
