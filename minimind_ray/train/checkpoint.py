@@ -123,8 +123,9 @@ def verify(ckpt_dir, deep: bool = False, filesystem=None) -> Dict[str, Any]:
     root = root.rstrip("/")
     try:
         rec = json.loads(_read_bytes(fs, f"{root}/{COMPLETE}"))
-    except (FileNotFoundError, OSError, ValueError):
-        raise CheckpointError(f"{ckpt_dir}: no readable {COMPLETE}; the checkpoint was not finished and is not used")
+    except (FileNotFoundError, OSError, ValueError) as e:
+        raise CheckpointError(
+            f"{ckpt_dir}: no readable {COMPLETE}; the checkpoint was not finished and is not used") from e
     names = list(rec["files"])
     infos = fs.get_file_info([f"{root}/{n}" for n in names])
     for name, info in zip(names, infos):
@@ -139,7 +140,7 @@ def verify(ckpt_dir, deep: bool = False, filesystem=None) -> Dict[str, Any]:
             try:
                 torch.load(io.BytesIO(_read_bytes(fs, p)), map_location="cpu", weights_only=True)
             except Exception as e:  # a truncated zip, a half-copied pickle
-                raise CheckpointError(f"{ckpt_dir}: rng/rank_{r}.pt unreadable ({e}); checkpoint refused")
+                raise CheckpointError(f"{ckpt_dir}: rng/rank_{r}.pt unreadable ({e}); checkpoint refused") from e
     return rec
 
 
