@@ -226,7 +226,8 @@ def restore_point(registered, run_dir: Optional[str], rank: int, world: int):
     checkpoint intervals. So the run directory is searched too, and a newer checkpoint that
     verifies (every file at its size, every rank's RNG file readable) wins. Rank 0 decides and
     broadcasts, so that every rank restores the same step.
-    (Ray's ``num_to_keep`` does not know such a checkpoint and leaves it on storage.)"""
+    Ray's ``num_to_keep`` does not know such a checkpoint; :func:`prune_untracked` removes it when the
+    run ends."""
     from ray.train import Checkpoint
 
     choice = None
@@ -253,3 +254,27 @@ def restore_point(registered, run_dir: Optional[str], rank: int, world: int):
     fs, _ = _fs_path(run_dir)
     return Checkpoint(choice, filesystem=fs)
 
+
+
+def prune_untracked(run_dir, kept_names) -> List[str]:
+    """Delete the checkpoint_* directories of a finished run that Ray does not keep: ones a hard crash
+    kept it from registering (see :func:`restore_point`) and uploads a crash cut short. Ray's own
+    ``num_to_keep`` pruning only knows what it registered. Returns the names removed."""
+    import pyarrow.fs as pafs
+
+    fs, root = _fs_path(run_dir)
+    kept = set(kept_names)
+    try:
+        entries = fs.get_file_info(pafs.FileSelector(root.rstrip("/"), allow_not_found=True))
+    except OSError:
+        return []
+    removed = []
+    for e in entries:
+        if e.type == pafs.FileType.Directory and e.base_name.startswith("checkpoint_") and e.base_name not in kept:
+            try:
+                fs.delete_dir(e.path)
+            except OSError as err:  # storage trouble must not fail a finished run; say so and go on
+                print(f"[minimind-ray] could not remove {e.path}: {err}", flush=True)
+                continue
+            removed.append(e.base_name)
+    return sorted(removed)

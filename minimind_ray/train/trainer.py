@@ -251,6 +251,12 @@ def _finish(cfg: RunConfig, result, name, run_dir, storage, run_id, uri, tokeniz
     local = Path(ck.path) if "://" not in storage else Path(ck.to_directory(tempfile.mkdtemp(prefix="mmr-final-")))
     export_dir = Path(run_dir) / "export" if "://" not in storage else local.parent / "export"
     out.exports = export_run_checkpoint(cfg, local, export_dir, tokenizer)
+    if cfg.checkpoint.num_to_keep:  # what Ray keeps is what num_to_keep asked for; drop what it never registered
+        from minimind_ray.train.checkpoint import prune_untracked
+
+        removed = prune_untracked(run_dir, {Path(c.path).name for c, _ in (result.best_checkpoints or [])})
+        if removed:
+            print(f"[{name}] removed checkpoints Ray did not keep (unregistered after a crash): {removed}", flush=True)
     index = export_dir / "checkpoints.json"  # where every kept checkpoint is, by step: MLflow points at storage
     index.write_text(json.dumps([{"path": f"{run_dir}/{Path(c.path).name}", **{k: m.get(k) for k in ("step", "loss")}}
                                  for c, m in (result.best_checkpoints or [])], indent=1))

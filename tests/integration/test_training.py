@@ -14,6 +14,7 @@ Between runs with the same worker count the order is identical, so equality is e
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -76,7 +77,6 @@ def test_one_worker_matches_two_workers(baseline, one_worker, shared):
 def test_one_worker_equals_plain_single_process_training(one_worker):
     """world_size=1 on Ray Train is plain PyTorch: the same steps written out here, with no Ray, give
     bit-identical weights (same data order, same ops, one thread like the worker)."""
-    import json
 
     from minimind_ray.config import from_dict
     from minimind_ray.data.stream import PreparedDataset, TrainStream
@@ -130,6 +130,9 @@ def test_crash_recovers_to_identical_weights(baseline, shared, mode, step, rank)
     # the worker group restarted once, from the newest checkpoint before the crash, even when a hard
     # kill kept Ray from registering it: a crash costs at most one checkpoint interval
     assert attempts == {0, (step - 1) // CKPT_EVERY * CKPT_EVERY}
+    # storage holds what Ray keeps (num_to_keep), no unregistered leftovers
+    kept = {Path(c["path"]).name for c in json.loads((Path(res.run_dir) / "export" / "checkpoints.json").read_text())}
+    assert {p.name for p in Path(res.run_dir).glob("checkpoint_*") if p.is_dir()} == kept and len(kept) == 2
     # one MLflow run, each step logged once, with the uninterrupted run's values
     losses = loss_history(shared, res.mlflow_run_id)
     assert [s for s, _ in losses] == list(range(1, STEPS + 1))

@@ -104,3 +104,12 @@ def test_checkpoints_on_a_uri_filesystem(run_dir, tmp_path):
     assert ck.verify(chosen.path, filesystem=chosen.filesystem)["step"] == 8
     shutil.rmtree(run_dir)
     assert ck.latest_checkpoint(uri) is None
+
+
+def test_prune_untracked_removes_only_what_ray_does_not_keep(run_dir):
+    (run_dir / "checkpoint_2026-11-29_00-00-09.000000").mkdir()  # an upload a crash cut short
+    names = sorted(p.name for p in run_dir.iterdir())
+    kept = {names[1]}  # Ray kept step 8 only; step 4 was never registered
+    assert ck.prune_untracked(run_dir, kept) == [names[0], names[2]]
+    assert sorted(p.name for p in run_dir.iterdir()) == [names[1]]
+    assert ck.prune_untracked(run_dir.parent / "absent", kept) == []
