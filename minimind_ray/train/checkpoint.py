@@ -172,20 +172,24 @@ def load_model_weights(model: torch.nn.Module, source: str, strict: bool = True)
     load_pth(model, sd, strict=strict)
 
 
-def checkpoints_in(run_dir) -> List[Tuple[int, str]]:
-    """(step, path) of every checkpoint_* directory of a run that has a COMPLETE marker, newest
-    first; paths are on the run directory's filesystem. Markers only: :func:`verify` each before use."""
+def _checkpoint_dirs(run_dir) -> Tuple[Any, list]:
+    """(filesystem, FileInfo of every checkpoint_* directory) of a run directory; none if it is absent."""
     import pyarrow.fs as pafs
 
     fs, root = _fs_path(run_dir)
     try:
         entries = fs.get_file_info(pafs.FileSelector(root.rstrip("/"), allow_not_found=True))
     except OSError:
-        return []
+        return fs, []
+    return fs, [e for e in entries if e.type == pafs.FileType.Directory and e.base_name.startswith("checkpoint_")]
+
+
+def checkpoints_in(run_dir) -> List[Tuple[int, str]]:
+    """(step, path) of every checkpoint_* directory of a run that has a COMPLETE marker, newest
+    first; paths are on the run directory's filesystem. Markers only: :func:`verify` each before use."""
+    fs, entries = _checkpoint_dirs(run_dir)
     found = []
     for e in entries:
-        if e.type != pafs.FileType.Directory or not e.base_name.startswith("checkpoint_"):
-            continue
         try:
             step = json.loads(_read_bytes(fs, f"{e.path}/{COMPLETE}"))["step"]
         except (FileNotFoundError, OSError, ValueError, KeyError):
@@ -260,17 +264,10 @@ def prune_untracked(run_dir, kept_names) -> List[str]:
     """Delete the checkpoint_* directories of a finished run that Ray does not keep: ones a hard crash
     kept it from registering (see :func:`restore_point`) and uploads a crash cut short. Ray's own
     ``num_to_keep`` pruning only knows what it registered. Returns the names removed."""
-    import pyarrow.fs as pafs
-
-    fs, root = _fs_path(run_dir)
-    kept = set(kept_names)
-    try:
-        entries = fs.get_file_info(pafs.FileSelector(root.rstrip("/"), allow_not_found=True))
-    except OSError:
-        return []
-    removed = []
+    fs, entries = _checkpoint_dirs(run_dir)
+    kept, removed = set(kept_names), []
     for e in entries:
-        if e.type == pafs.FileType.Directory and e.base_name.startswith("checkpoint_") and e.base_name not in kept:
+        if e.base_name not in kept:
             try:
                 fs.delete_dir(e.path)
             except OSError as err:  # storage trouble must not fail a finished run; say so and go on
