@@ -259,7 +259,6 @@ def restore_point(registered, run_dir: Optional[str], rank: int, world: int):
     return Checkpoint(choice, filesystem=fs)
 
 
-
 def prune_untracked(run_dir, kept_names) -> List[str]:
     """Delete the checkpoint_* directories of a finished run that Ray does not keep: ones a hard crash
     kept it from registering (see :func:`restore_point`) and uploads a crash cut short. Ray's own

@@ -256,7 +256,8 @@ def _finish(cfg: RunConfig, result, name, run_dir, storage, run_id, uri, tokeniz
 
         removed = prune_untracked(run_dir, {Path(c.path).name for c, _ in (result.best_checkpoints or [])})
         if removed:
-            print(f"[{name}] removed checkpoints Ray did not keep (unregistered after a crash): {removed}", flush=True)
+            print(f"[{name}] removed checkpoints Ray did not keep (unregistered or cut short by a crash): {removed}",
+                  flush=True)
     index = export_dir / "checkpoints.json"  # where every kept checkpoint is, by step: MLflow points at storage
     index.write_text(json.dumps([{"path": f"{run_dir}/{Path(c.path).name}", **{k: m.get(k) for k in ("step", "loss")}}
                                  for c, m in (result.best_checkpoints or [])], indent=1))
