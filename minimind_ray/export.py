@@ -142,6 +142,22 @@ def _special_ids(tokenizer_dir: Path) -> Dict[str, int]:
     return out
 
 
+def _write_safetensors(raw: nn.Module, path: Path, metadata: Dict[str, str],
+                       dtype: Optional[torch.dtype] = None) -> str:
+    """The model's clean state dict as safetensors, written to a temp name and renamed. A tied
+    lm_head is left out (safetensors cannot hold shared tensors; loaders re-tie it)."""
+    from safetensors.torch import save_file
+
+    sd = clean_state_dict(raw.state_dict())
+    if raw.cfg.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)
+    tensors = {k: (v.detach().to(dtype) if dtype else v.detach()).cpu().contiguous() for k, v in sd.items()}
+    tmp = Path(str(path) + ".tmp")
+    save_file(tensors, str(tmp), metadata=metadata)
+    os.replace(tmp, path)
+    return str(path)
+
+
 def export_hf(model: nn.Module, tokenizer_dir, out_dir, dtype: Optional[torch.dtype] = None) -> str:
     """Write an HF transformers folder (config.json, model.safetensors, tokenizer files) that
     ``AutoModelForCausalLM.from_pretrained(out_dir)`` loads with no custom code.
@@ -150,8 +166,6 @@ def export_hf(model: nn.Module, tokenizer_dir, out_dir, dtype: Optional[torch.dt
     stored once, as ``model.embed_tokens.weight`` (safetensors cannot hold shared
     tensors; the loader re-ties lm_head from ``tie_word_embeddings``).
     """
-    from safetensors.torch import save_file
-
     raw = unwrap_model(model)
     if _has_lora(raw):
         raise ValueError("model has LoRA adapters: merge_lora(model) before exporting to HF")
@@ -160,17 +174,10 @@ def export_hf(model: nn.Module, tokenizer_dir, out_dir, dtype: Optional[torch.dt
     missing = [f for f in TOKENIZER_FILES[:2] if not (tokenizer_dir / f).exists()]
     if missing:
         raise FileNotFoundError(f"tokenizer folder {tokenizer_dir} lacks {missing}")
-    sd = clean_state_dict(raw.state_dict())
-    dtype = dtype or next(iter(sd.values())).dtype
-    if cfg.tie_word_embeddings:
-        sd.pop("lm_head.weight")
-    tensors = {k: v.detach().to(dtype).cpu().contiguous() for k, v in sd.items()}
+    dtype = dtype or next(iter(raw.state_dict().values())).dtype
     config = hf_config(cfg, dtype, _special_ids(tokenizer_dir))
-
     out_dir.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir / "model.safetensors.tmp"
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, out_dir / "model.safetensors")
+    _write_safetensors(raw, out_dir / "model.safetensors", {"format": "pt"}, dtype)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     for name in TOKENIZER_FILES:
         if (tokenizer_dir / name).exists():
@@ -189,8 +196,6 @@ def _export_model(model: nn.Module, out_dir: Path, stage: str, formats, tokenize
                   lora: str = "merge") -> Dict[str, str]:
     """Write the requested formats of one in-memory model. LoRA: adapters alone (``lora='separate'``,
     MiniMind's lora_*.pth) or folded into the base weights first (``'merge'``)."""
-    from safetensors.torch import save_file
-
     from minimind_ray.model.lora import merge_lora
 
     if "hf" in formats and tokenizer_dir is None:
@@ -205,14 +210,8 @@ def _export_model(model: nn.Module, out_dir: Path, stage: str, formats, tokenize
     if "minimind" in formats:
         paths["pth"] = export_minimind_pth(model, out_dir, stage=stage)
     if "safetensors" in formats:
-        sd = clean_state_dict(unwrap_model(model).state_dict())
-        if unwrap_model(model).cfg.tie_word_embeddings:
-            sd.pop("lm_head.weight", None)
-        st = out_dir / "model.safetensors"
-        save_file({k: v.detach().contiguous().cpu() for k, v in sd.items()}, str(st) + ".tmp",
-                  metadata={"format": "pt", "layout": "minimind"})
-        os.replace(str(st) + ".tmp", st)
-        paths["safetensors"] = str(st)
+        paths["safetensors"] = _write_safetensors(unwrap_model(model), out_dir / "model.safetensors",
+                                                  {"format": "pt", "layout": "minimind"})
     if "hf" in formats:
         try:
             paths["hf"] = export_hf(model, tokenizer_dir, out_dir / "hf", dtype=torch.float16)
@@ -221,14 +220,14 @@ def _export_model(model: nn.Module, out_dir: Path, stage: str, formats, tokenize
     return paths
 
 
-def export_run_checkpoint(cfg, ckpt_dir: Path, out_dir: Path, tokenizer) -> Dict[str, str]:
+def export_run_checkpoint(cfg, ckpt_dir: Path, out_dir: Path) -> Dict[str, str]:
     """What the driver writes after training: MiniMind .pth + safetensors (+ LoRA weights) of the
     final checkpoint, named as MiniMind's trainers name them (``full_sft`` for SFT)."""
     from minimind_ray.weights import build_inference_model
 
     model, _ = build_inference_model(str(ckpt_dir), merge_lora=False)
     stage = FILE_STAGE[cfg.train.stage]
-    return _export_model(model, Path(out_dir), stage, ("minimind", "safetensors"), tokenizer.path, lora="merge")
+    return _export_model(model, Path(out_dir), stage, ("minimind", "safetensors"), None)
 
 
 def export_from_source(source: str, out, formats=("minimind", "hf"), preset: Optional[str] = None,

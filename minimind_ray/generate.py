@@ -66,15 +66,12 @@ def generate_text(model, tokenizer, prompt: str, sampling: SamplingConfig, chat:
     """Generate a reply (chat template) or a continuation (raw), streaming to ``out``."""
     text = render_prompt(tokenizer, [{"role": "user", "content": prompt}], think) if chat else \
         tokenizer.decode([tokenizer.bos_id]) + prompt
-    pieces = []
-    for piece in stream_reply(model, tokenizer, text, sampling, device):
-        pieces.append(piece)
-        if out is not None:
-            out.write(piece)
-            out.flush()
-    if out is not None:
-        out.write("\n")
-    return "".join(pieces)
+    pieces = stream_reply(model, tokenizer, text, sampling, device)
+    if out is None:
+        return "".join(pieces)
+    reply = "".join(_tee(pieces, out))
+    out.write("\n")
+    return reply
 
 
 def chat_loop(model, tokenizer, sampling: SamplingConfig, think: Optional[bool] = None, device: str = "cpu",

@@ -228,9 +228,7 @@ def _corpus_texts(files: List[str]) -> Iterator[str]:
     """Texts of every record, streamed file by file: pretrain ``text``, the message contents
     of ``conversations`` / ``chosen`` / ``rejected``. Unparseable lines are skipped here;
     ``prepare`` is where bad records are counted."""
-    import pyarrow.parquet as pq
-
-    from minimind_ray.data.sources import filesystem, iter_lines, resolve_sources
+    from minimind_ray.data.sources import iter_records, resolve_sources
 
     def texts_of(rec):
         if not isinstance(rec, dict):
@@ -248,16 +246,9 @@ def _corpus_texts(files: List[str]) -> Iterator[str]:
     if missing:
         raise FileNotFoundError(f"train_tokenizer: no data at {missing}")
     for sf in sources:
-        if sf.kind == "parquet":
-            fs, path = filesystem(sf.uri)
-            with fs.open_input_file(path) as fh:
-                for batch in pq.ParquetFile(fh).iter_batches(batch_size=1024):
-                    for rec in batch.to_pylist():
-                        yield from texts_of(rec)
-            continue
-        for line in iter_lines(sf):
+        for item in iter_records(sf):
             try:
-                rec = json.loads(line)
+                rec = json.loads(item) if isinstance(item, bytes) else item
             except ValueError:
                 continue
             yield from texts_of(rec)

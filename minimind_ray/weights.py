@@ -45,14 +45,14 @@ def _localize(source: str) -> Path:
     return dst
 
 
-def resolve_checkpoint(source: str) -> Optional[Path]:
-    """The checkpoint directory a source names, or None when it is a bare .pth."""
-    p = _localize(source)
-    if p.is_file():
+def _checkpoint_dir(local: Path, source: str) -> Optional[Path]:
+    """The verified checkpoint directory a localized source names, or None when it is a bare .pth."""
+    if local.is_file():
         return None
-    if (p / ckpt_io.COMPLETE).exists():
-        return p
-    latest = ckpt_io.latest_checkpoint(p)
+    if (local / ckpt_io.COMPLETE).exists():
+        ckpt_io.verify(local)
+        return local
+    latest = ckpt_io.latest_checkpoint(local)  # the newest one that verifies
     if latest is None:
         raise FileNotFoundError(f"{source}: no complete checkpoint_* directory and not a .pth file")
     return latest
@@ -76,14 +76,14 @@ def infer_model_config(sd: Dict[str, torch.Tensor]) -> ModelConfig:
 def load_weights(source: str, preset: Optional[str] = None) -> LoadedWeights:
     from minimind_ray.model.minimind import clean_state_dict
 
-    ck = resolve_checkpoint(source)
+    local = _localize(source)  # a URI is copied down once
+    ck = _checkpoint_dir(local, source)
     if ck is not None:
-        ckpt_io.verify(ck)
         meta = ckpt_io.read_meta(ck)
         run_cfg = from_dict(meta["config"])
         sd = torch.load(ck / ckpt_io.MODEL, map_location="cpu", weights_only=True)
         return LoadedWeights(clean_state_dict(sd), run_cfg.model, run_cfg, ck)
-    sd = clean_state_dict(torch.load(_localize(source), map_location="cpu", weights_only=True))
+    sd = clean_state_dict(torch.load(local, map_location="cpu", weights_only=True))
     mc = ModelConfig(**preset_values(preset)) if preset else infer_model_config(sd)
     return LoadedWeights(sd, mc, None, None)
 

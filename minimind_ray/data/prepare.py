@@ -39,7 +39,8 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from minimind_ray.data import formats
-from minimind_ray.data.sources import SourceFile, filesystem, iter_lines, join, plan_ranges, resolve_sources
+from minimind_ray.data.sources import (SourceFile, filesystem, iter_records, join, plan_ranges,
+                                       resolve_sources)
 
 MANIFEST = "manifest.json"
 PREPARED_VERSION = 1  # bump when the layout or a format's rows change: old caches are then not reused
@@ -85,17 +86,8 @@ def plan_chunks(files: List[SourceFile], chunk_bytes: int) -> List[Chunk]:
 
 
 def _chunk_items(chunk: Chunk) -> Iterator[Tuple[int, Union[bytes, dict]]]:
-    """(line number within the chunk, raw line or parquet row)."""
-    if chunk.source.kind != "parquet":
-        yield from enumerate(iter_lines(chunk.source, chunk.start, chunk.end), 1)
-        return
-    fs, path = filesystem(chunk.source.uri)
-    n = 0
-    with fs.open_input_file(path) as f:
-        for batch in pq.ParquetFile(f).iter_batches(batch_size=1024, row_groups=range(chunk.start, chunk.end)):
-            for row in batch.to_pylist():
-                n += 1
-                yield n, row
+    """(line or row number within the chunk, raw line or parquet row)."""
+    return enumerate(iter_records(chunk.source, chunk.start, chunk.end), 1)
 
 
 class _ShardWriter:
@@ -337,13 +329,11 @@ def prepare(sources: List[str], out_dir: str, tokenizer, data_cfg) -> str:
                         f"{ {r: e['count'] for r, e in merged['skipped'].items()} }")
     manifest = {
         "version": PREPARED_VERSION,
-        "format": fmt,
+        **row_settings(data_cfg),
         "tokenizer_hash": tokenizer.hash(),
         "tokenizer_path": tokenizer.path,
         "vocab_size": tokenizer.vocab_size,
         "id_dtype": np.dtype(formats.id_dtype(tokenizer.vocab_size)).name,
-        "max_seq_len": data_cfg.max_seq_len,
-        "pack": bool(data_cfg.pack and fmt == "pretrain"),
         "block_rows": data_cfg.block_rows,
         "chunk_bytes": data_cfg.chunk_bytes,
         "bad_records": data_cfg.bad_records,
@@ -354,6 +344,13 @@ def prepare(sources: List[str], out_dir: str, tokenizer, data_cfg) -> str:
     }
     _write_manifest(out_dir, manifest)
     return out_dir
+
+
+def row_settings(data_cfg) -> dict:
+    """The settings that shape the prepared rows, as the manifest records them and a run must match.
+    Packing applies to pretrain only, so it is recorded as it takes effect."""
+    return {"format": data_cfg.format, "max_seq_len": data_cfg.max_seq_len,
+            "pack": bool(data_cfg.pack and data_cfg.format == "pretrain")}
 
 
 def check_manifest(manifest: dict, path: str, data_cfg, tokenizer) -> None:
@@ -367,10 +364,7 @@ def check_manifest(manifest: dict, path: str, data_cfg, tokenizer) -> None:
             f"prepared data {path} was tokenized with tokenizer hash {manifest['tokenizer_hash']} "
             f"({manifest.get('tokenizer_path')}), but data.tokenizer {tokenizer.path!r} has hash {tokenizer.hash()}: "
             f"prepare the raw data again with this tokenizer, or set data.tokenizer to the one it was made with")
-    for field in ("format", "max_seq_len") + (("pack",) if manifest["format"] == "pretrain" else ()):
-        want = getattr(data_cfg, field)
-        if field == "pack":
-            want = bool(want)
+    for field, want in row_settings(data_cfg).items():
         if manifest[field] != want:
             raise DataError(f"prepared data {path} has {field}={manifest[field]!r} but data.{field}={want!r}")
 
@@ -400,9 +394,8 @@ def ensure_prepared(data_cfg, tokenizer) -> str:
     files, missing = resolve_sources(paths)
     key = hashlib.sha256(json.dumps({
         "version": PREPARED_VERSION, "sources": [dataclasses.asdict(f) for f in files], "missing": missing,
-        "tokenizer": tokenizer.hash(), "format": data_cfg.format, "max_seq_len": data_cfg.max_seq_len,
-        "pack": bool(data_cfg.pack), "block_rows": data_cfg.block_rows, "chunk_bytes": data_cfg.chunk_bytes,
-        "bad_records": data_cfg.bad_records,
+        "tokenizer": tokenizer.hash(), **row_settings(data_cfg), "block_rows": data_cfg.block_rows,
+        "chunk_bytes": data_cfg.chunk_bytes, "bad_records": data_cfg.bad_records,
     }, sort_keys=True).encode()).hexdigest()
     out = join(cache, f"{data_cfg.format}-{key[:16]}")
     if is_prepared(out):

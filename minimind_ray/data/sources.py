@@ -170,3 +170,19 @@ def iter_lines(sf: SourceFile, start: int = 0, end: int = -1) -> Iterator[bytes]
             yield from parts
     if carry:
         yield carry
+
+
+def iter_records(sf: SourceFile, start: int = 0, end: int = -1) -> Iterator[Union[bytes, dict]]:
+    """The records of part of a source: raw lines (bytes, unparsed) of bytes [start, end) of a
+    jsonl(.gz) file, or rows (dicts) of row groups [start, end) of a Parquet file. ``end=-1``: to the end."""
+    if sf.kind != "parquet":
+        yield from iter_lines(sf, start, end)
+        return
+    import pyarrow.parquet as pq
+
+    fs, path = filesystem(sf.uri)
+    with fs.open_input_file(path) as f:
+        pf = pq.ParquetFile(f)
+        groups = range(start, pf.num_row_groups if end < 0 else end)
+        for batch in pf.iter_batches(batch_size=1024, row_groups=groups):
+            yield from batch.to_pylist()

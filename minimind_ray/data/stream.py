@@ -143,18 +143,18 @@ class _BlockReader:
     def rows(self, positions: np.ndarray):
         """(column -> list of row arrays, sample ids) of these positions, in their order."""
         blocks = self.ds.block_of(positions)
-        for b in np.unique(blocks):
-            b = int(b)
+        needed = np.unique(blocks)
+        for b in needed.tolist():
             if b not in self._cache:
                 self._cache[b] = self._load(b)
             self._cache.move_to_end(b)
-        needed = len(np.unique(blocks))
-        while len(self._cache) > max(self.capacity, needed):
+        while len(self._cache) > max(self.capacity, len(needed)):
             self._cache.popitem(last=False)
         rows: Dict[str, List[np.ndarray]] = {c: [] for c in self.ds.columns}
         sample_ids = np.empty(len(positions), dtype=np.int64)
-        for i, (p, b) in enumerate(zip(positions.tolist(), blocks.tolist())):
-            block, r = self._cache[b], p - int(self.ds.block_start[b])
+        in_block = positions - self.ds.block_start[blocks]  # row index inside each position's row group
+        for i, (r, b) in enumerate(zip(in_block.tolist(), blocks.tolist())):
+            block = self._cache[b]
             sample_ids[i] = block["sample_id"][r]
             for c in self.ds.columns:
                 offsets, values = block[c]

@@ -98,12 +98,9 @@ def write_rank0_files(ckpt_dir: Path, *, model_state: Dict[str, torch.Tensor], o
 
 def _fs_path(location) -> Tuple[Any, str]:
     """(pyarrow filesystem, path) for a local path or a storage URI (s3://, gs://, file://, ...)."""
-    import pyarrow.fs as pafs
+    from minimind_ray.data.sources import filesystem
 
-    s = str(location)
-    if "://" in s:
-        return pafs.FileSystem.from_uri(s)
-    return pafs.LocalFileSystem(), os.path.abspath(s)
+    return filesystem(str(location))
 
 
 def _read_bytes(fs, path: str) -> bytes:

@@ -250,7 +250,7 @@ def _finish(cfg: RunConfig, result, name, run_dir, storage, run_id, uri, tokeniz
         return out
     local = Path(ck.path) if "://" not in storage else Path(ck.to_directory(tempfile.mkdtemp(prefix="mmr-final-")))
     export_dir = Path(run_dir) / "export" if "://" not in storage else local.parent / "export"
-    out.exports = export_run_checkpoint(cfg, local, export_dir, tokenizer)
+    out.exports = export_run_checkpoint(cfg, local, export_dir)
     if cfg.checkpoint.num_to_keep:  # what Ray keeps is what num_to_keep asked for; drop what it never registered
         from minimind_ray.train.checkpoint import prune_untracked
 
