@@ -39,8 +39,8 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from minimind_ray.data import formats
-from minimind_ray.data.sources import (SourceFile, filesystem, iter_records, join, plan_ranges,
-                                       resolve_sources)
+from minimind_ray.data.sources import SourceFile, iter_records, plan_ranges, resolve_sources
+from minimind_ray.fsio import filesystem, join
 
 MANIFEST = "manifest.json"
 PREPARED_VERSION = 1  # bump when the layout or a format's rows change: old caches are then not reused

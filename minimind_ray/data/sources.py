@@ -19,6 +19,8 @@ from typing import Iterator, List, Sequence, Tuple, Union
 
 import pyarrow.fs as pafs
 
+from minimind_ray.fsio import filesystem, is_uri
+
 SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")
 _READ_BLOCK = 8 << 20  # bytes per read when streaming lines
 _PROBE_BLOCK = 64 << 10  # bytes per read when looking for the newline after a cut
@@ -34,18 +36,6 @@ class SourceFile:
     kind: str  # 'jsonl' | 'jsonl.gz' | 'parquet'
 
 
-def filesystem(uri: str) -> Tuple[pafs.FileSystem, str]:
-    """(filesystem, path inside it) for a local path or any URI pyarrow understands."""
-    if "://" in uri:
-        return pafs.FileSystem.from_uri(uri)
-    return pafs.LocalFileSystem(), os.path.abspath(uri)
-
-
-def join(base: str, name: str) -> str:
-    """Join a file name to a local path or URI."""
-    return base.rstrip("/") + "/" + name if "://" in base else os.path.join(base, name)
-
-
 def _kind(path: str) -> str:
     for suffix in SUFFIXES:
         if path.endswith(suffix):
@@ -55,7 +45,7 @@ def _kind(path: str) -> str:
 
 def _to_uri(spec: str, path: str) -> str:
     """Rebuild a URI for a path found inside the filesystem of ``spec``."""
-    if "://" not in spec:
+    if not is_uri(spec):
         return path
     scheme = spec.split("://", 1)[0]
     return f"{scheme}://{path.lstrip('/')}" if scheme != "file" else f"file://{path}"

@@ -41,7 +41,7 @@ import pyarrow.parquet as pq
 
 from minimind_ray.data import formats
 from minimind_ray.data.prepare import SAMPLE_ID_STRIDE, read_manifest
-from minimind_ray.data.sources import filesystem
+from minimind_ray.fsio import filesystem
 
 def _unit_hash(ids: np.ndarray) -> np.ndarray:
     """splitmix64 of each id, mapped to [0, 1): a fixed, seed-independent coin per sample."""

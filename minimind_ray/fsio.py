@@ -1,0 +1,87 @@
+"""Cross-cutting file chores, written once: is it a URI, which filesystem, atomic writes.
+
+Every path the project reads or writes may be a local path or a URI (``s3://``,
+``gs://``, ``file://``, ...): :func:`filesystem` turns either into a ``pyarrow.fs``
+filesystem and a path inside it. Every file the project writes for a reader to trust
+(checkpoints, manifests, exports, tokenizers, the demo corpus) goes through
+:func:`atomic_write` or :func:`write_bytes_atomic`: written under a temporary name in
+the same directory, then renamed, so a reader sees the whole file or none of it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, Tuple, Union
+
+import pyarrow.fs as pafs
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+def is_uri(location: PathLike) -> bool:
+    """True for ``scheme://...`` (s3, gs, hdfs, file, ...), False for a plain local path."""
+    return "://" in str(location)
+
+
+def filesystem(location: PathLike) -> Tuple[pafs.FileSystem, str]:
+    """(pyarrow filesystem, path inside it) for a local path or any URI pyarrow understands."""
+    location = str(location)
+    if is_uri(location):
+        return pafs.FileSystem.from_uri(location)
+    return pafs.LocalFileSystem(), os.path.abspath(location)
+
+
+def join(base: PathLike, name: str) -> str:
+    """Join a name to a local path or a URI."""
+    base = str(base)
+    return base.rstrip("/") + "/" + name if is_uri(base) else os.path.join(base, name)
+
+
+def atomic_write(path: PathLike, write_fn: Callable[[str], Any]) -> None:
+    """Call ``write_fn(tmp_path)`` on a temporary file beside ``path``, then rename it to ``path``.
+
+    A crash or an exception leaves ``path`` as it was (absent or the previous version)
+    and removes the temporary file: never half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    os.close(fd)
+    try:
+        write_fn(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def write_text_atomic(path: PathLike, text: str) -> None:
+    def w(tmp: str) -> None:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+    atomic_write(path, w)
+
+
+def write_json_atomic(path: PathLike, obj: Any, indent: int = 1) -> None:
+    write_text_atomic(path, json.dumps(obj, indent=indent, ensure_ascii=False, default=str))
+
+
+def torch_save_atomic(obj: Any, path: PathLike) -> None:
+    import torch
+
+    atomic_write(path, lambda tmp: torch.save(obj, tmp))
+
+
+def write_bytes_atomic(location: PathLike, data: bytes) -> None:
+    """:func:`atomic_write` for a local path or a URI: on object stores a single PUT is already
+    all-or-nothing, and the temporary name + move keeps local and POSIX-like filesystems safe."""
+    if not is_uri(location):
+        atomic_write(location, lambda tmp: Path(tmp).write_bytes(data))
+        return
+    fs, path = filesystem(location)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with fs.open_output_stream(tmp) as f:
+        f.write(data)
+    fs.move(tmp, path)
