@@ -25,7 +25,10 @@ from typing import Iterator, List, Optional
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from minimind_ray.fsio import atomic_write, write_json_atomic
+
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2: MiniMind's layout
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")  # all a tokenizer directory holds
 
 # ChatML as MiniMind2 renders it: a system turn always comes first (a default one when the
 # conversation has none and no tools are given); tools are listed inside the system turn;
@@ -178,14 +181,14 @@ class Tokenizer:
 
     def save(self, out_dir: str) -> None:
         """tokenizer.json + tokenizer_config.json (with the chat template): loadable here and by
-        ``transformers.AutoTokenizer``."""
+        ``transformers.AutoTokenizer``. Each file is written atomically; nothing else in
+        ``out_dir`` is touched."""
         os.makedirs(out_dir, exist_ok=True)
-        self._hf.save(os.path.join(out_dir, "tokenizer.json"))
+        atomic_write(os.path.join(out_dir, "tokenizer.json"), lambda tmp: self._hf.save(tmp))
         config = dict(self.config)
         if self.chat_template:
             config["chat_template"] = self.chat_template
-        with open(os.path.join(out_dir, "tokenizer_config.json"), "w", encoding="utf-8") as f:
-            json.dump(config, f, ensure_ascii=False, indent=2)
+        write_json_atomic(os.path.join(out_dir, "tokenizer_config.json"), config, indent=2)
 
     def __repr__(self) -> str:
         return f"Tokenizer(path={self.path!r}, vocab_size={self.vocab_size}, hash={self.hash()[:12]})"
@@ -254,14 +257,34 @@ def _corpus_texts(files: List[str]) -> Iterator[str]:
             yield from texts_of(rec)
 
 
+def check_output_dir(out_dir: str) -> None:
+    """Refuse to write a tokenizer into a directory that holds anything but a tokenizer's own
+    files: ``train-tokenizer --out .`` must never touch a user's files."""
+    if not os.path.lexists(out_dir):
+        return
+    if not os.path.isdir(out_dir):
+        raise ValueError(f"tokenizer output {out_dir} exists and is not a directory; choose a new or empty directory")
+    others = sorted(set(os.listdir(out_dir)) - set(TOKENIZER_FILES))
+    if others:
+        shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+        raise ValueError(f"tokenizer output {out_dir} is not empty and not a tokenizer directory (it holds {shown}); "
+                         f"choose a new or empty directory")
+
+
 def train_tokenizer(jsonl_files: List[str], out_dir: str, vocab_size: int = 6400) -> Tokenizer:
     """Train a MiniMind-style ByteLevel BPE: special tokens <|endoftext|>=0, <|im_start|>=1,
     <|im_end|>=2, then the 256 byte symbols, then merges up to ``vocab_size``.
 
     The corpus is streamed (an iterator over the files), never held in memory. The
-    result gets the ChatML template and a MiniMind2-layout tokenizer_config.json, and is
-    written atomically: a directory appears complete or not at all.
+    result gets the ChatML template and a MiniMind2-layout tokenizer_config.json.
+
+    ``out_dir`` must be new, empty, or a tokenizer directory (checked before training, see
+    :func:`check_output_dir`); only ``tokenizer.json`` and ``tokenizer_config.json`` are
+    written there. A new directory appears complete or not at all (written beside it, then
+    renamed); in an existing one each of the two files is replaced atomically.
     """
+    out_dir = os.path.abspath(out_dir)
+    check_output_dir(out_dir)
     hf = tokenizers.Tokenizer(models.BPE())
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     hf.decoder = decoders.ByteLevel()
@@ -272,15 +295,15 @@ def train_tokenizer(jsonl_files: List[str], out_dir: str, vocab_size: int = 6400
         assert hf.token_to_id(tok) == i, f"{tok} should have id {i}"
     if hf.get_vocab_size() < vocab_size:
         warnings.warn(f"train_tokenizer: the corpus only supports {hf.get_vocab_size()} tokens (< {vocab_size})")
-    out_dir = os.path.abspath(out_dir)
     tok = Tokenizer(hf, _minimind_config(), out_dir)
+    if os.path.isdir(out_dir):
+        tok.save(out_dir)
+        return tok
     parent = os.path.dirname(out_dir)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tokenizer-", dir=parent)
     try:
         tok.save(tmp)
-        if os.path.isdir(out_dir):
-            shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -106,3 +106,42 @@ def test_builtin_is_trained_once_then_reused(trained):
 def test_missing_tokenizer_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="tokenizer.json"):
         load_tokenizer(str(tmp_path))
+
+
+@pytest.fixture(scope="module")
+def small_corpus(tmp_path_factory):
+    from minimind_ray.data.demo import write_demo_corpus
+
+    return write_demo_corpus(str(tmp_path_factory.mktemp("corpus")), n_pretrain=300, n_sft=50, n_dpo=20)["pretrain"]
+
+
+@pytest.mark.parametrize("out_is_cwd", [False, True], ids=["dir", "dot"])
+def test_train_tokenizer_refuses_a_directory_holding_a_users_files(small_corpus, tmp_path, monkeypatch, capsys,
+                                                                   out_is_cwd):
+    from minimind_ray.cli import main
+
+    out = tmp_path / "work"
+    out.mkdir()
+    (out / "notes.txt").write_text("a user's file")
+    (out / "tokenizer.json").write_text("not ours to replace here")
+    if out_is_cwd:
+        monkeypatch.chdir(out)
+    assert main(["train-tokenizer", "--data", small_corpus, "--out", "." if out_is_cwd else str(out),
+                 "--vocab-size", "400"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and f"{out} is not empty and not a tokenizer directory (it holds notes.txt)" in err
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt", "tokenizer.json"]
+    assert (out / "notes.txt").read_text() == "a user's file"
+    assert (out / "tokenizer.json").read_text() == "not ours to replace here"
+
+
+def test_train_tokenizer_writes_into_new_empty_or_tokenizer_directories(small_corpus, tmp_path):
+    new = train_tokenizer([small_corpus], str(tmp_path / "new" / "tok"), vocab_size=400)
+    (tmp_path / "empty").mkdir()
+    empty = train_tokenizer([small_corpus], str(tmp_path / "empty"), vocab_size=400)
+    again = train_tokenizer([small_corpus], str(tmp_path / "new" / "tok"), vocab_size=400)  # a tokenizer dir
+    assert new.hash() == empty.hash() == again.hash()
+    for d in (tmp_path / "new" / "tok", tmp_path / "empty"):
+        assert sorted(p.name for p in d.iterdir()) == ["tokenizer.json", "tokenizer_config.json"]
+        assert load_tokenizer(str(d)).hash() == new.hash()
+    assert sorted(p.name for p in (tmp_path / "new").iterdir()) == ["tok"]  # no temporary directory left behind
