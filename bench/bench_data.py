@@ -111,8 +111,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--docs", type=int, default=800_000,
                     help="pretrain documents in the benchmark corpus (800k: 36M tokens, 150 MB)")
-    ap.add_argument("--tokenizer", default="auto", help="'auto' (MiniMind2's from ../shared, else builtin), "
-                                                         "'builtin' or a directory")
+    ap.add_argument("--tokenizer", default="minimind2",
+                    help="data.tokenizer: minimind2 | minimind3 (fetched by name; offline: "
+                         "MINIMIND_RAY_TOKENIZER_MIRROR), builtin or a directory")
     ap.add_argument("--model-steps", type=int, default=3, help="timed forward/backward steps of the 26M model")
     ap.add_argument("--micro", type=int, default=4, help="micro-batch of the model step")
     ap.add_argument("--seq", type=int, default=512)

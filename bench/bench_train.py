@@ -74,7 +74,8 @@ def main():
     tmp = Path(tempfile.mkdtemp(prefix="bench-train-"))
     ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5"}})
     common = [f"model.preset={args.preset}", "data.train_path=[demo]", "data.max_seq_len=128",
-              "train.global_batch_size=32", "train.micro_batch_size=16", "train.threads_per_worker=1",
+              "data.tokenizer=builtin", "train.global_batch_size=32", "train.micro_batch_size=16",
+              "train.threads_per_worker=1",
               "train.log_interval=10", f"data.cache_dir={tmp}/cache", f"checkpoint.storage_path={tmp}/runs",
               "tracking.enabled=false", "data.eval_fraction=0", "train.warmup_steps=10", "train.epochs=100"]
 

@@ -63,8 +63,8 @@ def cmd_prepare(args) -> int:
     cfg = _load(args)
     if args.out:
         cfg.data.cache_dir = args.out
+    tok = resolve_tokenizer(cfg.data.tokenizer, cfg.data.cache_dir, cfg.model.generation)  # before Ray: fails fast
     connect_ray(cfg)
-    tok = resolve_tokenizer(cfg.data.tokenizer, cfg.data.cache_dir)
     out = ensure_prepared(cfg.data, tok)
     manifest = json.loads((Path(out) / "manifest.json").read_text())
     print(f"prepared: {out}")
@@ -73,13 +73,15 @@ def cmd_prepare(args) -> int:
 
 
 def _tokenizer_for(args, lw):
-    from minimind_ray.tokenizer import load_tokenizer, resolve_tokenizer
+    from minimind_ray.tokenizer import resolve_tokenizer
 
-    if args.tokenizer:
-        return load_tokenizer(args.tokenizer)
+    if args.tokenizer:  # a name (auto = MiniMind's tokenizer of the weights' generation) or a directory
+        cache_dir = lw.run_cfg.data.cache_dir if lw.run_cfg is not None else "data_cache"
+        return resolve_tokenizer(args.tokenizer, cache_dir, lw.model_cfg.generation)
     if lw.run_cfg is not None:
-        return resolve_tokenizer(lw.run_cfg.data.tokenizer, lw.run_cfg.data.cache_dir)
-    raise SystemExit("--tokenizer is needed for a bare .pth (e.g. ../shared/minimind/minimind2)")
+        return resolve_tokenizer(lw.run_cfg.data.tokenizer, lw.run_cfg.data.cache_dir, lw.run_cfg.model.generation)
+    raise SystemExit("--tokenizer is needed for a bare .pth: minimind2, minimind3, auto (MiniMind's tokenizer of "
+                     "the model's generation) or a tokenizer directory")
 
 
 def _sampling(args):
@@ -189,7 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--weights", required=True, help=".pth, checkpoint dir, run dir or storage URI")
         sp.add_argument("--preset", help="model preset for a bare .pth (default: inferred from shapes)")
         if tokenizer:
-            sp.add_argument("--tokenizer", help="tokenizer dir (default: the run's)")
+            sp.add_argument("--tokenizer", help="minimind2 | minimind3 | auto | builtin | a tokenizer dir "
+                                                "(default: the run's)")
 
     def with_sampling(sp):
         sp.add_argument("--max-new-tokens", type=int, default=256)
@@ -246,7 +249,24 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--out", required=True)
     sp.add_argument("--vocab-size", type=int, default=6400)
     sp.set_defaults(fn=cmd_train_tokenizer)
+
+    from minimind_ray.tokenizer_fetch import MIRROR_ENV, PINNED
+
+    sp = sub.add_parser("fetch-tokenizer", help=f"download MiniMind's tokenizer NAME (pinned commit, sha256-checked) "
+                                                f"into OUT/NAME: a mirror for {MIRROR_ENV} on offline clusters")
+    sp.add_argument("name", choices=sorted(PINNED))
+    sp.add_argument("--out", required=True, help="local directory or URI; the files land in OUT/NAME/")
+    sp.set_defaults(fn=cmd_fetch_tokenizer)
     return p
+
+
+def cmd_fetch_tokenizer(args) -> int:
+    from minimind_ray.tokenizer_fetch import MIRROR_ENV, fetch_to
+
+    target = fetch_to(args.name, args.out)
+    print(f"{args.name}: {target} (sha256-checked)")
+    print(f"use it with {MIRROR_ENV}={args.out} and data.tokenizer={args.name}, or with data.tokenizer={target}")
+    return 0
 
 
 def main(argv: Optional[List[str]] = None) -> int:

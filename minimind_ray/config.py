@@ -64,7 +64,7 @@ class DataConfig:
 
     format: str = _f("pretrain", "record format: pretrain {text} | sft {conversations} | dpo {chosen, rejected}")
     train_path: List[str] = _f([], "jsonl(.gz)/parquet files, directories, globs or URIs; or a prepared directory with manifest.json; 'demo' = the built-in corpus")
-    tokenizer: str = _f("builtin", "tokenizer directory (tokenizer.json + tokenizer_config.json); 'builtin' = train one on the demo corpus")
+    tokenizer: str = _f("auto", "'auto' = MiniMind's tokenizer of model.generation; 'minimind2' | 'minimind3' (fetched by name, sha256-checked; offline: MINIMIND_RAY_TOKENIZER_MIRROR); 'builtin' = trained on the demo corpus; or a directory with tokenizer.json")
     max_seq_len: int = _f(512, "tokens per training sequence")
     pack: bool = _f(True, "pretrain: pack documents into full windows (False = MiniMind pad mode)")
     bad_records: str = _f("skip", "bad input policy: 'skip' (count per reason) or 'strict' (fail at the first, naming file:line)")
@@ -308,6 +308,10 @@ def validate(cfg: RunConfig) -> None:
     _need(d.max_seq_len >= 8, "data.max_seq_len", "must be >= 8")
     _need(0.0 <= d.eval_fraction < 1.0, "data.eval_fraction", "must be in [0, 1)")
     _need(bool(d.train_path), "data.train_path", "no training data given (use 'demo' for the built-in corpus)")
+    from minimind_ray.tokenizer_fetch import PINNED
+
+    _need(d.tokenizer in ("auto", "builtin", *PINNED) or os.path.exists(d.tokenizer), "data.tokenizer",
+          f"{d.tokenizer!r} is neither a tokenizer name (auto, builtin, {', '.join(PINNED)}) nor an existing directory")
     for p in d.train_path:
         if p == "demo" or "://" in p or any(ch in p for ch in "*?["):
             continue

@@ -244,5 +244,6 @@ def export_from_source(source: str, out, formats=("minimind", "hf"), preset: Opt
         if tok_dir is None:
             from minimind_ray.tokenizer import resolve_tokenizer
 
-            tok_dir = resolve_tokenizer(lw.run_cfg.data.tokenizer, lw.run_cfg.data.cache_dir).path
+            tok_dir = resolve_tokenizer(lw.run_cfg.data.tokenizer, lw.run_cfg.data.cache_dir,
+                                        lw.run_cfg.model.generation).path
     return _export_model(model, Path(out), stage, tuple(formats), tok_dir, lora=lora)

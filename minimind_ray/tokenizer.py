@@ -7,6 +7,11 @@ environment mirrors the one ``transformers`` uses (sandboxed, ``trim_blocks``,
 same string here as in ``AutoTokenizer.apply_chat_template``; tests check this against
 MiniMind's own templates.
 
+``data.tokenizer`` names a tokenizer (:func:`resolve_tokenizer`): ``auto`` (MiniMind's tokenizer
+of the model's generation, the default), ``minimind2`` / ``minimind3`` (MiniMind's own, fetched
+by name and sha256-checked, see :mod:`minimind_ray.tokenizer_fetch`), ``builtin`` (trained on
+the demo corpus) or a directory.
+
 A tokenizer is identified by :meth:`Tokenizer.hash`: prepared data records it in its
 manifest, and training refuses prepared data made with a different tokenizer (token
 ids would silently mean different things).
@@ -26,6 +31,7 @@ import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from minimind_ray.fsio import atomic_write, write_json_atomic
+from minimind_ray.tokenizer_fetch import PINNED, fetch_tokenizer
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2: MiniMind's layout
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")  # all a tokenizer directory holds
@@ -204,7 +210,8 @@ def load_tokenizer(path_or_dir: str) -> Tokenizer:
     d = os.path.dirname(path) if path.endswith(".json") else path
     tj = path if path.endswith(".json") else os.path.join(d, "tokenizer.json")
     if not os.path.exists(tj):
-        raise FileNotFoundError(f"data.tokenizer: no tokenizer.json at {tj}")
+        raise FileNotFoundError(f"data.tokenizer: no tokenizer.json at {tj} (data.tokenizer is a tokenizer "
+                                f"directory or one of {', '.join(TOKENIZER_NAMES)})")
     config = {}
     cfg_path = os.path.join(d, "tokenizer_config.json")
     if os.path.exists(cfg_path):
@@ -310,9 +317,27 @@ def train_tokenizer(jsonl_files: List[str], out_dir: str, vocab_size: int = 6400
     return tok
 
 
-def resolve_tokenizer(spec: str, cache_dir: str) -> Tokenizer:
-    """``'builtin'``: the tokenizer trained on the demo corpus, trained once into
-    ``cache_dir/tokenizer-builtin`` and reused after; anything else: :func:`load_tokenizer`."""
+TOKENIZER_NAMES = ("auto", "builtin", *PINNED)  # what data.tokenizer accepts besides a directory
+
+
+def resolve_tokenizer(spec: str, cache_dir: str, generation: Optional[str] = None) -> Tokenizer:
+    """The tokenizer ``data.tokenizer`` names; the one function the driver, ``prepare`` and the
+    inference verbs resolve it with.
+
+    - ``'auto'``: MiniMind's tokenizer of the model's ``generation`` (``minimind2`` or ``minimind3``);
+    - ``'minimind2'`` / ``'minimind3'``: MiniMind's own, fetched once and sha256-checked
+      (:mod:`minimind_ray.tokenizer_fetch`);
+    - ``'builtin'``: the tokenizer trained on the demo corpus, trained once into
+      ``cache_dir/tokenizer-builtin`` and reused after;
+    - anything else: a directory (or tokenizer.json) for :func:`load_tokenizer`.
+    """
+    if spec == "auto":
+        if generation not in PINNED:
+            raise ValueError(f"data.tokenizer: 'auto' means the tokenizer of model.generation, "
+                             f"but the generation is {generation!r} (one of {', '.join(PINNED)})")
+        spec = generation
+    if spec in PINNED:
+        return load_tokenizer(fetch_tokenizer(spec))
     if spec != "builtin":
         return load_tokenizer(spec)
     out = os.path.join(os.path.abspath(cache_dir), "tokenizer-builtin")

@@ -6,7 +6,10 @@ themselves and must not use `ray_session`.
 """
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 import uuid
 from pathlib import Path
 
@@ -21,6 +24,14 @@ os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING", "false")
+
+# Named tokenizers (data.tokenizer=minimind2|minimind3|auto) go through the real fetch code with
+# ../shared/minimind as the mirror, into a cache of this session: tests never need the network
+# and never write to the user's ~/.cache. Forced, not defaulted, so the run is hermetic.
+os.environ["MINIMIND_RAY_TOKENIZER_MIRROR"] = str(SHARED_MINIMIND.resolve())
+TEST_CACHE_DIR = tempfile.mkdtemp(prefix="minimind-ray-test-cache-")
+os.environ["MINIMIND_RAY_CACHE_DIR"] = TEST_CACHE_DIR
+atexit.register(shutil.rmtree, TEST_CACHE_DIR, True)
 
 
 def minimind_tokenizer_dir(generation: str) -> Path:

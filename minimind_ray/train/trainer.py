@@ -300,7 +300,7 @@ def run(cfg: RunConfig) -> RunResult:
     cfg.cluster.use_gpu = use_gpu
     check_resources(cfg, use_gpu)  # before any data work: a request that cannot fit fails in seconds
 
-    tokenizer = resolve_tokenizer(cfg.data.tokenizer, cfg.data.cache_dir)
+    tokenizer = resolve_tokenizer(cfg.data.tokenizer, cfg.data.cache_dir, cfg.model.generation)
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ConfigError(f"model.vocab_size: {cfg.model.vocab_size} < tokenizer vocabulary {tokenizer.vocab_size}")
     prepared_dir = ensure_prepared(cfg.data, tokenizer)
