@@ -14,20 +14,27 @@ source "$(dirname "${BASH_SOURCE[0]}")/_common.sh"
 
 NAME=local; STATE_DIR=""; IDX=""; GRACEFUL=0
 while [[ $# -gt 0 ]]; do
+  case "$1" in --name|--state-dir) need_value $# "$1";; esac
   case "$1" in
     --name) NAME="$2"; shift 2;;
     --state-dir) STATE_DIR="$2"; shift 2;;
     --graceful) GRACEFUL=1; shift;;
     -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0;;
     [0-9]*) IDX="$1"; shift;;
-    *) die "unknown argument: $1 (see --help)";;
+    *) refuse "unknown argument: $(shown "$1") (see --help)";;
   esac
 done
-[[ -n "$IDX" && "$IDX" -ge 1 ]] || die "usage: kill_node.sh <worker index 1..N> (the head is not killed by this script)"
+usage="usage: kill_node.sh <worker index 1..$MAX_WORKER_NODES> (the head is not killed by this script)"
+[[ -n "$IDX" ]] || refuse "$usage"
+# Digits first: [[ -ge ]] would evaluate the text as arithmetic (see need_uint).
+need_uint "the worker index" "$IDX"
+(( IDX >= 1 && IDX <= MAX_WORKER_NODES )) || refuse "$usage, got $IDX"
 resolve_state "$NAME" "$STATE_DIR"
+[[ -d "$STATE" ]] || refuse "no cluster state at $STATE"
+check_state_dir
 node="w$IDX"
 pid=$(cat "$STATE/$node.pid" 2>/dev/null) || die "no worker node $IDX in $STATE"
-is_our_leader "$pid" "$STATE/$node" || die "worker node $IDX (pid $pid) is not running"
+is_our_leader "$pid" "$STATE/$node" || die "worker node $IDX (pid $(shown "$pid")) is not running"
 
 if (( GRACEFUL )); then
   kill -TERM "$pid"

@@ -9,7 +9,10 @@
 # Options:
 #   --name NAME         cluster name (default: local); state in $MMRAY_STATE_ROOT/NAME
 #                       (MMRAY_STATE_ROOT defaults to /tmp/mmray-<uid>)
-#   --state-dir DIR     explicit state dir (must be short: Ray's unix sockets live under it)
+#   --state-dir DIR     explicit state dir (must be short: Ray's unix sockets live under it;
+#                       letters, digits and . _ + - / only). A new one is created 0700;
+#                       one owned by another user, writable by all, or in a directory
+#                       another user owns is refused (exit 2), as are malformed options
 #   --port P            base port (default 27000). Layout: P gcs, P+1 dashboard,
 #                       P+2 ray-client server, P+10+10k.. P+15+10k node k's node-manager,
 #                       object-manager, agent http, agent grpc, runtime-env agent,
@@ -40,6 +43,10 @@ SLOT=trainslot; OBJ_MB=512; TIMEOUT=120; ONLY_NODE=""
 DRAIN="${RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S:-0}"
 while [[ $# -gt 0 ]]; do
   case "$1" in
+    --name|--state-dir|--port|--head-cpus|--worker-cpus|--worker-gpus|--slot|--object-store-mb|--timeout|--drain-timeout|--node)
+      need_value $# "$1";;
+  esac
+  case "$1" in
     --name) NAME="$2"; shift 2;;
     --state-dir) STATE_DIR="$2"; shift 2;;
     --port) BASE="$2"; shift 2;;
@@ -53,15 +60,29 @@ while [[ $# -gt 0 ]]; do
     --node) ONLY_NODE="$2"; shift 2;;
     -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0;;
     [0-9]*) N="$1"; shift;;
-    *) die "unknown argument: $1 (see --help)";;
+    *) refuse "unknown argument: $(shown "$1") (see --help)";;
   esac
 done
-[[ "$N" =~ ^[0-9]+$ && "$N" -le 16 ]] || die "N must be 0..16 worker nodes"
+# Every number is checked before any arithmetic sees it (see need_uint).
+need_uint "the number of worker nodes" "$N"
+need_uint --port "$BASE"; need_uint --head-cpus "$HEAD_CPUS"; need_uint --worker-cpus "$WORKER_CPUS"
+need_uint --worker-gpus "$WORKER_GPUS"; need_uint --object-store-mb "$OBJ_MB"; need_uint --timeout "$TIMEOUT"
+need_uint "--drain-timeout (or RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S)" "$DRAIN"
+[[ -z "$ONLY_NODE" ]] || need_uint --node "$ONLY_NODE"
+(( N <= MAX_WORKER_NODES )) || refuse "N must be 0..$MAX_WORKER_NODES worker nodes, got $N"
+[[ -z "$ONLY_NODE" ]] || (( ONLY_NODE >= 1 && ONLY_NODE <= MAX_WORKER_NODES )) \
+  || refuse "--node takes a worker index 1..$MAX_WORKER_NODES, got $ONLY_NODE"
+# The port layout (see --port) reaches P+599+100*16 for the 16th worker node.
+(( BASE >= 1024 && BASE + 599 + 100 * MAX_WORKER_NODES <= 65535 )) \
+  || refuse "--port $BASE: the base port must be in 1024..$((65535 - 599 - 100 * MAX_WORKER_NODES))"
+(( OBJ_MB >= 75 )) || refuse "--object-store-mb $OBJ_MB: Ray needs at least 75 MiB"
+# The slot name goes into the JSON of `ray start --resources`.
+[[ "$SLOT" =~ ^[A-Za-z][A-Za-z0-9_-]{0,63}$ ]] || refuse "--slot $(shown "$SLOT"): a resource name of letters, digits, _ and - (starting with a letter)"
 resolve_state "$NAME" "$STATE_DIR"
 find_ray
 # Ray's unix sockets live at <temp-dir>/session_<date>_<pid>/sockets/<name>: AF_UNIX
 # paths are capped at 107 bytes, which leaves about 40 for the temp dir.
-[[ ${#STATE} -le 36 ]] || die "state dir '$STATE' is too long for Ray's socket paths (max 36 chars); use --state-dir /tmp/<short>"
+[[ ${#STATE} -le 36 ]] || refuse "state dir '$STATE' is too long for Ray's socket paths (max 36 chars); use --state-dir /tmp/<short>"
 export RAY_USAGE_STATS_ENABLED=0
 # Read by each node's `ray start` when it gets SIGTERM. With Ray's default (30 s) a head
 # that ever ran a job waits the full 30 s: the detached actors left on it never let the
@@ -156,7 +177,70 @@ cleanup_on_error() {
 }
 trap cleanup_on_error EXIT
 
-mkdir -p "$STATE"
+# The state dir: created private (0700) if new; refused if another user controls it.
+# Checked before anything is created in it, and again after.
+[[ -z "$ONLY_NODE" || -d "$STATE" ]] || refuse "no cluster in $STATE (start it first)"
+if [[ -e "$STATE" || -L "$STATE" ]]; then check_state_dir
+elif [[ -d "$(dirname -- "$STATE")" ]]; then check_state_parent; fi
+mkdir -p -m 700 -- "$STATE"
+check_state_dir
+
+# cluster.env is shell for people (`source` it; every value quoted with printf %q) and
+# data for this script: --node reads it back line by line, never sources it.
+CLUSTER_ENV="$STATE/cluster.env"
+write_cluster_env() {
+  {
+    echo "# written by cluster/local/start.sh; source it to talk to this cluster"
+    printf 'export RAY_ADDRESS=%q\n' "$ADDR"
+    printf 'export RAY_API_SERVER_ADDRESS=%q\n' "$DASH"
+    printf 'MMRAY_STATE=%q\n' "$STATE"
+    printf 'MMRAY_BASE_PORT=%q\n' "$BASE"
+    printf 'MMRAY_NUM_WORKER_NODES=%q\n' "$N"
+    printf 'MMRAY_WORKER_CPUS=%q\n' "$WORKER_CPUS"
+    printf 'MMRAY_WORKER_GPUS=%q\n' "$WORKER_GPUS"
+    printf 'MMRAY_SLOT=%q\n' "$SLOT"
+    printf 'MMRAY_OBJECT_STORE_MB=%q\n' "$OBJ_MB"
+  } > "$CLUSTER_ENV"
+}
+
+# Read cluster.env as data into BASE, N, WORKER_CPUS, ...: each line must be a known
+# KEY=VALUE whose value has the shape start.sh writes; anything else is refused,
+# naming the file, line and field.
+read_cluster_env() {
+  local f="$CLUSTER_ENV" line key val n=0 uint='^(0|[1-9][0-9]{0,8})$'
+  local -A seen=()
+  while IFS= read -r line || [[ -n "$line" ]]; do
+    n=$((n + 1))
+    [[ -z "$line" || "$line" == \#* ]] && continue
+    [[ "$line" =~ ^(export\ )?([A-Z_]+)=(.*)$ ]] || refuse "$f:$n: not a KEY=VALUE line: $(shown "$line")"
+    key="${BASH_REMATCH[2]}" val="${BASH_REMATCH[3]}"
+    case "$key" in
+      MMRAY_BASE_PORT|MMRAY_NUM_WORKER_NODES|MMRAY_WORKER_CPUS|MMRAY_WORKER_GPUS|MMRAY_OBJECT_STORE_MB)
+        [[ "$val" =~ $uint ]] || refuse "$f:$n: $key must be a whole number, got $(shown "$val")";;
+      MMRAY_SLOT)
+        [[ "$val" =~ ^[A-Za-z][A-Za-z0-9_-]{0,63}$ ]] || refuse "$f:$n: $key must be a resource name, got $(shown "$val")";;
+      MMRAY_STATE)
+        [[ "$val" == "$STATE" ]] || refuse "$f:$n: $key is $(shown "$val"), not this state dir $STATE";;
+      RAY_ADDRESS)
+        [[ "$val" =~ ^127\.0\.0\.1:[0-9]{1,5}$ ]] || refuse "$f:$n: $key must be 127.0.0.1:<port>, got $(shown "$val")";;
+      RAY_API_SERVER_ADDRESS)
+        [[ "$val" =~ ^http://127\.0\.0\.1:[0-9]{1,5}$ ]] || refuse "$f:$n: $key must be http://127.0.0.1:<port>, got $(shown "$val")";;
+      *) refuse "$f:$n: unknown field $key";;
+    esac
+    seen[$key]="$val"
+  done < "$f"
+  for key in MMRAY_BASE_PORT MMRAY_NUM_WORKER_NODES MMRAY_WORKER_CPUS MMRAY_WORKER_GPUS MMRAY_SLOT MMRAY_OBJECT_STORE_MB; do
+    [[ -n "${seen[$key]+set}" ]] || refuse "$f: field $key is missing"
+  done
+  BASE="${seen[MMRAY_BASE_PORT]}"; N="${seen[MMRAY_NUM_WORKER_NODES]}"
+  WORKER_CPUS="${seen[MMRAY_WORKER_CPUS]}"; WORKER_GPUS="${seen[MMRAY_WORKER_GPUS]}"
+  SLOT="${seen[MMRAY_SLOT]}"; OBJ_MB="${seen[MMRAY_OBJECT_STORE_MB]}"
+}
+
+if [[ -n "$ONLY_NODE" ]]; then
+  [[ -f "$CLUSTER_ENV" ]] || refuse "no cluster in $STATE (start it first)"
+  read_cluster_env
+fi
 ADDR="127.0.0.1:$BASE"
 DASH="http://127.0.0.1:$((BASE + 1))"
 SLOT_JSON="{\"$SLOT\": 1}"
@@ -165,22 +249,14 @@ T0=$SECONDS
 # Processes on the nodes that look for "their" cluster without an address (Ray Train's
 # placement-group cleaner, the state API) would otherwise pick /tmp/ray's latest
 # cluster or fail with "Found multiple active Ray instances" when this machine runs
-# other Rays. RAY_ADDRESS pins them to this one (set again below for --node).
+# other Rays. RAY_ADDRESS pins them to this one.
 export RAY_ADDRESS="$ADDR"
 
 if [[ -n "$ONLY_NODE" ]]; then
-  [[ -f "$STATE/cluster.env" ]] || die "no cluster in $STATE (start it first)"
-  # shellcheck disable=SC1091
-  source "$STATE/cluster.env"
-  BASE="$MMRAY_BASE_PORT"; ADDR="$RAY_ADDRESS"; export RAY_ADDRESS
-  WORKER_CPUS="$MMRAY_WORKER_CPUS"; WORKER_GPUS="$MMRAY_WORKER_GPUS"; SLOT="$MMRAY_SLOT"; OBJ_MB="$MMRAY_OBJECT_STORE_MB"
-  SLOT_JSON="{\"$SLOT\": 1}"
-  worker_args=(--address "$ADDR" --num-cpus "$WORKER_CPUS" --num-gpus "$WORKER_GPUS" --resources "$SLOT_JSON")
-  [[ "$ONLY_NODE" =~ ^[0-9]+$ && "$ONLY_NODE" -ge 1 && "$ONLY_NODE" -le 16 ]] || die "--node takes a worker index 1..16"
   is_our_leader "$(cat "$STATE/h.pid" 2>/dev/null)" "$STATE/h" || die "the head of $STATE is not running"
   launch "w$ONLY_NODE" "$ONLY_NODE" "${worker_args[@]}"
   wait_ready "w$ONLY_NODE"
-  (( ONLY_NODE <= MMRAY_NUM_WORKER_NODES )) || sed -i "s/^MMRAY_NUM_WORKER_NODES=.*/MMRAY_NUM_WORKER_NODES=$ONLY_NODE/" "$STATE/cluster.env"
+  if (( ONLY_NODE > N )); then N="$ONLY_NODE"; write_cluster_env; fi
   log "worker node w$ONLY_NODE up (pid $(cat "$STATE/w$ONLY_NODE.pid")) in $((SECONDS - T0))s"
   STARTED=()
   exit 0
@@ -202,18 +278,7 @@ log "head up in $((SECONDS - T0))s; starting $N worker node(s)"
 for i in $(seq 1 "$N"); do launch "w$i" "$i" "${worker_args[@]}"; done
 for i in $(seq 1 "$N"); do wait_ready "w$i"; done
 
-cat > "$STATE/cluster.env" <<EOF
-# written by cluster/local/start.sh; source it to talk to this cluster
-export RAY_ADDRESS=$ADDR
-export RAY_API_SERVER_ADDRESS=$DASH
-MMRAY_STATE=$STATE
-MMRAY_BASE_PORT=$BASE
-MMRAY_NUM_WORKER_NODES=$N
-MMRAY_WORKER_CPUS=$WORKER_CPUS
-MMRAY_WORKER_GPUS=$WORKER_GPUS
-MMRAY_SLOT=$SLOT
-MMRAY_OBJECT_STORE_MB=$OBJ_MB
-EOF
+write_cluster_env
 STARTED=()
 log "cluster up in $((SECONDS - T0))s"
 cat <<EOF

@@ -13,16 +13,19 @@ source "$(dirname "${BASH_SOURCE[0]}")/_common.sh"
 
 NAME=local; STATE_DIR=""; TIMEOUT=20
 while [[ $# -gt 0 ]]; do
+  case "$1" in --name|--state-dir|--timeout) need_value $# "$1";; esac
   case "$1" in
     --name) NAME="$2"; shift 2;;
     --state-dir) STATE_DIR="$2"; shift 2;;
     --timeout) TIMEOUT="$2"; shift 2;;
     -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0;;
-    *) die "unknown argument: $1 (see --help)";;
+    *) refuse "unknown argument: $(shown "$1") (see --help)";;
   esac
 done
+need_uint --timeout "$TIMEOUT"
 resolve_state "$NAME" "$STATE_DIR"
-[[ -d "$STATE" ]] || die "no cluster state at $STATE"
+[[ -d "$STATE" ]] || refuse "no cluster state at $STATE"
+check_state_dir
 T0=$SECONDS
 
 mapfile -t NODES < <(state_nodes)
