@@ -239,3 +239,210 @@ def test_runtime_env_files():
     from ray.runtime_env import RuntimeEnv  # the same parsing `ray job submit --runtime-env` does
 
     RuntimeEnv(**{k: v for k, v in plain.items()})
+
+
+# ---- hardening: securityContext on every pod, NetworkPolicy, token auth ----------------
+
+NAMESPACE_LABELS = {"kubernetes.io/metadata.name": "default"}   # the namespace the manifests are applied in
+# The kernel's ephemeral port range (net.ipv4.ip_local_port_range): torch.distributed's
+# MASTER_PORT (Ray Train binds port 0) and NCCL/gloo connections come from it.
+EPHEMERAL = (32768, 60999)
+# rayStartParams that pin a listening port, on every Ray pod / on the head only
+NODE_PORT_PARAMS = ("node-manager-port", "object-manager-port", "runtime-env-agent-port",
+                    "dashboard-agent-grpc-port", "dashboard-agent-listen-port", "metrics-export-port",
+                    "min-worker-port", "max-worker-port")
+HEAD_PORT_PARAMS = ("port", "dashboard-port")
+
+
+def _pod_specs() -> list[tuple[str, dict | None]]:
+    """(name, pod spec) of every pod the manifests make; None where the operator would build
+    the pod itself (a K8sJobMode RayJob without submitterPodTemplate)."""
+    pods = []
+    for path in sorted(KUBERAY.glob("*.yaml")):
+        for d in _docs(path):
+            kind, name, spec = d.get("kind"), f"{path.name}:{d['metadata']['name']}", d.get("spec", {})
+            if kind == "Pod":
+                pods.append((name, spec))
+            elif kind in ("Deployment", "StatefulSet", "DaemonSet", "ReplicaSet", "Job"):
+                pods.append((name, spec["template"]["spec"]))
+            elif kind == "RayCluster":
+                pods += [(f"{name}/{g}", p) for g, p in _ray_pods(d)]
+            elif kind == "RayJob":
+                if "rayClusterSpec" in spec:
+                    pods += [(f"{name}/{g}", p) for g, p in _ray_pods({"spec": spec["rayClusterSpec"]})]
+                if spec.get("submissionMode", "K8sJobMode") == "K8sJobMode":
+                    pods.append((f"{name}/submitter", (spec.get("submitterPodTemplate") or {}).get("spec")))
+    return pods
+
+
+def _check_container_security(where: str, sc: dict, pod_sc: dict) -> None:
+    assert sc, f"{where}: no container securityContext"
+    assert sc.get("runAsNonRoot") is True, f"{where}: runAsNonRoot must be true"
+    uid = sc.get("runAsUser", pod_sc.get("runAsUser"))
+    # the kubelet can only enforce runAsNonRoot against a numeric uid
+    assert isinstance(uid, int) and uid > 0, f"{where}: runAsUser must be a non-zero number, got {uid!r}"
+    assert sc.get("allowPrivilegeEscalation") is False, f"{where}: allowPrivilegeEscalation must be false"
+    assert not sc.get("privileged"), f"{where}: privileged"
+    caps = sc.get("capabilities") or {}
+    assert caps.get("drop") == ["ALL"] and not caps.get("add"), f"{where}: capabilities must drop ALL, add none: {caps}"
+    assert sc.get("seccompProfile") == {"type": "RuntimeDefault"}, f"{where}: seccompProfile {sc.get('seccompProfile')}"
+
+
+def test_every_pod_runs_hardened():
+    """Every container of every pod: non-root (a numeric uid), no privilege escalation,
+    all capabilities dropped, the RuntimeDefault seccomp profile; claims writable via fsGroup."""
+    pods = _pod_specs()
+    names = [n for n, _ in pods]
+    assert len(pods) >= 5, names   # data loader, MLflow, Ray head, GPU workers, RayJob submitter
+    for name, pod in pods:
+        assert pod is not None, f"{name}: no pod template, so the operator builds one with no securityContext"
+        pod_sc = pod.get("securityContext") or {}
+        assert pod_sc.get("runAsNonRoot") is True, f"{name}: pod securityContext.runAsNonRoot"
+        for c in pod.get("initContainers", []) + pod["containers"]:
+            _check_container_security(f"{name}/{c['name']}", c.get("securityContext") or {}, pod_sc)
+            gid = (c.get("securityContext") or {}).get("runAsGroup", pod_sc.get("runAsGroup"))
+            if any("persistentVolumeClaim" in v for v in pod.get("volumes", [])):
+                assert pod_sc.get("fsGroup") == gid, \
+                    f"{name}: fsGroup {pod_sc.get('fsGroup')} must be the container's group {gid}, or the claim is not writable"
+    # the autoscaler sidecar, when someone turns it on
+    _, cluster = _kind("RayCluster")
+    auto = (cluster["spec"].get("autoscalerOptions") or {}).get("securityContext")
+    head_pod_sc = cluster["spec"]["headGroupSpec"]["template"]["spec"]["securityContext"]
+    _check_container_security("RayCluster autoscalerOptions", auto or {}, head_pod_sc)
+
+
+def test_pods_of_the_project_image_run_as_its_user():
+    """The Dockerfile's numeric USER is the uid/gid every pod of that image runs as."""
+    docker = (CLUSTER / "docker" / "Dockerfile").read_text()
+    users = re.findall(r"^USER\s+(\d+):(\d+)\s*$", docker, re.M)
+    assert users, "cluster/docker/Dockerfile must end with a numeric USER uid:gid"
+    uid, gid = map(int, users[-1])
+    assert uid == 1000 and gid == 100, "rayproject/ray's `ray` user is uid 1000, gid 100 (`users`)"
+    _, cluster = _kind("RayCluster")
+    image = cluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["image"]
+    checked = []
+    for name, pod in _pod_specs():
+        pod_sc = pod.get("securityContext") or {}
+        for c in pod["containers"]:
+            if c["image"] == image or c["image"].startswith("rayproject/ray"):
+                sc = c.get("securityContext") or {}
+                got = (sc.get("runAsUser", pod_sc.get("runAsUser")), sc.get("runAsGroup", pod_sc.get("runAsGroup")))
+                assert got == (uid, gid), f"{name}/{c['name']} runs {c['image']} as {got}, the image's user is {(uid, gid)}"
+                checked.append(name)
+    assert len(checked) >= 4, checked   # head, workers, submitter, data loader
+
+
+def test_rayjob_submitter_uses_the_head_image():
+    """The submitter uploads runtimeEnvYAML's working_dir from its own filesystem: the head's image."""
+    _, job = _kind("RayJob")
+    _, cluster = _kind("RayCluster")
+    submitter = job["spec"]["submitterPodTemplate"]["spec"]["containers"][0]
+    assert submitter["image"] == cluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["image"]
+    assert not submitter.get("command"), "leave the command empty: the operator fills in `ray job submit`"
+
+
+def _selects(selector: dict | None, labels: dict) -> bool:
+    assert set(selector or {}) <= {"matchLabels"}, f"the test models matchLabels only: {selector}"
+    return all(labels.get(k) == v for k, v in (selector or {}).get("matchLabels", {}).items())
+
+
+def _policies() -> list[dict]:
+    return [d for p in KUBERAY.glob("*.yaml") for d in _docs(p) if d.get("kind") == "NetworkPolicy"]
+
+
+def _allowed(dst: dict, src: dict, src_ns: dict = NAMESPACE_LABELS) -> set[tuple[int, int]]:
+    """TCP port ranges a pod labelled `src` (in namespace `src_ns`) may open on a pod labelled `dst`."""
+    out = set()
+    for pol in _policies():
+        if not _selects(pol["spec"]["podSelector"], dst) or "Ingress" not in pol["spec"].get("policyTypes", []):
+            continue
+        for rule in pol["spec"].get("ingress", []):
+            for peer in rule["from"]:
+                assert "ipBlock" not in peer, f"{pol['metadata']['name']}: no ipBlock peers"
+                ns_ok = _selects(peer["namespaceSelector"], src_ns) if "namespaceSelector" in peer else src_ns == NAMESPACE_LABELS
+                if ns_ok and ("podSelector" not in peer or _selects(peer["podSelector"], src)):
+                    out |= {(p["port"], p.get("endPort", p["port"])) for p in rule["ports"]}
+    return out
+
+
+def _pod_labels() -> dict[str, dict]:
+    """The labels KubeRay and the manifests put on each kind of pod."""
+    _, cluster = _kind("RayCluster")
+    _, job = _kind("RayJob")
+    name = cluster["metadata"]["name"]
+    spec = cluster["spec"]
+    labels = {"head": {**spec["headGroupSpec"]["template"]["metadata"].get("labels", {}),
+                       "ray.io/cluster": name, "ray.io/node-type": "head", "ray.io/group": "headgroup"}}
+    for g in spec["workerGroupSpecs"]:
+        labels[g["groupName"]] = {**g["template"]["metadata"].get("labels", {}), "ray.io/cluster": name,
+                                  "ray.io/node-type": "worker", "ray.io/group": g["groupName"]}
+    labels["submitter"] = job["spec"]["submitterPodTemplate"]["metadata"]["labels"]
+    mlflow = next(d for p in KUBERAY.glob("*.yaml") for d in _docs(p)
+                  if d.get("kind") == "Deployment" and d["metadata"]["name"] == "mlflow")
+    labels["mlflow"] = mlflow["spec"]["template"]["metadata"]["labels"]
+    labels["other pod"] = {"app": "notebook"}
+    return labels
+
+
+def test_networkpolicy_covers_head_and_workers_with_ray_ports_only():
+    """Ray pods accept from each other exactly the ports pinned in rayStartParams, the
+    worker-port range and the ephemeral range (torch.distributed/NCCL); nothing else, from
+    nobody else, except the job server for the submitter and the operator."""
+    for pol in _policies():
+        for rule in pol["spec"].get("ingress", []):
+            assert rule.get("from") and rule.get("ports"), \
+                f"{pol['metadata']['name']}: a rule without `from` or `ports` opens every source or port"
+            assert all(p.get("protocol") == "TCP" for p in rule["ports"]), pol["metadata"]["name"]
+    _, cluster = _kind("RayCluster")
+    head_params = cluster["spec"]["headGroupSpec"]["rayStartParams"]
+    missing = [k for k in HEAD_PORT_PARAMS + NODE_PORT_PARAMS if k not in head_params]
+    assert not missing, f"head rayStartParams must pin {missing} (else Ray picks random ports)"
+    for g in cluster["spec"]["workerGroupSpecs"]:
+        differ = {k: g["rayStartParams"].get(k) for k in NODE_PORT_PARAMS if g["rayStartParams"].get(k) != head_params[k]}
+        assert not differ, f"{g['groupName']}: pinned ports must equal the head's (one list in the policy): {differ}"
+
+    ports = {int(head_params[k]) for k in HEAD_PORT_PARAMS + NODE_PORT_PARAMS if "worker-port" not in k}
+    expected = {(p, p) for p in ports}
+    expected |= {(int(head_params["min-worker-port"]), int(head_params["max-worker-port"])), EPHEMERAL}
+
+    labels = _pod_labels()
+    ray_pods = ["head"] + [g["groupName"] for g in cluster["spec"]["workerGroupSpecs"]]
+    for dst in ray_pods:
+        for src in ray_pods:
+            assert _allowed(labels[dst], labels[src]) == expected, (dst, src, sorted(_allowed(labels[dst], labels[src])))
+        assert not _allowed(labels[dst], labels["other pod"]), f"{dst}: open to any pod of the namespace"
+        assert not _allowed(labels[dst], labels["mlflow"]), f"{dst}: open to MLflow"
+    job_server = {(int(head_params["dashboard-port"]),) * 2}
+    assert _allowed(labels["head"], labels["submitter"]) == job_server
+    operator_ns = {"kubernetes.io/metadata.name": "kuberay-operator"}
+    assert _allowed(labels["head"], {}, operator_ns) == job_server, "the operator must reach the job server"
+    for g in ray_pods[1:]:
+        assert not _allowed(labels[g], labels["submitter"]) and not _allowed(labels[g], {}, operator_ns)
+    everything = set().union(*(_allowed(labels[d], labels[s]) for d in labels for s in labels))
+    for unused in (10001, 8000):   # Ray Client, Serve: not used by this project
+        assert not any(lo <= unused <= hi for lo, hi in everything), f"port {unused} is open"
+
+
+def test_networkpolicy_lets_only_ray_pods_reach_mlflow():
+    labels = _pod_labels()
+    _, cluster = _kind("RayCluster")
+    for src in ["head"] + [g["groupName"] for g in cluster["spec"]["workerGroupSpecs"]]:
+        assert _allowed(labels["mlflow"], labels[src]) == {(5000, 5000)}, src
+    for src in ("submitter", "other pod"):
+        assert not _allowed(labels["mlflow"], labels[src]), src
+
+
+def test_token_auth_is_documented_and_its_snippet_is_valid():
+    """authOptions stays off (operators < 1.5.1 reject it); the commented lines, uncommented,
+    give a RayCluster with token auth, and the README says how to use the token."""
+    path, cluster = _kind("RayCluster")
+    assert "authOptions" not in cluster["spec"]
+    lines = path.read_text().splitlines()
+    i = next(i for i, line in enumerate(lines) if line.strip() == "# authOptions:")
+    on = lines[:i] + [line.replace("# ", "", 1) for line in lines[i:i + 2]] + lines[i + 2:]
+    with_auth = next(d for d in yaml.safe_load_all("\n".join(on)) if d and d.get("kind") == "RayCluster")
+    assert with_auth["spec"]["authOptions"] == {"mode": "token"}
+    assert {k: v for k, v in with_auth["spec"].items() if k != "authOptions"} == cluster["spec"]
+    readme = (CLUSTER / "README.md").read_text()
+    for needle in ("authOptions", "RAY_AUTH_MODE=token", "RAY_AUTH_TOKEN", "auth_token", "get secret minimind"):
+        assert needle in readme, f"cluster/README.md does not say {needle!r}"
