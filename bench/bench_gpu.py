@@ -27,7 +27,7 @@ def main():
     from mlflow.tracking import MlflowClient
 
     from minimind_ray.config import load_config
-    from minimind_ray.train.trainer import run
+    from minimind_ray.raytrain.driver import run
 
     assert torch.cuda.is_available(), "this benchmark needs GPUs"
     gpus = torch.cuda.device_count()

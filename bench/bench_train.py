@@ -1,7 +1,8 @@
 """Training-core benchmark: one run, one side-by-side table (not a test).
 
   (a) tokens/s of the full pipeline (Ray Train, 1 worker, prepared-data stream, MLflow off)
-      against a bare PyTorch loop: same model, micro-batch, accumulation, optimizer, thread count, no Ray.
+      against the engine's own step in a bare loop: same model, data, micro-batch, accumulation, optimizer,
+      thread count, no Ray.
   (b) an injected crash (2 workers): seconds from the last step before the crash to the first
       step after the restore, and the steps lost (goal: <= 30 s locally, <= one checkpoint interval).
   (c) checkpoint overhead at interval 100: the extra time of the steps that checkpointed, over the
@@ -33,31 +34,21 @@ def rank0_times(rows, attempt=None):
     return {r["step"]: r["t"] for r in rows if r["rank"] == 0 and (attempt is None or r["attempt"] == attempt)}
 
 
-def bare_loop(cfg, steps: int, warmup: int) -> float:
-    """tokens/s of a plain single-process loop with the pipeline's shapes and settings."""
-    from minimind_ray.model.minimind import build_model
-    from minimind_ray.train.objectives import build_objective
+def bare_loop(cfg, prepared_dir: str, steps: int, warmup: int) -> float:
+    """tokens/s of the engine's own step (minimind_ray.engine.train_step) in a plain single-process
+    loop: the same model, data stream, micro-batch, accumulation, optimizer and thread count, no Ray."""
+    from minimind_ray.engine import TrainState, train_step
 
-    torch.set_num_threads(cfg.train.threads_per_worker or 1)
-    model = build_model(cfg.model, seed=0)
-    obj = build_objective(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, betas=(cfg.train.beta1, cfg.train.beta2))
-    B, T = cfg.train.micro_batch_size, cfg.data.max_seq_len
-    accum = cfg.train.global_batch_size // B
-    g = torch.Generator().manual_seed(0)
-    batches = [{"input_ids": torch.randint(3, cfg.model.vocab_size, (B, T), generator=g),
-                "targets": torch.randint(3, cfg.model.vocab_size, (B, T), generator=g)} for _ in range(accum)]
-    t0 = None
-    for s in range(steps):
-        if s == warmup:
-            t0 = time.perf_counter()
-        for mb in batches:
-            loss, aux, _ = obj.loss_sum(model, mb)
-            (loss / (B * T) + aux / accum).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return (steps - warmup) * accum * B * T / (time.perf_counter() - t0)
+    state = TrainState.build(cfg, prepared_dir)
+    t0, tokens = None, 0
+    for s in range(1, steps + 1):
+        if s == warmup + 1:
+            t0, tokens = time.perf_counter(), 0
+        out = train_step(state, state.stream.next_step(), s)
+        tokens += out.tokens
+    float(out.loss_sum)  # wait for the device
+    state.stream.close()
+    return tokens / (time.perf_counter() - t0)
 
 
 def main():
@@ -69,7 +60,8 @@ def main():
     import ray
 
     from minimind_ray.config import load_config
-    from minimind_ray.train.trainer import run
+    from minimind_ray.raytrain.driver import run
+    from minimind_ray.store.checkpoint import open_checkpoint
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-train-"))
     ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5"}})
@@ -82,7 +74,7 @@ def main():
     # (a) + (c): one uninterrupted 1-worker run with checkpoints every 100 steps
     cfg_a = load_config(None, common + ["name=a", "cluster.num_workers=1", f"train.max_steps={args.steps}",
                                         "checkpoint.interval=100", f"train.sample_log_dir={tmp}/samples/a"])
-    run(cfg_a)
+    res_a = run(cfg_a)
     t = rank0_times(read_log(tmp / "samples" / "a"))
     warm = 20
     gaps = {s: t[s + 1] - t[s] for s in range(warm, args.steps)}
@@ -91,7 +83,8 @@ def main():
     logged = [g for s, g in gaps.items() if s % 10 == 0 and s % 100 != 0]  # steps that logged metrics
     tokens_per_step = 32 * 128
     pipeline_tps = tokens_per_step * len(gaps) / sum(gaps.values())
-    bare_tps = bare_loop(cfg_a, steps=min(args.steps, 120), warmup=warm)
+    bare_tps = bare_loop(cfg_a, open_checkpoint(res_a.checkpoint_dir).meta().prepared_dir,
+                         steps=min(args.steps, 120), warmup=warm)
     ckpt_extra = sum(gaps[s] - statistics.median(logged) for s in ckpt_steps)
     ckpt_overhead = ckpt_extra / sum(gaps.values())
 

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
-from minimind_ray.config import STAGES
+from minimind_ray.stages import STAGES
 
 
 def _fields_epilog() -> str:
@@ -34,7 +34,7 @@ def _load(args, stage: Optional[str] = None):
 
 
 def cmd_train(args) -> int:
-    from minimind_ray.train.trainer import run
+    from minimind_ray.raytrain.driver import run
 
     cfg = _load(args, args.verb)
     res = run(cfg)
@@ -58,7 +58,7 @@ def print_run_summary(res) -> None:
 def cmd_prepare(args) -> int:
     from minimind_ray.data.prepare import ensure_prepared
     from minimind_ray.tokenizer import resolve_tokenizer
-    from minimind_ray.train.trainer import connect_ray
+    from minimind_ray.raytrain.driver import connect_ray
 
     cfg = _load(args)
     if args.out:
@@ -99,7 +99,7 @@ def _device(args) -> str:
 
 def cmd_generate(args) -> int:
     from minimind_ray.generate import generate_text
-    from minimind_ray.weights import build_inference_model
+    from minimind_ray.store.weights import build_inference_model
 
     dev = _device(args)
     model, lw = build_inference_model(args.weights, args.preset, device=dev)
@@ -114,7 +114,7 @@ def cmd_generate(args) -> int:
 
 def cmd_chat(args) -> int:
     from minimind_ray.generate import chat_loop
-    from minimind_ray.weights import build_inference_model
+    from minimind_ray.store.weights import build_inference_model
 
     dev = _device(args)
     model, lw = build_inference_model(args.weights, args.preset, device=dev)
@@ -146,8 +146,8 @@ def cmd_merge_lora(args) -> int:
 
     from minimind_ray.config import LoRAConfig
     from minimind_ray.model.lora import apply_lora, load_lora, merge_lora
-    from minimind_ray.model.minimind import save_pth
-    from minimind_ray.weights import build_inference_model
+    from minimind_ray.store.pth import save_pth
+    from minimind_ray.store.weights import build_inference_model
 
     model, _ = build_inference_model(args.base, args.preset, merge_lora=False)
     sd = torch.load(args.lora, map_location="cpu", weights_only=True)
@@ -176,8 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--config", help="YAML recipe (pipelines/configs/*.yaml)")
         sp.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=3e-4")
 
-    for stage in STAGES:
-        sp = sub.add_parser(stage, help=f"train the {stage} stage on Ray", epilog=_fields_epilog(),
+    for stage in STAGES.values():
+        sp = sub.add_parser(stage.name, help=f"train on Ray: {stage.help}", epilog=_fields_epilog(),
                             formatter_class=argparse.RawDescriptionHelpFormatter)
         with_config(sp)
         sp.set_defaults(fn=cmd_train)

@@ -16,6 +16,9 @@ from typing import Any, List, Optional
 
 from omegaconf import OmegaConf
 
+from minimind_ray.fsio import is_uri
+from minimind_ray.stages import FORMATS, STAGE_NAMES, STAGES
+
 
 def _f(default: Any, help: str, **kw):
     """A dataclass field with a one-line help text."""
@@ -75,6 +78,7 @@ class DataConfig:
     shuffle_window_blocks: int = _f(16, "row groups mixed together by the within-window shuffle")
     prefetch_steps: int = _f(2, "optimizer steps of batches a worker reads ahead in a background thread")
     chunk_bytes: int = _f(32 << 20, "prepare: jsonl byte-range per Ray task")
+    max_record_chars: int = _f(1_000_000, "prepare: a longer record (its jsonl line; a Parquet row's text fields) is skipped, counted as too_long")
 
 
 @dataclass
@@ -267,10 +271,6 @@ def field_help(cls=RunConfig, prefix: str = "") -> List[tuple]:
 
 # --------------------------------------------------------------------------- validation
 
-STAGES = ("pretrain", "sft", "lora", "dpo", "distill")
-FORMATS = ("pretrain", "sft", "dpo")
-
-
 def _need(cond: bool, field_name: str, msg: str):
     if not cond:
         raise ConfigError(f"{field_name}: {msg}")
@@ -281,15 +281,15 @@ def worker_threads(cfg: RunConfig) -> int:
     return cfg.train.threads_per_worker or max(1, math.ceil(cfg.cluster.cpus_per_worker))
 
 
-def accumulation_steps(cfg: RunConfig, world_size: int) -> int:
-    """Micro-steps per optimizer step so that the global batch is constant."""
-    t = cfg.train
-    per_step = world_size * t.micro_batch_size
-    if t.global_batch_size % per_step:
+def accumulation_steps(global_batch_size: int, micro_batch_size: int, world_size: int) -> int:
+    """Micro-steps per optimizer step so that the global batch is the same at every world size;
+    ConfigError when it does not split evenly (the one place this rule is written)."""
+    per_step = world_size * micro_batch_size
+    if micro_batch_size < 1 or global_batch_size % per_step:
         raise ConfigError(
-            f"train.global_batch_size: {t.global_batch_size} is not divisible by "
-            f"world size {world_size} x train.micro_batch_size {t.micro_batch_size}")
-    return t.global_batch_size // per_step
+            f"train.global_batch_size: {global_batch_size} is not divisible by "
+            f"world size {world_size} x train.micro_batch_size {micro_batch_size}")
+    return global_batch_size // per_step
 
 
 def validate(cfg: RunConfig) -> None:
@@ -313,12 +313,11 @@ def validate(cfg: RunConfig) -> None:
     _need(d.tokenizer in ("auto", "builtin", *PINNED) or os.path.exists(d.tokenizer), "data.tokenizer",
           f"{d.tokenizer!r} is neither a tokenizer name (auto, builtin, {', '.join(PINNED)}) nor an existing directory")
     for p in d.train_path:
-        if p == "demo" or "://" in p or any(ch in p for ch in "*?["):
+        if p == "demo" or is_uri(p) or any(ch in p for ch in "*?["):
             continue
         _need(os.path.exists(p), "data.train_path", f"path does not exist: {p}")
-    _need(t.stage in STAGES, "train.stage", f"unknown stage {t.stage!r}; one of {STAGES}")
-    want_fmt = {"pretrain": ("pretrain",), "sft": ("sft",), "lora": ("sft", "pretrain"), "dpo": ("dpo",),
-                "distill": ("sft", "pretrain")}[t.stage]
+    _need(t.stage in STAGES, "train.stage", f"unknown stage {t.stage!r}; one of {STAGE_NAMES}")
+    want_fmt = STAGES[t.stage].formats
     _need(d.format in want_fmt, "data.format", f"stage {t.stage!r} needs data.format in {want_fmt}, got {d.format!r}")
     _need(t.micro_batch_size > 0, "train.micro_batch_size", "must be positive")
     _need(t.global_batch_size > 0, "train.global_batch_size", "must be positive")
@@ -335,9 +334,9 @@ def validate(cfg: RunConfig) -> None:
     # the global batch must split evenly at every worker count the run may use
     lo = cl.min_workers or cl.num_workers
     for w in range(lo, cl.num_workers + 1):
-        accumulation_steps(cfg, w)
+        accumulation_steps(t.global_batch_size, t.micro_batch_size, w)
     if t.init_from:
-        _need("://" in t.init_from or os.path.exists(t.init_from), "train.init_from", f"not found: {t.init_from}")
+        _need(is_uri(t.init_from) or os.path.exists(t.init_from), "train.init_from", f"not found: {t.init_from}")
     if t.stage == "distill":
         _need(t.distill.teacher_weights is not None, "train.distill.teacher_weights", "distillation needs teacher weights")
     _need(0.0 <= t.distill.alpha <= 1.0, "train.distill.alpha", "must be in [0, 1]")

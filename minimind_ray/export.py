@@ -27,7 +27,9 @@ import torch
 from torch import nn
 
 from minimind_ray.config import ModelConfig
-from minimind_ray.model.minimind import YARN, clean_state_dict, save_pth, unwrap_model
+from minimind_ray.fsio import atomic_write, write_text_atomic
+from minimind_ray.model.minimind import YARN, clean_state_dict, unwrap_model
+from minimind_ray.store.pth import save_pth
 
 # The files of an HF tokenizer folder that travel with the model (the first two are required).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
@@ -152,9 +154,7 @@ def _write_safetensors(raw: nn.Module, path: Path, metadata: Dict[str, str],
     if raw.cfg.tie_word_embeddings:
         sd.pop("lm_head.weight", None)
     tensors = {k: (v.detach().to(dtype) if dtype else v.detach()).cpu().contiguous() for k, v in sd.items()}
-    tmp = Path(str(path) + ".tmp")
-    save_file(tensors, str(tmp), metadata=metadata)
-    os.replace(tmp, path)
+    atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
     return str(path)
 
 
@@ -178,7 +178,7 @@ def export_hf(model: nn.Module, tokenizer_dir, out_dir, dtype: Optional[torch.dt
     config = hf_config(cfg, dtype, _special_ids(tokenizer_dir))
     out_dir.mkdir(parents=True, exist_ok=True)
     _write_safetensors(raw, out_dir / "model.safetensors", {"format": "pt"}, dtype)
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    write_text_atomic(out_dir / "config.json", json.dumps(config, indent=2) + "\n")
     for name in TOKENIZER_FILES:
         if (tokenizer_dir / name).exists():
             shutil.copyfile(tokenizer_dir / name, out_dir / name)
@@ -186,10 +186,6 @@ def export_hf(model: nn.Module, tokenizer_dir, out_dir, dtype: Optional[torch.dt
 
 
 # --------------------------------------------------------------------------- from a run
-
-
-# MiniMind's file-name prefix for the weights each stage produces (its trainers' naming)
-FILE_STAGE = {"pretrain": "pretrain", "sft": "full_sft", "lora": "full_sft", "dpo": "dpo", "distill": "full_dist"}
 
 
 def _export_model(model: nn.Module, out_dir: Path, stage: str, formats, tokenizer_dir: Optional[str],
@@ -220,13 +216,14 @@ def _export_model(model: nn.Module, out_dir: Path, stage: str, formats, tokenize
     return paths
 
 
-def export_run_checkpoint(cfg, ckpt_dir: Path, out_dir: Path) -> Dict[str, str]:
+def export_run_checkpoint(cfg, ckpt_dir: str, out_dir: Path) -> Dict[str, str]:
     """What the driver writes after training: MiniMind .pth + safetensors (+ LoRA weights) of the
-    final checkpoint, named as MiniMind's trainers name them (``full_sft`` for SFT)."""
-    from minimind_ray.weights import build_inference_model
+    final checkpoint (a local path or URI), named as MiniMind's trainers name them (``full_sft`` for SFT)."""
+    from minimind_ray.stages import get_stage
+    from minimind_ray.store.weights import build_inference_model
 
     model, _ = build_inference_model(str(ckpt_dir), merge_lora=False)
-    stage = FILE_STAGE[cfg.train.stage]
+    stage = get_stage(cfg.train.stage).export_prefix
     return _export_model(model, Path(out_dir), stage, ("minimind", "safetensors"), None)
 
 
@@ -234,13 +231,15 @@ def export_from_source(source: str, out, formats=("minimind", "hf"), preset: Opt
                        tokenizer: Optional[str] = None, lora: str = "merge") -> Dict[str, str]:
     """Export any weights (``.pth``, checkpoint dir, Ray Train run dir or storage URI) with no training
     code running. The tokenizer defaults to the run's own."""
-    from minimind_ray.weights import build_inference_model
+    from minimind_ray.store.weights import build_inference_model
 
     model, lw = build_inference_model(source, preset, merge_lora=False)
     tok_dir = tokenizer
     stage = "pretrain"
     if lw.run_cfg is not None:
-        stage = FILE_STAGE[lw.run_cfg.train.stage]
+        from minimind_ray.stages import get_stage
+
+        stage = get_stage(lw.run_cfg.train.stage).export_prefix
         if tok_dir is None:
             from minimind_ray.tokenizer import resolve_tokenizer
 

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from typing import Iterator, List, Optional, TextIO
 
 import torch
+import torch.nn.functional as F
+from torch import Tensor
 
 
 @dataclass
@@ -16,6 +18,63 @@ class SamplingConfig:
     top_k: int = 50
     repetition_penalty: float = 1.0
     seed: Optional[int] = None
+
+
+def sample_filter(logits: Tensor, top_k: int, top_p: float) -> Tensor:
+    """Set logits outside the top-k and outside the top-p nucleus to -inf. logits (V,)."""
+    if 0 < top_k < logits.numel():
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, sorted_idx = torch.sort(logits, descending=True)
+        cum = torch.cumsum(F.softmax(sorted_logits, dim=-1), dim=-1)
+        drop = cum > top_p
+        drop[1:] = drop[:-1].clone()  # keep the token that crosses top_p
+        drop[0] = False
+        logits = logits.masked_fill(drop.scatter(0, sorted_idx, drop), float("-inf"))
+    return logits
+
+
+@torch.inference_mode()
+def generate_tokens(model, input_ids: Tensor, max_new_tokens: int, temperature: float = 0.85,
+                    top_p: float = 0.85, top_k: int = 50, repetition_penalty: float = 1.0,
+                    eos_token_id: Optional[int] = 2, use_cache: bool = True,
+                    generator: Optional[torch.Generator] = None) -> Iterator[int]:
+    """Yield new token ids one at a time (streaming) for a single prompt ``input_ids`` (1, T).
+
+    Sampling follows MiniMind's: repetition penalty over every token seen, then
+    temperature, top-k, top-p. ``temperature == 0`` is greedy. Stops after yielding
+    ``eos_token_id`` or at the model's maximum length. The model runs in eval mode
+    and its previous mode is restored afterwards.
+    """
+    was_training = model.training
+    model.eval()
+    try:
+        ids = input_ids
+        past = None
+        limit = model.cfg.max_position_embeddings
+        for _ in range(max_new_tokens):
+            if ids.shape[1] >= limit:
+                return
+            step_in = ids[:, -1:] if past is not None else ids
+            out = model(step_in, past_key_values=past, use_cache=use_cache)
+            past = out.past_key_values
+            logits = out.logits[0, -1].float()  # (V,)
+            if repetition_penalty != 1.0:
+                seen = torch.unique(ids[0])
+                s = logits[seen]
+                logits[seen] = torch.where(s > 0, s / repetition_penalty, s * repetition_penalty)
+            if temperature == 0:
+                nxt = int(torch.argmax(logits))
+            else:
+                logits = sample_filter(logits / temperature, top_k, top_p)
+                nxt = int(torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator))
+            yield nxt
+            if eos_token_id is not None and nxt == eos_token_id:
+                return
+            ids = torch.cat([ids, ids.new_tensor([[nxt]])], dim=1)
+    finally:
+        model.train(was_training)
 
 
 def render_prompt(tokenizer, messages: List[dict], think: Optional[bool] = None) -> str:
@@ -44,14 +103,12 @@ class StreamDecoder:
 
 
 def stream_reply(model, tokenizer, prompt_text: str, sampling: SamplingConfig, device: str = "cpu") -> Iterator[str]:
-    from minimind_ray.model.minimind import generate
-
     ids = torch.tensor([tokenizer.encode(prompt_text)], dtype=torch.long, device=device)
     gen = None
     if sampling.seed is not None:
         gen = torch.Generator(device=device).manual_seed(sampling.seed)
     dec = StreamDecoder(tokenizer)
-    for tok in generate(model, ids, max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
+    for tok in generate_tokens(model, ids, max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
                         top_p=sampling.top_p, top_k=sampling.top_k, repetition_penalty=sampling.repetition_penalty,
                         eos_token_id=tokenizer.eos_id, generator=gen):
         if tok == tokenizer.eos_id:

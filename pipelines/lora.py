@@ -3,7 +3,7 @@
     python -m pipelines.lora --config pipelines/configs/<recipe>.yaml [key=value ...]
 
 Works under `ray job submit`, with RAY_ADDRESS set, or with nothing set (a local Ray).
-All logic lives in the library (minimind_ray.cli -> minimind_ray.train.trainer).
+All logic lives in the library (minimind_ray.cli -> minimind_ray.raytrain.driver).
 """
 import sys
 

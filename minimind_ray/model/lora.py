@@ -13,7 +13,6 @@ Scaling: MiniMind adds ``B(A(x))`` unscaled (``LoRAConfig.alpha = None``); with 
 """
 from __future__ import annotations
 
-import os
 from typing import Dict, List, Optional
 
 import torch
@@ -21,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from minimind_ray.config import LoRAConfig
+from minimind_ray.fsio import torch_save_atomic
 from minimind_ray.model.minimind import clean_state_dict, unwrap_model
 
 
@@ -112,9 +112,7 @@ def lora_state_dict(model: nn.Module) -> Dict[str, Tensor]:
 def save_lora(model: nn.Module, path: str, dtype: Optional[torch.dtype] = torch.float16) -> None:
     """Write the adapters as MiniMind does (fp16 since d65ef2c), atomically via a temp file."""
     sd = {k: (v.to(dtype) if dtype else v).detach().cpu() for k, v in lora_state_dict(model).items()}
-    tmp = f"{path}.tmp"
-    torch.save(sd, tmp)
-    os.replace(tmp, path)
+    torch_save_atomic(sd, path)
 
 
 def load_lora(model: nn.Module, path_or_state_dict, strict: bool = True) -> None:

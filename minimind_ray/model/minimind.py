@@ -22,9 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from dataclasses import dataclass
-from typing import Iterator, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -415,7 +414,7 @@ def build_model(cfg: ModelConfig, seed: Optional[int] = None) -> MiniMindForCaus
         return MiniMindForCausalLM(cfg)
 
 
-# --------------------------------------------------------------------------- MiniMind .pth I/O
+# --------------------------------------------------------------------------- wrappers and keys
 
 _PREFIXES = ("module.", "_orig_mod.")
 
@@ -437,80 +436,3 @@ def clean_state_dict(sd: dict) -> dict:
             key = key.split(".", 1)[1]
         out[key] = value
     return out
-
-
-def save_pth(model: nn.Module, path: str, dtype: torch.dtype = torch.float16) -> None:
-    """MiniMind's .pth: a plain state_dict in fp16 with both tied keys, written atomically
-    (a reader never sees a half-written file)."""
-    sd = {k: v.detach().to(dtype).cpu() for k, v in clean_state_dict(model.state_dict()).items()}
-    tmp = f"{path}.tmp"
-    torch.save(sd, tmp)
-    os.replace(tmp, path)
-
-
-def load_pth(model: nn.Module, path_or_state_dict, strict: bool = True):
-    """Load a MiniMind .pth (fp16 or fp32, with or without wrapper prefixes) into ``model``;
-    values are cast to the model's dtype. Returns load_state_dict's (missing, unexpected)."""
-    sd = path_or_state_dict
-    if not isinstance(sd, dict):
-        sd = torch.load(sd, map_location="cpu", weights_only=True)
-    return model.load_state_dict(clean_state_dict(sd), strict=strict)
-
-
-# --------------------------------------------------------------------------- generation
-
-
-def _sample_filter(logits: Tensor, top_k: int, top_p: float) -> Tensor:
-    """Set logits outside the top-k and outside the top-p nucleus to -inf. logits (V,)."""
-    if 0 < top_k < logits.numel():
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, sorted_idx = torch.sort(logits, descending=True)
-        cum = torch.cumsum(F.softmax(sorted_logits, dim=-1), dim=-1)
-        drop = cum > top_p
-        drop[1:] = drop[:-1].clone()  # keep the token that crosses top_p
-        drop[0] = False
-        logits = logits.masked_fill(drop.scatter(0, sorted_idx, drop), float("-inf"))
-    return logits
-
-
-@torch.inference_mode()
-def generate(model: MiniMindForCausalLM, input_ids: Tensor, max_new_tokens: int, temperature: float = 0.85,
-             top_p: float = 0.85, top_k: int = 50, repetition_penalty: float = 1.0, eos_token_id: Optional[int] = 2,
-             use_cache: bool = True, generator: Optional[torch.Generator] = None) -> Iterator[int]:
-    """Yield new token ids one at a time (streaming) for a single prompt ``input_ids`` (1, T).
-
-    Sampling follows MiniMind's: repetition penalty over every token seen, then
-    temperature, top-k, top-p. ``temperature == 0`` is greedy. Stops after yielding
-    ``eos_token_id`` or at the model's maximum length. The model runs in eval mode
-    and its previous mode is restored afterwards.
-    """
-    was_training = model.training
-    model.eval()
-    try:
-        ids = input_ids
-        past = None
-        limit = model.cfg.max_position_embeddings
-        for _ in range(max_new_tokens):
-            if ids.shape[1] >= limit:
-                return
-            step_in = ids[:, -1:] if past is not None else ids
-            out = model(step_in, past_key_values=past, use_cache=use_cache)
-            past = out.past_key_values
-            logits = out.logits[0, -1].float()  # (V,)
-            if repetition_penalty != 1.0:
-                seen = torch.unique(ids[0])
-                s = logits[seen]
-                logits[seen] = torch.where(s > 0, s / repetition_penalty, s * repetition_penalty)
-            if temperature == 0:
-                nxt = int(torch.argmax(logits))
-            else:
-                logits = _sample_filter(logits / temperature, top_k, top_p)
-                nxt = int(torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator))
-            yield nxt
-            if eos_token_id is not None and nxt == eos_token_id:
-                return
-            ids = torch.cat([ids, ids.new_tensor([[nxt]])], dim=1)
-    finally:
-        model.train(was_training)

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from minimind_ray.config import load_config
-from minimind_ray.train.checkpoint import MODEL
+from minimind_ray.store.checkpoint import MODEL
 
 STEPS, CKPT_EVERY, GLOBAL_BATCH = 12, 4, 16
 
@@ -19,7 +19,7 @@ def new_shared(tmp_path_factory, name):
 
 
 def run_tiny(shared, name, *overrides, steps=STEPS, ckpt_every=CKPT_EVERY):
-    from minimind_ray.train.trainer import run
+    from minimind_ray.raytrain.driver import run
 
     base = shared["base"]
     cfg = load_config("pipelines/configs/tiny.yaml", [

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from minimind_ray.train.checkpoint import verify
+from minimind_ray.store.checkpoint import open_checkpoint
 
 from .helpers import assert_exactly_once, sample_record
 from .local_cluster import RAY_BIN, REPO, _free_base, _sh
@@ -41,7 +41,7 @@ def test_ray_job_submit_runs_the_tiny_pretrain(cluster_env, tmp_path):
     elapsed = time.monotonic() - t0
     assert p.returncode == 0 and "succeeded" in p.stdout.lower(), (p.stdout[-4000:], p.stderr[-2000:])
     ckpts = [c for c in (tmp_path / "runs" / "job-tiny").glob("checkpoint_*") if c.is_dir()]
-    assert ckpts and max(verify(c)["step"] for c in ckpts) == 10
+    assert ckpts and max(open_checkpoint(c).step for c in ckpts) == 10
     runs = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").search_runs(
         [e.experiment_id for e in MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").search_experiments()],
         filter_string="attributes.run_name = 'job-tiny'")

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from minimind_ray.config import load_config
-from minimind_ray.model.minimind import build_model, save_pth
+from minimind_ray.model.minimind import build_model
+from minimind_ray.store.pth import save_pth
 
 from .helpers import final_weights, loss_history, new_shared, run_tiny, sample_record
 

@@ -17,8 +17,9 @@ import pytest
 import requests
 
 from minimind_ray.config import RunConfig, TrackingConfig
-from minimind_ray.tracking import (RunLogger, artifact_location_for, finish_run, log_final_artifacts,
-                                   resolve_tracking_uri, start_run)
+from minimind_ray.tracking.artifacts import log_final_artifacts
+from minimind_ray.tracking.logger import RunLogger
+from minimind_ray.tracking.runs import artifact_location_for, finish_run, resolve_tracking_uri, start_run
 
 pytestmark = pytest.mark.integration
 
@@ -168,13 +169,11 @@ def test_embedded_default_store(tmp_path, monkeypatch):
     worker_cwd = tmp_path / "session" / "worker"
     worker_cwd.mkdir(parents=True)
     monkeypatch.chdir(worker_cwd)
-    (worker_cwd / "sample.txt").write_text("hello")
     logger = RunLogger(uri, run_id, timeout_s=5)
     for step in range(1, 6):
         logger.log_metrics({"loss": 1.0 / step}, step)
-    logger.log_artifact(str(worker_cwd / "sample.txt"), "samples")
     summary = logger.close(timeout_s=20)
-    assert summary["metrics_logged"] == 5 and summary["artifacts_failed"] == [], summary
+    assert summary["metrics_logged"] == 5 and summary["errors"] == [], summary
     (worker_cwd / "model.pth").write_bytes(b"\0" * 64)
     out = log_final_artifacts(uri, run_id, pth_path=str(worker_cwd / "model.pth"), safetensors_path=None,
                               tokenizer_dir=None, manifest_path=None, registered_model="minimind-pretrain")
@@ -186,9 +185,9 @@ def test_embedded_default_store(tmp_path, monkeypatch):
     assert run.info.status == "FINISHED" and run.info.run_name == "embedded"
     assert client.get_experiment(run.info.experiment_id).name == "minimind-pretrain"
     arts = tmp_path / "mlartifacts" / run_id / "artifacts"
-    for f in ("config/config.yaml", "samples/sample.txt", "model/model.pth", "plots/loss.png"):
+    for f in ("config/config.yaml", "model/model.pth", "plots/loss.png"):
         assert (arts / f).is_file(), f
-    assert sorted(p.name for p in worker_cwd.iterdir()) == ["model.pth", "sample.txt"]  # nothing landed here
+    assert sorted(p.name for p in worker_cwd.iterdir()) == ["model.pth"]  # nothing landed here
     assert client.get_model_version("minimind-pretrain", "1").run_id == run_id
 
 

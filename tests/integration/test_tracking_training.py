@@ -59,7 +59,7 @@ def test_one_run_with_params_metrics_artifacts_and_a_registered_version(ray_sess
 
 def test_training_survives_the_tracking_server_going_down(ray_session, shared, mlflow_server):
     """The server stops while the run trains: the run finishes, its checkpoints are intact."""
-    from minimind_ray.train.checkpoint import latest_checkpoint, verify
+    from minimind_ray.store.checkpoint import latest_checkpoint, open_checkpoint
 
     samples = shared["base"] / "samples" / "server-down"
 
@@ -78,5 +78,5 @@ def test_training_survives_the_tracking_server_going_down(ray_session, shared, m
         mlflow_server.start()  # leave the fixture as we found it
     assert res.checkpoint_dir is not None
     ckpts = [p for p in Path(res.run_dir).glob("checkpoint_*") if p.is_dir()]
-    assert len(ckpts) >= 2 and all(verify(p)["step"] for p in ckpts)
-    assert verify(latest_checkpoint(Path(res.run_dir)))["step"] == STEPS
+    assert len(ckpts) >= 2 and all(open_checkpoint(p).step for p in ckpts)
+    assert open_checkpoint(latest_checkpoint(Path(res.run_dir))).step == STEPS

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from minimind_ray.config import load_config
-from minimind_ray.train.checkpoint import MODEL
+from minimind_ray.store.checkpoint import MODEL
 
 from .helpers import (CKPT_EVERY, STEPS, assert_exactly_once, final_weights, loss_history, new_shared,
                       run_tiny, sample_record)
@@ -75,46 +75,21 @@ def test_one_worker_matches_two_workers(baseline, one_worker, shared):
 
 
 def test_one_worker_equals_plain_single_process_training(one_worker):
-    """world_size=1 on Ray Train is plain PyTorch: the same steps written out here, with no Ray, give
-    bit-identical weights (same data order, same ops, one thread like the worker)."""
+    """world_size=1 on Ray Train is plain PyTorch: the engine's own loop with no Ray and no process
+    group gives bit-identical weights (same data order, same ops, one thread like the worker)."""
+    from minimind_ray.engine import TrainState, run
+    from minimind_ray.store.checkpoint import open_checkpoint
 
-    from minimind_ray.config import from_dict
-    from minimind_ray.data.stream import PreparedDataset, TrainStream
-    from minimind_ray.model.minimind import build_model
-    from minimind_ray.train.loop import lr_lambda
-    from minimind_ray.train.objectives import build_objective
-
-    meta = json.loads((Path(one_worker.checkpoint_dir) / "meta.json").read_text())
-    cfg = from_dict(meta["config"])
+    meta = open_checkpoint(one_worker.checkpoint_dir).meta()
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     try:
-        torch.manual_seed(cfg.train.seed)
-        model = build_model(cfg.model, seed=cfg.train.seed)
-        obj = build_objective(cfg)
-        params = [p for p in model.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=cfg.train.lr, betas=(cfg.train.beta1, cfg.train.beta2),
-                                weight_decay=cfg.train.weight_decay)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, STEPS))
-        stream = TrainStream(PreparedDataset(meta["prepared_dir"], cfg.data.eval_fraction), split="train",
-                             global_batch_size=cfg.train.global_batch_size, micro_batch_size=cfg.train.micro_batch_size,
-                             world_size=1, rank=0, seed=cfg.train.seed, shuffle=cfg.data.shuffle,
-                             shuffle_window_blocks=cfg.data.shuffle_window_blocks, prefetch_steps=0)
-        for _ in range(STEPS):
-            batches = stream.next_step()
-            w = torch.tensor(float(sum(obj.weight(b) for b in batches)), dtype=torch.float64).clamp_min(1.0)
-            for mb in batches:
-                loss_sum, aux, _ = obj.loss_sum(model, mb)
-                (loss_sum * (1 / w).float() + aux / len(batches)).backward()
-            torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip)
-            opt.step()
-            sched.step()
-            opt.zero_grad(set_to_none=True)
-        stream.close()
+        state = TrainState.build(meta.run_config(), meta.prepared_dir)  # sets the worker's thread count
+        run(state)
     finally:
         torch.set_num_threads(threads)
     w_ray = final_weights(one_worker)
-    plain = model.state_dict()
+    plain = state.model.state_dict()
+    assert state.step == STEPS
     assert all(torch.equal(w_ray[k], plain[k]) for k in w_ray)
 
 
@@ -155,7 +130,8 @@ def test_driver_resume_with_a_different_worker_count(baseline, shared):
 
 
 def test_checkpoint_loads_into_a_bare_model_with_strict_keys(baseline):
-    from minimind_ray.model.minimind import build_model, load_pth
+    from minimind_ray.model.minimind import build_model
+    from minimind_ray.store.pth import load_pth
 
     res, _, _ = baseline
     cfg = load_config("pipelines/configs/tiny.yaml")
@@ -166,7 +142,7 @@ def test_checkpoint_loads_into_a_bare_model_with_strict_keys(baseline):
 def test_a_request_the_cluster_cannot_hold_fails_fast(ray_session, shared):
     import time
 
-    from minimind_ray.train.trainer import ClusterTooSmall
+    from minimind_ray.raytrain.driver import ClusterTooSmall
 
     t0 = time.monotonic()
     with pytest.raises(ClusterTooSmall, match="GPU"):

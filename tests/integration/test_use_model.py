@@ -16,7 +16,8 @@ import torch.nn.functional as F
 
 from minimind_ray.config import load_config, to_dict
 from minimind_ray.model.minimind import build_model
-from minimind_ray.train import checkpoint as ckpt_io
+from minimind_ray.engine.state import RNGState
+from minimind_ray.store import checkpoint as ckpt_io
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
@@ -44,10 +45,11 @@ def trained(ray_session, tmp_path_factory):
     opt = torch.optim.AdamW(model.parameters())
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     ck = base / "runs" / "demo-run" / "checkpoint_000001"
-    ckpt_io.write_rank_files(ck, 0)
-    ckpt_io.write_rank0_files(ck, model_state=model.state_dict(), optimizer=opt, scheduler=sched, world_size=1,
-                              meta={"step": 1, "epoch": 0, "data_state": {}, "world_size": 1, "mlflow_run_id": None,
-                                    "config": to_dict(cfg), "prepared_dir": prepared})
+    ckpt_io.write_rank_files(ck, 0, RNGState().state_dict())
+    ckpt_io.write_shared_files(ck, model_state=model.state_dict(),
+                               train_state={"optimizer": opt.state_dict(), "scheduler": sched.state_dict()},
+                               meta=ckpt_io.CheckpointMeta(step=1, epoch=0, data_state={}, world_size=1, stage="sft",
+                                                           total_steps=1, config=to_dict(cfg), prepared_dir=prepared))
     return {"run_dir": ck.parent, "ckpt": ck, "cfg": cfg, "model": model, "prepared": prepared, "base": base}
 
 
@@ -105,7 +107,7 @@ def test_a_bare_minimind_pth_loads_with_minimind_tokenizers(preset, generation, 
     """A MiniMind-style fp16 .pth with no run around it: the architecture is inferred from its shapes,
     MiniMind's own tokenizer renders the chat (minimind-3 with its thinking switch)."""
     from minimind_ray.config import ModelConfig
-    from minimind_ray.model.minimind import save_pth
+    from minimind_ray.store.pth import save_pth
     from minimind_ray.model.presets import preset_values
     from tests.conftest import minimind_tokenizer_dir
 
@@ -118,7 +120,7 @@ def test_a_bare_minimind_pth_loads_with_minimind_tokenizers(preset, generation, 
     # the CLI inferred the preset and used the tokenizer's template: same text as generating in-process
     from minimind_ray.generate import SamplingConfig, generate_text
     from minimind_ray.tokenizer import load_tokenizer
-    from minimind_ray.weights import build_inference_model
+    from minimind_ray.store.weights import build_inference_model
 
     model, lw = build_inference_model(str(pth))
     assert lw.model_cfg.preset == preset

@@ -48,7 +48,7 @@ def test_elastic_range_must_keep_the_global_batch_divisible():
 
 def test_accumulation_keeps_the_global_batch():
     cfg = load_config(None, ["data.train_path=[demo]", "train.global_batch_size=64", "train.micro_batch_size=8"])
-    assert [accumulation_steps(cfg, w) * w * 8 for w in (1, 2, 4, 8)] == [64] * 4
+    assert [accumulation_steps(cfg.train.global_batch_size, cfg.train.micro_batch_size, w) * w * 8 for w in (1, 2, 4, 8)] == [64] * 4
 
 
 def test_every_field_has_help_and_params_flatten():
@@ -78,4 +78,4 @@ def test_gpu_recipes_are_valid_once_their_data_exists(recipe, tmp_path):
         assert (cfg.data.max_seq_len, t.global_batch_size, t.lr, t.warmup_steps, cfg.checkpoint.interval,
                 cfg.cluster.max_failures, cfg.cluster.backend, cfg.cluster.num_workers) == \
             (512, 512, 1e-4, 1000, 100, 3, "nccl", 4)
-        assert accumulation_steps(cfg, 4) == 1  # 128 per GPU
+        assert accumulation_steps(cfg.train.global_batch_size, cfg.train.micro_batch_size, 4) == 1  # 128 per GPU

@@ -9,7 +9,8 @@ import torch
 from minimind_ray.config import LoRAConfig, ModelConfig
 from minimind_ray.export import export_hf, export_minimind_pth
 from minimind_ray.model.lora import apply_lora, load_lora
-from minimind_ray.model.minimind import build_model, load_pth
+from minimind_ray.model.minimind import build_model
+from minimind_ray.store.pth import load_pth
 from minimind_ray.model.presets import preset_values
 
 torch.set_num_threads(2)

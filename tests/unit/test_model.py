@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from minimind_ray.config import ModelConfig
-from minimind_ray.model.minimind import (MiniMindForCausalLM, RMSNorm, build_model, clean_state_dict, generate,
-                                         load_pth, save_pth)
+from minimind_ray.generate import generate_tokens as generate
+from minimind_ray.model.minimind import MiniMindForCausalLM, RMSNorm, build_model, clean_state_dict
+from minimind_ray.store.pth import load_pth, save_pth
 from minimind_ray.model.presets import PRESETS, preset_values
 
 torch.set_num_threads(2)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -107,22 +107,77 @@ class CommTimer:
         return fut.then(finish)
 
 
-class Meter:
-    """Sums of per-step quantities between two metric reports (device tensors stay on the device)."""
+class IntervalMeter:
+    """What the steps between two metric reports add up to. Per-step sums stay on the device;
+    :meth:`reduce` all-reduces them in one collective and reads them once (one host sync per
+    interval, none per step)."""
 
     def __init__(self):
         self.reset()
 
-    def reset(self):
+    def reset(self) -> None:
         self.steps = 0
         self.tokens = 0
         self.data_wait = 0.0
-        self.comm_busy = 0.0
         self.sums: Dict[str, torch.Tensor] = {}
+        self.per_step: List[tuple] = []  # (step, local loss sum, global weight, local aux)
         self.t_start = time.perf_counter()
 
-    def add(self, key: str, value: torch.Tensor) -> None:
-        self.sums[key] = self.sums[key] + value if key in self.sums else value
+    def add(self, out, data_wait_s: float) -> None:
+        """Record one :class:`~minimind_ray.engine.step.StepOutput`."""
+        self.steps += 1
+        self.tokens += out.tokens
+        self.data_wait += data_wait_s
+        for k, v in out.extras.items():
+            self.sums[k] = self.sums[k] + v if k in self.sums else v
+        self.per_step.append((out.step, out.loss_sum, out.weight, out.aux))
+
+    def reduce(self, *, world: int, device, step: int, total_steps: int, steps_per_epoch: int, lr: float,
+               grad_norm, flops_per_token: float, peak: Optional[float], comm_busy: float) -> Dict[str, Any]:
+        """One all-reduce of everything the interval summed, then the metrics dict. ``_per_step_loss``
+        holds (step, global mean loss) of every step of the interval (MLflow gets each step's loss).
+        The caller resets the meter once it has reported (evaluation and logging belong to this interval)."""
+        per_step = self.per_step
+        k = len(per_step)
+        extra_keys = sorted(self.sums)
+        host = torch.tensor([self.tokens, self.data_wait, comm_busy], dtype=torch.float64)
+        vec = torch.cat([torch.stack([l for _, l, _, _ in per_step]), torch.stack([a for _, _, _, a in per_step]),
+                         host.to(device)] + [self.sums[x].reshape(1).to(device) for x in extra_keys])
+        if world > 1:
+            dist.all_reduce(vec)
+        vec = vec.cpu()
+        weights_per_step = torch.stack([w for _, _, w, _ in per_step]).cpu()
+        elapsed = max(time.perf_counter() - self.t_start, 1e-9)  # wall time of the interval (the .cpu() synced)
+        losses = [(per_step[i][0], float(vec[i] / weights_per_step[i])) for i in range(k)]
+        aux = [float(vec[k + i]) / world for i in range(k)]
+        tokens, data_wait, comm = (float(x) for x in vec[2 * k:2 * k + 3])
+        steps = max(self.steps, 1)
+        step_time = elapsed / steps
+        tok_s = tokens / elapsed
+        weights = float(weights_per_step.sum())
+        m: Dict[str, Any] = {
+            "step": step,
+            "total_steps": total_steps,
+            "epoch": (step - 1) // steps_per_epoch,
+            "loss": losses[-1][1],
+            "loss_interval": sum(float(vec[i]) for i in range(k)) / max(weights, 1.0),
+            "aux_loss": aux[-1],
+            "lr": lr,
+            "grad_norm": float(grad_norm),
+            "tokens_per_s": tok_s,
+            "tokens_per_s_per_worker": tok_s / world,
+            "mfu": (tok_s * flops_per_token / (peak * world)) if peak else float("nan"),
+            "step_time_s": step_time,
+            "data_wait_s": data_wait / world / steps,
+            "allreduce_s": comm / world / steps,
+            "comm_fraction": (comm / world / steps) / max(step_time, 1e-9),
+            "peak_mem_gb": peak_memory_gb(device),
+            "world_size": world,
+        }
+        for i, x in enumerate(extra_keys):
+            m[x] = float(vec[2 * k + 3 + i]) / max(weights, 1.0)
+        m["_per_step_loss"] = losses
+        return m
 
 
 def peak_memory_gb(device: torch.device) -> float:

@@ -5,20 +5,26 @@ Accepted sources:
     tensor shapes, or given with ``preset``);
   * a checkpoint directory (``checkpoint_*`` with COMPLETE.json and meta.json);
   * a Ray Train run directory (its newest complete checkpoint);
-  * a storage URI of either (``s3://...``, ``gs://...``), copied locally with pyarrow.fs.
+  * a storage URI of any of these (``s3://...``, ``gs://...``, ``file://...``): read through
+    pyarrow.fs file by file, with nothing copied to local disk.
+A checkpoint is verified once per load.
 """
 from __future__ import annotations
 
-import tempfile
+import copy
+import io
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Dict, Optional
 
+import pyarrow.fs as pafs
 import torch
 
-from minimind_ray.config import ModelConfig, RunConfig, from_dict
+from minimind_ray.config import ModelConfig, RunConfig
+from minimind_ray.fsio import filesystem
+from minimind_ray.model.minimind import clean_state_dict
 from minimind_ray.model.presets import PRESETS, preset_values
-from minimind_ray.train import checkpoint as ckpt_io
+from minimind_ray.store.checkpoint import (CheckpointMeta, StoredCheckpoint, is_checkpoint, newest_complete,
+                                           open_checkpoint)
 
 
 @dataclass
@@ -26,33 +32,22 @@ class LoadedWeights:
     state_dict: Dict[str, torch.Tensor]
     model_cfg: ModelConfig
     run_cfg: Optional[RunConfig]  # present when the source was a checkpoint
-    checkpoint_dir: Optional[Path]
+    checkpoint: Optional[StoredCheckpoint]  # the verified checkpoint it came from
+    meta: Optional[CheckpointMeta] = None
 
 
-def _localize(source: str) -> Path:
-    """Copy a storage URI to a temp dir (pyarrow.fs understands s3://, gs://, hdfs://, file://)."""
-    if "://" not in source:
-        return Path(source)
-    import pyarrow.fs as pafs
-
-    fs, path = pafs.FileSystem.from_uri(source)
-    dst = Path(tempfile.mkdtemp(prefix="mmr-weights-"))
+def resolve_checkpoint(source: str) -> Optional[StoredCheckpoint]:
+    """The verified checkpoint a source names (itself, or a run directory's newest complete one),
+    or None when the source is a file."""
+    fs, path = filesystem(source)
     info = fs.get_file_info(path)
     if info.type == pafs.FileType.File:
-        pafs.copy_files(path, str(dst / Path(path).name), source_filesystem=fs)
-        return dst / Path(path).name
-    pafs.copy_files(path, str(dst), source_filesystem=fs)
-    return dst
-
-
-def _checkpoint_dir(local: Path, source: str) -> Optional[Path]:
-    """The verified checkpoint directory a localized source names, or None when it is a bare .pth."""
-    if local.is_file():
         return None
-    if (local / ckpt_io.COMPLETE).exists():
-        ckpt_io.verify(local)
-        return local
-    latest = ckpt_io.latest_checkpoint(local)  # the newest one that verifies
+    if info.type == pafs.FileType.NotFound:
+        raise FileNotFoundError(f"{source}: no such file or directory")
+    if is_checkpoint(source):
+        return open_checkpoint(source)
+    latest = newest_complete(source)
     if latest is None:
         raise FileNotFoundError(f"{source}: no complete checkpoint_* directory and not a .pth file")
     return latest
@@ -73,17 +68,20 @@ def infer_model_config(sd: Dict[str, torch.Tensor]) -> ModelConfig:
     raise ValueError("the weights match no known preset; pass --preset (see minimind_ray/model/presets.py)")
 
 
-def load_weights(source: str, preset: Optional[str] = None) -> LoadedWeights:
-    from minimind_ray.model.minimind import clean_state_dict
+def _read_file(source: str) -> Dict[str, torch.Tensor]:
+    fs, path = filesystem(source)
+    with fs.open_input_stream(path) as f:
+        data = f.read()
+    return clean_state_dict(torch.load(io.BytesIO(data), map_location="cpu", weights_only=True))
 
-    local = _localize(source)  # a URI is copied down once
-    ck = _checkpoint_dir(local, source)
+
+def load_weights(source: str, preset: Optional[str] = None) -> LoadedWeights:
+    ck = resolve_checkpoint(str(source))
     if ck is not None:
-        meta = ckpt_io.read_meta(ck)
-        run_cfg = from_dict(meta["config"])
-        sd = torch.load(ck / ckpt_io.MODEL, map_location="cpu", weights_only=True)
-        return LoadedWeights(clean_state_dict(sd), run_cfg.model, run_cfg, ck)
-    sd = clean_state_dict(torch.load(local, map_location="cpu", weights_only=True))
+        meta = ck.meta()
+        run_cfg = meta.run_config()
+        return LoadedWeights(ck.model_state(), run_cfg.model, run_cfg, ck, meta)
+    sd = _read_file(str(source))
     mc = ModelConfig(**preset_values(preset)) if preset else infer_model_config(sd)
     return LoadedWeights(sd, mc, None, None)
 
@@ -103,6 +101,18 @@ def apply_weights(model, lw: LoadedWeights, merge_lora: bool = True):
         return merge(model) if merge_lora else model
     model.load_state_dict(sd, strict=True)
     return model
+
+
+def load_model_weights(model: torch.nn.Module, source: str, strict: bool = True) -> None:
+    """Weights from any source into an existing model (``train.init_from``, a DPO reference, a
+    distillation teacher). LoRA adapters in the source are merged first when ``model`` has none."""
+    from minimind_ray.store.pth import load_pth
+
+    lw = load_weights(source, preset=model.cfg.preset)
+    sd = lw.state_dict
+    if any(".lora." in k for k in sd) and not any(".lora." in k for k in model.state_dict()):
+        sd = apply_weights(copy.deepcopy(model), lw, merge_lora=True).state_dict()
+    load_pth(model, sd, strict=strict)
 
 
 def build_inference_model(source: str, preset: Optional[str] = None, merge_lora: bool = True,

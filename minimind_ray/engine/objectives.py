@@ -1,6 +1,7 @@
 """Stage plug-ins: what differs between pretrain, SFT, LoRA, DPO and distillation.
 
-The training loop (loop.py) is the same for every stage. An objective supplies:
+The training step (step.py) is the same for every stage; minimind_ray/stages.py names each
+stage's objective class here. An objective supplies:
 
 * ``setup(model, device)``: freeze what must not train, build frozen extra
   models (DPO reference, distillation teacher);
@@ -8,7 +9,7 @@ The training loop (loop.py) is the same for every stage. An objective supplies:
   preference pairs), computable before the forward pass;
 * ``loss_sum(model, batch)``: the loss *summed* over those units, plus metrics.
 
-The loop all-reduces the step's total weight over ranks and divides by it, so an
+The step all-reduces its total weight over ranks and divides by it, so an
 optimizer step's gradient is the gradient of the mean over the *global* batch,
 whatever the worker count and accumulation split. That is what makes a 1-worker
 and a 2-worker run at the same global batch take the same steps.
@@ -97,7 +98,7 @@ def _frozen_copy(model: nn.Module) -> nn.Module:
 
 def _load_frozen(cfg_model, weights: str, device: torch.device) -> nn.Module:
     from minimind_ray.model.minimind import build_model
-    from minimind_ray.train.checkpoint import load_model_weights
+    from minimind_ray.store.weights import load_model_weights
 
     m = build_model(cfg_model)
     load_model_weights(m, weights)
@@ -182,9 +183,11 @@ class DistillObjective(Objective):
         return loss, out.aux_loss, {"ce": ce.detach(), "kl": kl.detach()}
 
 
-OBJECTIVES = {"pretrain": Objective, "sft": SFTObjective, "lora": LoRAObjective, "dpo": DPOObjective,
-              "distill": DistillObjective}
+OBJECTIVE_CLASSES = {c.__name__: c for c in (Objective, SFTObjective, LoRAObjective, DPOObjective, DistillObjective)}
 
 
 def build_objective(cfg: RunConfig) -> Objective:
-    return OBJECTIVES[cfg.train.stage](cfg)
+    """The objective of ``cfg.train.stage``, by the class name the stage registry gives."""
+    from minimind_ray.stages import get_stage
+
+    return OBJECTIVE_CLASSES[get_stage(cfg.train.stage).objective](cfg)

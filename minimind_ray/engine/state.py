@@ -1,0 +1,154 @@
+"""Everything one rank's training depends on, built once and saved/restored as a whole.
+
+:class:`TrainState` holds the model (plain, DDP-wrapped and maybe compiled), the stage
+objective, the optimizer, the lr scheduler, the data stream, the step and the RNG. Each part
+follows the ``state_dict()``/``load_state_dict()`` contract (torchtitan's ``Stateful``), and
+:meth:`TrainState.save` / :meth:`TrainState.restore` map them onto the checkpoint layout that
+``minimind_ray/store/checkpoint.py`` owns. No Ray here: a world of 1 needs no process group,
+and a larger world needs only ``torch.distributed`` initialised (Ray Train does it, as
+``torchrun`` would).
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+
+from minimind_ray.config import RunConfig, worker_threads
+from minimind_ray.engine.metrics import CommTimer
+from minimind_ray.engine.objectives import Objective, build_objective
+from minimind_ray.engine.step import autocast_for, lr_lambda
+
+
+class RNGState:
+    """The process's random state: torch CPU, this rank's CUDA device, Python's ``random``."""
+
+    def state_dict(self) -> Dict[str, Any]:
+        py = random.getstate()
+        state = {"torch": torch.get_rng_state(), "python": list(py[1]), "python_version": py[0],
+                 "python_gauss": py[2]}
+        if torch.cuda.is_available():  # this rank's device only: a restart may see a different set of GPUs
+            state["cuda"] = torch.cuda.get_rng_state()
+        return state
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        torch.set_rng_state(state["torch"])
+        random.setstate((state["python_version"], tuple(state["python"]), state["python_gauss"]))
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state(state["cuda"])
+
+
+@dataclass
+class TrainState:
+    cfg: RunConfig
+    rank: int
+    world: int
+    device: torch.device
+    model: torch.nn.Module  # the plain model: what checkpoints and exports hold
+    ddp_model: torch.nn.Module  # DDP-wrapped when world > 1, else ``model``
+    forward_model: Callable  # ``ddp_model``, compiled when train.compile
+    objective: Objective
+    params: List[torch.nn.Parameter]  # the trained ones
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    dataset: Any  # data.stream.PreparedDataset
+    stream: Any  # data.stream.TrainStream: this rank's batches
+    total_steps: int
+    autocast: Callable
+    comm: Optional[CommTimer] = None
+    step: int = 0  # optimizer steps done
+    rng: RNGState = field(default_factory=RNGState)
+
+    @classmethod
+    def build(cls, cfg: RunConfig, prepared_dir: str, rank: int = 0, world: int = 1,
+              device: Optional[torch.device] = None) -> "TrainState":
+        """A fresh state at step 0. The order matters for exact restarts: the model init is seeded
+        on its own; dropout and sampling then draw from ``seed + rank``."""
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        from minimind_ray.data.stream import PreparedDataset, TrainStream
+        from minimind_ray.model.minimind import build_model
+        from minimind_ray.store.weights import load_model_weights
+
+        device = device or torch.device("cpu")
+        torch.set_num_threads(worker_threads(cfg))
+        t = cfg.train
+        model = build_model(cfg.model, seed=t.seed)  # the same init on every rank (build_model forks the RNG)
+        torch.manual_seed(t.seed + rank)  # dropout and sampling differ per rank
+        random.seed(t.seed + rank)
+        objective = build_objective(cfg)
+        if t.init_from:  # also on restore: DPO's reference is a copy of the *initial* weights
+            load_model_weights(model, t.init_from, strict=True)
+        objective.setup(model, device)  # freezes / builds frozen models from the initial weights
+        model.to(device)
+        ddp_model, comm = model, None
+        if world > 1:
+            ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+                            forward_sync_buffers=False, gradient_as_bucket_view=True)  # RoPE tables are equal on all ranks
+            comm = CommTimer()
+            ddp_model.register_comm_hook(None, comm.hook)
+        forward_model = torch.compile(ddp_model) if t.compile else ddp_model
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay)
+
+        dataset = PreparedDataset(prepared_dir, eval_fraction=cfg.data.eval_fraction)
+        stream = TrainStream(dataset, split="train", global_batch_size=t.global_batch_size,
+                             micro_batch_size=t.micro_batch_size, world_size=world, rank=rank, seed=t.seed,
+                             shuffle=cfg.data.shuffle, shuffle_window_blocks=cfg.data.shuffle_window_blocks,
+                             prefetch_steps=cfg.data.prefetch_steps)
+        total_steps = t.max_steps or t.epochs * stream.steps_per_epoch
+        if total_steps <= 0:
+            raise ValueError(f"{prepared_dir}: {dataset.num_sequences('train')} training sequences "
+                             f"make no full global batch of {t.global_batch_size}")
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t, total_steps))
+        return cls(cfg=cfg, rank=rank, world=world, device=device, model=model, ddp_model=ddp_model,
+                   forward_model=forward_model, objective=objective, params=params, optimizer=optimizer,
+                   scheduler=scheduler, dataset=dataset, stream=stream, total_steps=total_steps,
+                   autocast=autocast_for(t.precision, device), comm=comm)
+
+    # ---- Stateful
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "data": self.stream.state_dict(), "step": self.step,
+                "rng": self.rng.state_dict()}
+
+    def load_state_dict(self, sd: Dict[str, Any]) -> None:
+        from minimind_ray.store.pth import load_pth
+
+        load_pth(self.model, sd["model"], strict=True)
+        self.optimizer.load_state_dict(sd["optimizer"])
+        self.scheduler.load_state_dict(sd["scheduler"])
+        self.stream.load_state_dict(sd["data"])
+        self.step = int(sd["step"])
+        if sd.get("rng") is not None:  # a checkpoint of a smaller world has none for this rank
+            self.rng.load_state_dict(sd["rng"])
+
+    # ---- the checkpoint layout (minimind_ray/store/checkpoint.py)
+
+    def save(self, ckpt_dir, mlflow_run_id: Optional[str], prepared_dir: str) -> None:
+        """Write this rank's part of a checkpoint into a local staging directory."""
+        from minimind_ray.config import to_dict
+        from minimind_ray.store.checkpoint import CheckpointMeta, write_rank_files, write_shared_files
+
+        write_rank_files(ckpt_dir, self.rank, self.rng.state_dict())
+        if self.rank == 0:
+            meta = CheckpointMeta(step=self.step, epoch=(self.step - 1) // self.stream.steps_per_epoch,
+                                  data_state=self.stream.state_dict(), world_size=self.world,
+                                  mlflow_run_id=mlflow_run_id, stage=self.cfg.train.stage,
+                                  total_steps=self.total_steps, config=to_dict(self.cfg), prepared_dir=prepared_dir)
+            write_shared_files(ckpt_dir, model_state=self.model.state_dict(),
+                               train_state={"optimizer": self.optimizer.state_dict(),
+                                            "scheduler": self.scheduler.state_dict()}, meta=meta)
+
+    def restore(self, stored):
+        """Continue from a verified :class:`~minimind_ray.store.checkpoint.StoredCheckpoint`; returns its
+        :class:`~minimind_ray.store.checkpoint.CheckpointMeta`."""
+        meta = stored.meta()
+        train_state = stored.train_state()
+        self.load_state_dict({"model": stored.model_state(), "optimizer": train_state["optimizer"],
+                              "scheduler": train_state["scheduler"], "data": meta.data_state, "step": meta.step,
+                              "rng": stored.rng(self.rank)})
+        return meta

@@ -1,0 +1,100 @@
+"""One optimizer step of one rank: the same for every stage, every world size, with or without Ray.
+
+    weight  = all-reduce(sum of the micro-batches' loss units)      (target tokens, or pairs)
+    for each micro-batch (no_sync on all but the last):
+        loss = objective.loss_sum(mb) * world / weight + aux / n_micro ; backward
+    clip the global gradient norm ; AdamW ; scheduler
+
+DDP averages gradients over ranks; scaling each rank's summed loss by ``world / weight``
+turns that average into the gradient of the mean over the *global* batch, so a 1-worker
+and a 2-worker run at the same global batch take the same steps.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Callable, Dict, List
+
+import torch
+import torch.distributed as dist
+
+
+def lr_lambda(train_cfg, total_steps: int) -> Callable[[int], float]:
+    """Multiplier of the peak lr at optimizer step t (0-based); ``train_cfg`` is a TrainConfig."""
+    t = train_cfg
+    if t.lr_schedule == "minimind":  # MiniMind's own: lr * (0.1 + 0.45 * (1 + cos(pi * t / T)))
+        return lambda s: 0.1 + 0.45 * (1.0 + math.cos(math.pi * s / max(total_steps, 1)))
+    warmup = min(t.warmup_steps, max(1, total_steps // 10))
+
+    def cosine(s: int) -> float:
+        if s < warmup:
+            return (s + 1) / warmup
+        progress = (s - warmup) / max(1, total_steps - warmup)
+        return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+
+    return cosine
+
+
+def autocast_for(precision: str, device: torch.device):
+    """A context-manager factory: bf16 autocast on CUDA (or when asked), fp32 otherwise."""
+    use_bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
+    if use_bf16:
+        return lambda: torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext
+
+
+def to_device(batch: Dict[str, torch.Tensor], device: torch.device) -> Dict[str, torch.Tensor]:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+@dataclass
+class StepOutput:
+    """What one step leaves for the interval metrics. Tensors stay on the device (no host sync)."""
+
+    step: int
+    loss_sum: torch.Tensor  # this rank's loss summed over its units (float64)
+    weight: torch.Tensor  # the global batch's loss units (all-reduced, float64, >= 1)
+    aux: torch.Tensor  # this rank's MoE aux loss, averaged over micro-steps (float64)
+    extras: Dict[str, torch.Tensor]  # objective-specific sums (DPO margins, distillation CE/KL, ...)
+    tokens: int  # tokens this rank's forward passes processed
+    grad_norm: torch.Tensor
+    lr: float  # the lr this step used
+
+
+def train_step(state, batches: List[Dict[str, torch.Tensor]], step: int) -> StepOutput:
+    """Run optimizer step ``step`` (1-based) of ``state`` (a TrainState) on this rank's micro-batches."""
+    obj, world, device = state.objective, state.world, state.device
+    n_micro = len(batches)
+    # the step's loss is a mean over the *global* batch: all-reduce its weight first
+    w_local = sum(obj.weight(b) for b in batches)
+    w = torch.full((), float(w_local), device=device, dtype=torch.float64)  # a fill, no host->device copy
+    if world > 1:
+        dist.all_reduce(w)
+    w = w.clamp_min(1.0)
+    scale = (world / w).float()  # DDP averages gradients over ranks; undo that to sum, then divide
+
+    loss_local = torch.zeros((), device=device, dtype=torch.float64)
+    aux_local = torch.zeros((), device=device, dtype=torch.float64)
+    extras: Dict[str, torch.Tensor] = {}
+    tokens_local = 0
+    for i, mb in enumerate(batches):
+        mb = to_device(mb, device)
+        sync = world == 1 or i == n_micro - 1
+        with (contextlib.nullcontext() if sync else state.ddp_model.no_sync()), state.autocast():
+            loss_sum, aux, extra = obj.loss_sum(state.forward_model, mb)
+            loss = loss_sum * scale + aux / n_micro
+        loss.backward()
+        loss_local += loss_sum.detach().double()
+        aux_local += aux.detach().double() / n_micro
+        tokens_local += obj.tokens(mb)
+        for k, v in extra.items():
+            extras[k] = extras.get(k, 0.0) + v.detach().double()
+    clip = state.cfg.train.grad_clip
+    grad_norm = torch.nn.utils.clip_grad_norm_(state.params, clip if clip > 0 else float("inf"))
+    state.optimizer.step()
+    lr = state.scheduler.get_last_lr()[0]  # the lr this step used
+    state.scheduler.step()
+    state.optimizer.zero_grad(set_to_none=True)
+    state.step = step
+    return StepOutput(step, loss_local, w, aux_local, extras, tokens_local, grad_norm, lr)

@@ -1,0 +1,23 @@
+"""The driver's one hand-off to the workers."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from minimind_ray.config import RunConfig
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a worker needs, resolved once by the driver; the user's config is never edited.
+
+    ``cfg`` is the driver's own copy with what the driver decided filled in (the run name, whether
+    workers use GPUs), so a checkpoint's ``meta.json`` and the MLflow params say what really ran."""
+
+    cfg: RunConfig
+    run_dir: str  # <storage>/<name>: where this run's checkpoints are (local path or URI)
+    prepared_dir: str  # the prepared data to train on
+    use_gpu: bool
+    tracking_uri: Optional[str] = None
+    mlflow_run_id: Optional[str] = None  # None: untracked (a checkpoint's run id wins on a restore)
+    progress_sink: Any = None  # the ProgressSink actor rank 0 pushes interval metrics to

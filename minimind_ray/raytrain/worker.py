@@ -1,0 +1,116 @@
+"""``train_loop_per_worker``: what every Ray Train worker runs. Build the engine's state, restore it
+from the newest complete checkpoint, loop the engine, hand checkpoints and metrics over."""
+from __future__ import annotations
+
+import json
+import tempfile
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from minimind_ray.engine import Hooks, TrainState, run
+from minimind_ray.fsio import filesystem
+from minimind_ray.raytrain.faults import FaultInjector, SampleLog
+from minimind_ray.raytrain.spec import WorkerSpec
+from minimind_ray.store.checkpoint import StoredCheckpoint, choose_restore, open_checkpoint
+
+
+def pick_device(use_gpu: bool) -> torch.device:
+    """This worker's GPU when the run uses GPUs (Ray maps its GPU ids through CUDA_VISIBLE_DEVICES), else CPU."""
+    if use_gpu and torch.cuda.is_available():
+        from ray.train.torch import get_device
+
+        device = get_device()
+        torch.cuda.set_device(device)
+        return device
+    return torch.device("cpu")
+
+
+def restore_point(spec: WorkerSpec, rank: int, world: int) -> Optional[StoredCheckpoint]:
+    """Ray's registered checkpoint, or a newer complete one a hard crash kept Ray from registering
+    (store.checkpoint.choose_restore). Rank 0 decides; every rank opens the same one."""
+    import ray.train
+
+    path = None
+    if rank == 0:
+        ray_ckpt = ray.train.get_checkpoint()
+        chosen = choose_restore((ray_ckpt.path, ray_ckpt.filesystem) if ray_ckpt else None, spec.run_dir)
+        path = chosen.path if chosen else None
+    if world > 1:
+        box = [path]
+        dist.broadcast_object_list(box, src=0)
+        path = box[0]
+    if path is None:
+        return None
+    return chosen if rank == 0 else open_checkpoint(path, filesystem(spec.run_dir)[0])
+
+
+class RayHooks(Hooks):
+    def __init__(self, spec: WorkerSpec, state: TrainState, run_id: Optional[str]):
+        self.spec, self.state, self.run_id = spec, state, run_id
+        cfg, rank = spec.cfg, state.rank
+        self.faults = FaultInjector(cfg, spec.run_dir, rank)
+        self.samples = SampleLog(cfg.train.sample_log_dir, rank, state.world, attempt=state.step)
+        self.logger = None
+        if rank == 0 and run_id and cfg.tracking.enabled:
+            from minimind_ray.tracking.logger import RunLogger
+
+            self.logger = RunLogger(spec.tracking_uri, run_id, timeout_s=cfg.tracking.timeout_s,
+                                    system_metrics=cfg.tracking.system_metrics)
+
+    def before_step(self, step):
+        self.faults.maybe_fail(step)
+
+    def on_batches(self, step, batches):
+        self.samples.write(step, batches)
+        self.faults.maybe_hang(step)
+
+    def on_metrics(self, step, metrics, per_step_loss, is_checkpoint):
+        if self.state.rank != 0:
+            return
+        if self.spec.progress_sink is not None:  # fire-and-forget: the driver's console view
+            self.spec.progress_sink.push.remote({**metrics, "checkpoint": is_checkpoint})
+        if self.logger is not None:
+            for s, loss in per_step_loss:
+                self.logger.log_metrics({"loss": loss}, step=s)
+            self.logger.log_metrics({k: v for k, v in metrics.items() if k not in ("loss", "step")}, step=step)
+
+    def on_checkpoint(self, step, metrics):
+        import ray.train
+        from ray.train import Checkpoint
+
+        if self.logger is not None and step == self.state.total_steps:
+            metrics["tracking_summary"] = json.dumps(self.logger.close())
+            self.logger = None
+        if self.logger is not None:  # points up to this checkpoint must not wait: a crash replays only later steps
+            self.logger.flush(timeout_s=self.spec.cfg.tracking.timeout_s)
+        with tempfile.TemporaryDirectory(prefix="mmr-ckpt-") as tmp:
+            self.state.save(tmp, self.run_id, self.spec.prepared_dir)
+            # the only ray.train.report of the loop: it is a barrier, so it comes with a checkpoint
+            # (a few keys: every metric already went to MLflow, and Ray logs what it is given)
+            brief = {k: metrics[k] for k in ("step", "epoch", "loss", "eval_loss", "tracking_summary") if k in metrics}
+            ray.train.report(brief, checkpoint=Checkpoint.from_directory(tmp))
+
+    def close(self):
+        if self.logger is not None:
+            self.logger.close()
+
+
+def train_loop_per_worker(spec: WorkerSpec) -> None:
+    import ray.train
+
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    state = TrainState.build(spec.cfg, spec.prepared_dir, rank, world, pick_device(spec.use_gpu))
+    run_id = spec.mlflow_run_id
+    stored = restore_point(spec, rank, world)
+    if stored is not None:
+        meta = state.restore(stored)
+        run_id = meta.mlflow_run_id or run_id
+        if rank == 0:
+            print(f"[minimind-ray] restored step {meta.step} (saved by {meta.world_size} workers, now {world}; "
+                  f"accumulation {state.stream.accumulation_steps})", flush=True)
+    hooks = RayHooks(spec, state, run_id)
+    run(state, hooks)
+    hooks.close()  # on success only: after a failure the restarted group replays, and nothing must wait

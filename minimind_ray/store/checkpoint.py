@@ -1,0 +1,300 @@
+"""The checkpoint directory: its layout, its typed meta record, atomic writes, verified reads.
+
+One directory per ``ray.train.report(..., checkpoint=...)``::
+
+    model.pth          the model as a MiniMind state dict (fp32, MiniMind's keys;
+                       LoRA runs add MiniMind's ``*.lora.A/B.weight`` keys)
+    train_state.pt     optimizer + scheduler state (torch.save, weights_only-loadable)
+    meta.json          :class:`CheckpointMeta`: step, epoch, data position, world size, MLflow run id, config
+    rng/rank_<r>.pt    RNG states of every rank (each rank writes its own)
+    COMPLETE.json      written last by rank 0: the file list with sizes, the ranks, the step
+
+Every rank writes into its own local staging directory; Ray Train uploads them all into the
+same storage directory. A checkpoint without a readable ``COMPLETE.json``, or whose files do
+not match it, is refused by :func:`open_checkpoint` instead of being loaded half-written.
+Reads go through ``pyarrow.fs``, so a checkpoint on ``s3://``/``gs://`` is read file by
+file, never copied whole.
+"""
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+import pyarrow.fs as pafs
+import torch
+
+from minimind_ray.fsio import filesystem, is_uri, torch_save_atomic, write_json_atomic
+
+COMPLETE = "COMPLETE.json"
+MODEL = "model.pth"
+TRAIN_STATE = "train_state.pt"
+META = "meta.json"
+RNG_DIR = "rng"
+PREFIX = "checkpoint_"  # Ray Train's directory names inside a run directory
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used; the message names it and why."""
+
+
+@dataclass
+class CheckpointMeta:
+    """``meta.json``: what a restart needs besides the tensors. Keys are the on-disk names."""
+
+    step: int  # optimizer steps done
+    epoch: int
+    data_state: Dict[str, Any]  # TrainStream.state_dict(): world-size independent
+    world_size: int  # ranks that wrote it (rng/rank_<r>.pt for r < world_size)
+    stage: str
+    total_steps: int
+    config: Dict[str, Any]  # the run's config as a plain dict (minimind_ray.config.to_dict)
+    prepared_dir: str  # the prepared data it trained on
+    mlflow_run_id: Optional[str] = None
+    extra: Dict[str, Any] = field(default_factory=dict)  # keys this code does not know, kept on a round trip
+
+    def to_json(self) -> Dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
+        return {**d, **self.extra}
+
+    @classmethod
+    def from_json(cls, d: Any, where: str = "meta.json") -> "CheckpointMeta":
+        if not isinstance(d, dict):
+            raise CheckpointError(f"{where}: expected a JSON object, got {type(d).__name__}")
+        names = [f.name for f in dataclasses.fields(cls) if f.name != "extra"]
+        required = [f.name for f in dataclasses.fields(cls)
+                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        missing = [k for k in required if k not in d]
+        if missing:
+            raise CheckpointError(f"{where}: missing {missing}")
+        return cls(**{k: d[k] for k in names if k in d}, extra={k: v for k, v in d.items() if k not in names})
+
+    def run_config(self):
+        from minimind_ray.config import from_dict
+
+        return from_dict(self.config)
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def write_rank_files(ckpt_dir, rank: int, rng: Dict[str, Any]) -> None:
+    """What every rank contributes: its RNG state."""
+    torch_save_atomic(rng, Path(ckpt_dir) / RNG_DIR / f"rank_{rank}.pt")
+
+
+def write_shared_files(ckpt_dir, *, model_state: Dict[str, torch.Tensor], train_state: Dict[str, Any],
+                       meta: CheckpointMeta) -> None:
+    """Rank 0 writes the shared state, then the COMPLETE marker listing every file."""
+    from minimind_ray.model.minimind import clean_state_dict
+
+    ckpt_dir = Path(ckpt_dir)
+    torch_save_atomic({k: v.detach().cpu() for k, v in clean_state_dict(model_state).items()}, ckpt_dir / MODEL)
+    torch_save_atomic(train_state, ckpt_dir / TRAIN_STATE)
+    write_json_atomic(ckpt_dir / META, meta.to_json())
+    files = {name: (ckpt_dir / name).stat().st_size for name in (MODEL, TRAIN_STATE, META)}
+    write_json_atomic(ckpt_dir / COMPLETE, {"files": files, "rng_ranks": list(range(meta.world_size)),
+                                            "step": meta.step})
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def _read_bytes(fs, path: str) -> bytes:
+    with fs.open_input_stream(path) as f:
+        return f.read()
+
+
+def _torch_load(fs, path: str, where: str):
+    try:
+        return torch.load(io.BytesIO(_read_bytes(fs, path)), map_location="cpu", weights_only=True)
+    except Exception as e:  # a truncated zip, a half-copied pickle, pickled code
+        raise CheckpointError(f"{where}: unreadable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from e
+
+
+def _complete_record(fs, root: str, where: str) -> Dict[str, Any]:
+    """The COMPLETE record, checked for shape: a malformed one is a refusal, not a crash."""
+    try:
+        rec = json.loads(_read_bytes(fs, f"{root}/{COMPLETE}"))
+    except (FileNotFoundError, OSError, ValueError) as e:
+        raise CheckpointError(f"{where}: no readable {COMPLETE}; the checkpoint was not finished and is not used") from e
+    ok = (isinstance(rec, dict) and isinstance(rec.get("files"), dict) and isinstance(rec.get("step"), int)
+          and isinstance(rec.get("rng_ranks"), list) and all(isinstance(r, int) for r in rec["rng_ranks"])
+          and all(isinstance(n, str) and isinstance(s, int) for n, s in rec["files"].items())
+          and all(n in rec["files"] for n in (MODEL, TRAIN_STATE, META)))
+    if not ok:
+        raise CheckpointError(f"{where}: malformed {COMPLETE} (expected files, rng_ranks and step); checkpoint refused")
+    return rec
+
+
+@dataclass
+class StoredCheckpoint:
+    """A checkpoint directory that :func:`open_checkpoint` verified; reads its parts on demand."""
+
+    path: str  # the directory, on ``fs``
+    fs: pafs.FileSystem
+    record: Dict[str, Any]  # COMPLETE.json
+    location: str  # how to name it to a user: a local path or a URI
+
+    @property
+    def step(self) -> int:
+        return int(self.record["step"])
+
+    def meta(self) -> CheckpointMeta:
+        where = f"{self.location}/{META}"
+        try:
+            d = json.loads(_read_bytes(self.fs, f"{self.path}/{META}"))
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{where}: unreadable ({e})") from e
+        return CheckpointMeta.from_json(d, where)
+
+    def model_state(self) -> Dict[str, torch.Tensor]:
+        from minimind_ray.model.minimind import clean_state_dict
+
+        return clean_state_dict(_torch_load(self.fs, f"{self.path}/{MODEL}", f"{self.location}/{MODEL}"))
+
+    def train_state(self) -> Dict[str, Any]:
+        return _torch_load(self.fs, f"{self.path}/{TRAIN_STATE}", f"{self.location}/{TRAIN_STATE}")
+
+    def rng(self, rank: int) -> Optional[Dict[str, Any]]:
+        """This rank's RNG state, or None when the checkpoint came from a smaller world."""
+        if rank not in self.record["rng_ranks"]:
+            return None
+        return _torch_load(self.fs, f"{self.path}/{RNG_DIR}/rank_{rank}.pt", f"{self.location}/{RNG_DIR}/rank_{rank}.pt")
+
+
+def open_checkpoint(location, filesystem_=None, deep: bool = False) -> StoredCheckpoint:
+    """Verify a checkpoint once and return a reader for it.
+
+    ``location`` is a local path or a storage URI (or a path on ``filesystem_``). Every file
+    listed in ``COMPLETE.json`` must be there at its size, and every rank's RNG file must exist.
+    ``deep`` also loads every RNG file, whose size rank 0 cannot know: use it for a checkpoint
+    that Ray never registered, whose upload a crash may have cut short."""
+    if filesystem_ is not None:
+        fs, root = filesystem_, str(location)
+    else:
+        fs, root = filesystem(location)
+    root = root.rstrip("/")
+    where = str(location)
+    rec = _complete_record(fs, root, where)
+    names = list(rec["files"])
+    for name, info in zip(names, fs.get_file_info([f"{root}/{n}" for n in names])):
+        if info.type != pafs.FileType.File or info.size != rec["files"][name]:
+            raise CheckpointError(f"{where}: {name} missing or of the wrong size; checkpoint refused")
+    rng_paths = [f"{root}/{RNG_DIR}/rank_{r}.pt" for r in rec["rng_ranks"]]
+    for r, info in zip(rec["rng_ranks"], fs.get_file_info(rng_paths)):
+        if info.type != pafs.FileType.File:
+            raise CheckpointError(f"{where}: {RNG_DIR}/rank_{r}.pt missing; checkpoint refused")
+    if deep:
+        for r, p in zip(rec["rng_ranks"], rng_paths):
+            _torch_load(fs, p, f"{where}/{RNG_DIR}/rank_{r}.pt")
+    return StoredCheckpoint(root, fs, rec, where)
+
+
+def is_checkpoint(location) -> bool:
+    """Does ``location`` look like a checkpoint directory (has a COMPLETE marker)? Not verified."""
+    fs, root = filesystem(location)
+    return fs.get_file_info(f"{root.rstrip('/')}/{COMPLETE}").type == pafs.FileType.File
+
+
+# --------------------------------------------------------------------------- a run's checkpoints
+
+
+def _checkpoint_dirs(run_dir) -> Tuple[Any, list]:
+    """(filesystem, FileInfo of every checkpoint_* directory) of a run directory; none if it is absent."""
+    fs, root = filesystem(run_dir)
+    try:
+        entries = fs.get_file_info(pafs.FileSelector(root.rstrip("/"), allow_not_found=True))
+    except OSError:
+        return fs, []
+    return fs, [e for e in entries if e.type == pafs.FileType.Directory and e.base_name.startswith(PREFIX)]
+
+
+def checkpoints_in(run_dir) -> List[Tuple[int, str]]:
+    """(step, path) of every checkpoint_* directory of a run with a well-formed COMPLETE marker,
+    newest first; paths are on the run directory's filesystem. Markers only: open each before use."""
+    fs, entries = _checkpoint_dirs(run_dir)
+    found = []
+    for e in entries:
+        try:
+            found.append((_complete_record(fs, e.path, e.path)["step"], e.path))
+        except CheckpointError:
+            continue  # unfinished or malformed: never a candidate
+    return sorted(found, reverse=True)
+
+
+def newest_complete(run_dir, deep: bool = False, newer_than: int = -1) -> Optional[StoredCheckpoint]:
+    """The newest checkpoint of a run that verifies (skipping broken ones), newer than ``newer_than``."""
+    fs, _ = filesystem(run_dir)
+    for step, path in checkpoints_in(run_dir):
+        if step <= newer_than:
+            break
+        try:
+            ck = open_checkpoint(path, fs, deep=deep)
+        except CheckpointError:
+            continue
+        if is_uri(run_dir):  # name it to users as a URI they can pass back
+            ck.location = f"{str(run_dir).rstrip('/')}/{Path(path).name}"
+        return ck
+    return None
+
+
+def choose_restore(registered: Optional[Tuple[str, Any]], run_dir: Optional[str]) -> Optional[StoredCheckpoint]:
+    """The checkpoint a (re)started run resumes from: the newest complete one.
+
+    ``registered`` is (path, filesystem) of the checkpoint Ray Train registered, or None. Ray
+    registers a checkpoint only once its controller has collected every rank's report, which it
+    polls for every couple of seconds. A worker killed hard in between (SIGKILL, OOM, a lost node)
+    takes the newest checkpoint's registration with it, although every rank had uploaded its
+    files; Ray then names the one before, and the restart would cost two checkpoint intervals.
+    So the run directory is searched too, and a newer checkpoint that verifies deeply (every file
+    at its size, every rank's RNG file readable) wins. Ray's ``num_to_keep`` does not know such a
+    checkpoint; :func:`prune_untracked` removes it when the run ends."""
+    chosen, reg_step = None, -1
+    if registered is not None:
+        try:
+            chosen = open_checkpoint(registered[0], registered[1])
+            reg_step = chosen.step
+        except CheckpointError as e:  # a newer one may still do; if none does, this refusal stands
+            if run_dir is None:
+                raise
+            refusal = e
+    if run_dir:
+        newer = newest_complete(run_dir, deep=True, newer_than=reg_step)
+        if newer is not None:
+            why = (f"newer than the checkpoint Ray registered (step {reg_step if reg_step >= 0 else 'none'})"
+                   if registered is None or chosen is not None else f"Ray's registered checkpoint is unusable: {refusal}")
+            print(f"[minimind-ray] resuming from {newer.location} (step {newer.step}), {why}", flush=True)
+            return newer
+    if registered is not None and chosen is None:
+        raise refusal
+    return chosen
+
+
+def latest_checkpoint(run_dir, deep: bool = False):
+    """The newest complete checkpoint_* directory of a run directory (no Ray needed), or None.
+    A local ``run_dir`` gives a Path; a URI gives the URI of the checkpoint."""
+    found = newest_complete(run_dir, deep)
+    if found is None:
+        return None
+    return found.location if is_uri(run_dir) else Path(found.path)
+
+
+def prune_untracked(run_dir, kept_names) -> List[str]:
+    """Delete the checkpoint_* directories of a finished run that Ray does not keep: ones a hard crash
+    kept it from registering (see :func:`choose_restore`) and uploads a crash cut short. Ray's own
+    ``num_to_keep`` pruning only knows what it registered. Returns the names removed."""
+    fs, entries = _checkpoint_dirs(run_dir)
+    kept, removed = set(kept_names), []
+    for e in entries:
+        if e.base_name not in kept:
+            try:
+                fs.delete_dir(e.path)
+            except OSError as err:  # storage trouble must not fail a finished run; say so and go on
+                print(f"[minimind-ray] could not remove {e.path}: {err}", flush=True)
+                continue
+            removed.append(e.base_name)
+    return sorted(removed)

@@ -1,0 +1,299 @@
+"""MLflow runs: where they live, and their lifecycle on the driver.
+
+Ray Train V2 has no MLflow callback, and the obvious integrations (one ``mlflow.start_run``
+per worker, or per worker-group start) give one run per worker or per restart. Here the
+**driver** creates the run (:func:`start_run`), or reopens it when the same Ray Train run
+(same name + storage path) is resumed, logs params and the config once, and ends it
+(:func:`finish_run`). Rank 0 then reopens the run by id (stored in every checkpoint) through
+:class:`minimind_ray.tracking.logger.RunLogger`; after training the driver logs the model files
+and registers a version (:mod:`minimind_ray.tracking.artifacts`).
+
+``docs/tracking.md`` describes the behaviour for users; these modules say why it is built so.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import json
+import logging
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, Iterator, Optional
+from urllib.parse import unquote
+
+from minimind_ray.config import RunConfig, TrackingConfig, flatten, to_dict, to_yaml
+
+log = logging.getLogger(__name__)
+
+# Tags that identify a training run: the driver finds a run to resume by these two.
+TAG_RUN_NAME = "minimind.run_name"
+TAG_STORAGE = "minimind.storage"
+TAG_RESUMES = "minimind.resumes"
+ERROR_TAG = "error"
+ERROR_TAG_MAX = 5000
+
+# MLflow's own limits (mlflow.utils.validation): log_batch takes at most 1000 metrics or 100
+# params/tags per call, and a param value at most 6000 characters.
+_MAX_METRICS_PER_BATCH = 1000
+_MAX_PARAMS_PER_BATCH = 100
+_MAX_PARAM_LEN = 6000
+
+# Error codes after which resending the same request cannot succeed (bad key or value, run
+# deleted, no permission): the batch is dropped and counted instead of blocking the queue.
+_PERMANENT_ERRORS = {"INVALID_PARAMETER_VALUE", "RESOURCE_DOES_NOT_EXIST", "BAD_REQUEST",
+                     "PERMISSION_DENIED", "UNAUTHENTICATED"}
+
+_HTTP_ENV = ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT")
+
+
+def _http_env(timeout_s: float) -> Dict[str, str]:
+    """Environment that bounds every MLflow HTTP request to one attempt of ``timeout_s``.
+
+    MLflow 3.17 reads these on every request. Its defaults (7 retries with exponential
+    backoff, 120 s timeout) make one call against a down server take minutes, and its retries
+    resend POSTs after a read timeout, which could log a metric batch twice. We retry
+    ourselves instead, checking what the server already holds before each resend.
+    """
+    return {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",
+            "MLFLOW_HTTP_REQUEST_TIMEOUT": str(max(1, math.ceil(timeout_s)))}
+
+
+@contextlib.contextmanager
+def _short_http(timeout_s: float) -> Iterator[None]:
+    """Apply :func:`_http_env` for one driver-side call, then restore the caller's values
+    (the driver may be a user's process with its own MLflow settings)."""
+    saved = {k: os.environ.get(k) for k in _HTTP_ENV}
+    os.environ.update(_http_env(timeout_s))
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _client(uri: str):
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri=uri, registry_uri=uri)
+
+
+def _error_code(e: BaseException) -> str:
+    return str(getattr(e, "error_code", ""))
+
+
+def _short(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:500]
+
+
+# --------------------------------------------------------------------------- where runs live
+
+
+def resolve_tracking_uri(cfg: TrackingConfig) -> str:
+    """``cfg.uri``, else ``$MLFLOW_TRACKING_URI``, else ``sqlite:///<abs cwd>/mlflow.db``.
+
+    The last is MLflow 3.17's own default (``mlflow.get_tracking_uri()`` with nothing set,
+    unless ``./mlruns`` already holds a file store), made absolute here because Train V2
+    workers run with their cwd in Ray's session directory: a relative store would give every
+    worker start a fresh, empty database under ``/tmp/ray/session_*``. Relative sqlite paths
+    and bare local paths given by the user are made absolute for the same reason. The driver
+    resolves once and passes the result to the workers.
+    """
+    uri = cfg.uri or os.environ.get("MLFLOW_TRACKING_URI") or ""
+    if not uri:
+        return f"sqlite:///{os.path.abspath('mlflow.db')}"
+    if uri.startswith("sqlite:///"):
+        path = uri[len("sqlite:///"):]
+        if path and path != ":memory:" and not path.startswith("/"):
+            return f"sqlite:///{os.path.abspath(unquote(path))}"
+        return uri
+    if ":" not in uri and uri != "databricks":
+        return Path(uri).absolute().as_uri()  # a bare path: MLflow's file store
+    return uri
+
+
+def artifact_location_for(uri: str) -> Optional[str]:
+    """Artifact root for a new experiment: ``file://<db dir>/mlartifacts`` for a sqlite store.
+
+    Without it an experiment created through a sqlite store gets a location relative to the
+    cwd of whoever first touched it, which on a worker is Ray's session directory (deleted
+    with the session). ``None`` (the store's default) for everything else: an http(s) server
+    proxies artifacts to its own ``--artifacts-destination``, and a file store keeps them in
+    its absolute ``mlruns`` tree.
+    """
+    if not uri.startswith("sqlite:///"):
+        return None
+    path = unquote(uri[len("sqlite:///"):])
+    if not path or path == ":memory:":
+        return None
+    return (Path(path).absolute().parent / "mlartifacts").as_uri()
+
+
+# --------------------------------------------------------------------------- driver side
+
+
+def _git_tags() -> Dict[str, str]:
+    """Commit (and whether the tree was dirty) of the code being run, if it is a git checkout."""
+    here = str(Path(__file__).resolve().parent)
+    try:
+        commit = subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True,
+                                text=True, timeout=5)
+        if commit.returncode != 0:
+            return {}
+        dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=5)
+        return {"mlflow.source.git.commit": commit.stdout.strip(),
+                "minimind.git_dirty": str(bool(dirty.stdout.strip())).lower()}
+    except (OSError, subprocess.SubprocessError):
+        return {}
+
+
+def _ray_tags() -> Dict[str, str]:
+    """Ray job ids of this driver: the core job id, and the submission id under ``ray job submit``.
+
+    The submission id is only in the job config the job supervisor hands the entrypoint
+    (``RAY_JOB_CONFIG_JSON_ENV_VAR``); Ray is not imported here if the caller has not.
+    """
+    tags = {}
+    job_id = os.environ.get("RAY_JOB_ID")
+    ray = sys.modules.get("ray")
+    if not job_id and ray is not None and ray.is_initialized():
+        job_id = ray.get_runtime_context().get_job_id()
+    if job_id:
+        tags["ray.job_id"] = job_id
+    try:
+        meta = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}")).get("metadata", {})
+        if meta.get("job_submission_id"):
+            tags["ray.job_submission_id"] = meta["job_submission_id"]
+    except (ValueError, AttributeError):
+        pass
+    return tags
+
+
+def _versions() -> Dict[str, str]:
+    out = {}
+    for pkg in ("torch", "ray", "mlflow"):
+        try:
+            out[f"{pkg}.version"] = importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def _experiment_id(client, name: str, uri: str) -> str:
+    from mlflow.exceptions import MlflowException
+
+    exp = client.get_experiment_by_name(name)
+    if exp is None:
+        try:
+            return client.create_experiment(name, artifact_location=artifact_location_for(uri))
+        except MlflowException as e:  # another driver created it meanwhile
+            if _error_code(e) != "RESOURCE_ALREADY_EXISTS":
+                raise
+            exp = client.get_experiment_by_name(name)
+    if exp.lifecycle_stage == "deleted":
+        client.restore_experiment(exp.experiment_id)
+    return exp.experiment_id
+
+
+def _find_run(client, experiment_id: str, run_name: str, storage_dir: str):
+    """The oldest active run of this training run, or None.
+
+    Filtering on the name in the query keeps the search small; the storage path is compared
+    here, because a path may hold characters the filter grammar cannot quote.
+    """
+    if "'" in run_name:
+        raise ValueError(f"run name {run_name!r}: a quote cannot be matched in an MLflow search")
+    runs = client.search_runs([experiment_id], filter_string=f"tags.`{TAG_RUN_NAME}` = '{run_name}'",
+                              order_by=["attributes.start_time ASC"], max_results=1000)
+    return next((r for r in runs if r.data.tags.get(TAG_STORAGE) == storage_dir), None)
+
+
+def start_run(cfg: RunConfig, run_name: str, storage_dir: str, tags: dict) -> str:
+    """Create the MLflow run of a training run, or reopen it on a driver-level resume.
+
+    A Ray Train V2 run resumes when it is started again with the same name and storage path,
+    so the same pair identifies its MLflow run (tags ``minimind.run_name``/``minimind.storage``).
+    A reopened run goes back to RUNNING and keeps its params: MLflow params are immutable, so
+    a resume never re-logs them; if the config changed, the new one is stored beside the old
+    as ``config/config.resume-<n>.yaml`` and the changed keys are logged as a warning.
+
+    ``tags`` (world size, device type, ...) are (re)set either way, since a resume may run on
+    another cluster. Raises if the store cannot be reached (one request of
+    ``cfg.tracking.timeout_s``): the caller decides whether to train untracked.
+    """
+    from mlflow.entities import Param
+
+    uri = resolve_tracking_uri(cfg.tracking)
+    experiment = cfg.tracking.experiment or f"minimind-{cfg.train.stage}"
+    all_tags = {**_versions(), **_git_tags(), **_ray_tags(), **{k: v for k, v in tags.items() if v is not None}}
+    all_tags = {k: str(v) for k, v in all_tags.items()}
+    params = {k: str(v)[:_MAX_PARAM_LEN] for k, v in flatten(to_dict(cfg)).items()}
+    with _short_http(cfg.tracking.timeout_s):
+        client = _client(uri)
+        exp_id = _experiment_id(client, experiment, uri)
+        run = _find_run(client, exp_id, run_name, storage_dir)
+        if run is not None:
+            run_id = run.info.run_id
+            resumes = int(run.data.tags.get(TAG_RESUMES, "0")) + 1
+            client.update_run(run_id, status="RUNNING")
+            all_tags[TAG_RESUMES] = str(resumes)
+            changed = sorted(k for k, v in params.items() if run.data.params.get(k, v) != v)
+            if changed:
+                log.warning("MLflow run %s resumed with a changed config (params keep their first values; "
+                            "the new config is config/config.resume-%d.yaml): %s", run_id, resumes,
+                            ", ".join(changed))
+                client.log_text(run_id, to_yaml(cfg), f"config/config.resume-{resumes}.yaml")
+            _log_tags(client, run_id, all_tags)
+            log.info("reopened MLflow run %s (%s) in experiment %r", run_id, run_name, experiment)
+            return run_id
+
+        all_tags.update({TAG_RUN_NAME: run_name, TAG_STORAGE: storage_dir})
+        run = client.create_run(exp_id, run_name=run_name)
+        run_id = run.info.run_id
+        _log_tags(client, run_id, all_tags)
+        items = [Param(k, v) for k, v in params.items()]
+        for i in range(0, len(items), _MAX_PARAMS_PER_BATCH):
+            client.log_batch(run_id, params=items[i:i + _MAX_PARAMS_PER_BATCH])
+        client.log_text(run_id, to_yaml(cfg), "config/config.yaml")
+        log.info("created MLflow run %s (%s) in experiment %r at %s", run_id, run_name, experiment, uri)
+        return run_id
+
+
+def _log_tags(client, run_id: str, tags: Dict[str, str]) -> None:
+    from mlflow.entities import RunTag
+
+    items = [RunTag(k, v) for k, v in tags.items()]
+    for i in range(0, len(items), _MAX_PARAMS_PER_BATCH):
+        client.log_batch(run_id, tags=items[i:i + _MAX_PARAMS_PER_BATCH])
+
+
+def _truncate_error(error: str) -> str:
+    """Keep the head (what failed) and the tail (the innermost exception) of a long error."""
+    if len(error) <= ERROR_TAG_MAX:
+        return error
+    marker = "\n...[truncated]...\n"
+    head = (ERROR_TAG_MAX - len(marker)) // 2
+    return error[:head] + marker + error[-(ERROR_TAG_MAX - len(marker) - head):]
+
+
+def finish_run(uri: str, run_id: str, status: str, error: Optional[str] = None,
+               timeout_s: float = 10.0) -> None:
+    """End the run as FINISHED, FAILED or KILLED; a FAILED run gets the error as tag ``error``.
+
+    Never raises: it is called while handling a training failure, whose exception must not
+    be replaced by a tracking one. A failure here is logged.
+    """
+    try:
+        with _short_http(timeout_s):
+            client = _client(uri)
+            if error and status == "FAILED":
+                client.set_tag(run_id, ERROR_TAG, _truncate_error(error))
+            client.set_terminated(run_id, status=status)
+    except Exception as e:  # noqa: BLE001 - see docstring
+        log.error("could not mark MLflow run %s %s: %s", run_id, status, _short(e))
