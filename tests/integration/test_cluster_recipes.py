@@ -7,6 +7,7 @@ dashboard, job server or MLflow server is exposed without a word about it.
 """
 from __future__ import annotations
 
+import functools
 import re
 import shlex
 import subprocess
@@ -346,8 +347,9 @@ def _selects(selector: dict | None, labels: dict) -> bool:
     return all(labels.get(k) == v for k, v in (selector or {}).get("matchLabels", {}).items())
 
 
-def _policies() -> list[dict]:
-    return [d for p in KUBERAY.glob("*.yaml") for d in _docs(p) if d.get("kind") == "NetworkPolicy"]
+@functools.lru_cache(maxsize=None)
+def _policies() -> tuple[dict, ...]:   # parsed once: _allowed asks for them for every pair of pods (read-only)
+    return tuple(d for p in sorted(KUBERAY.glob("*.yaml")) for d in _docs(p) if d.get("kind") == "NetworkPolicy")
 
 
 def _allowed(dst: dict, src: dict, src_ns: dict = NAMESPACE_LABELS) -> set[tuple[int, int]]:
