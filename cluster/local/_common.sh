@@ -59,6 +59,7 @@ resolve_state() {
     [[ "$dir" == /* ]] || dir="$PWD/$dir"
     [[ "$dir" =~ ^[A-Za-z0-9._+/-]+$ ]] || refuse "--state-dir $(shown "$dir"): only letters, digits and . _ + - / are allowed"
     STATE="${dir%/}"
+    [[ -n "$STATE" ]] || refuse "--state-dir /: give a directory of its own"
   else
     [[ "$name" =~ ^[A-Za-z0-9_+-][A-Za-z0-9._+-]*$ ]] || refuse "--name $(shown "$name"): only letters, digits and . _ + - are allowed (not starting with .)"
     [[ "$MMRAY_ROOT_DEFAULT" == /* && "$MMRAY_ROOT_DEFAULT" =~ ^[A-Za-z0-9._+/-]+$ ]] \
