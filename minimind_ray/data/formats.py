@@ -42,7 +42,7 @@ import numpy as np
 import pyarrow as pa
 from jinja2.exceptions import TemplateError
 
-FORMATS = ("pretrain", "sft", "dpo")
+from minimind_ray.stages import FORMATS  # the one format list
 
 REASONS = {
     "missing_file": "a source path matched no file",
@@ -53,9 +53,13 @@ REASONS = {
     "missing_field": "the record lacks a field its format needs",
     "wrong_type": "a field has the wrong type (e.g. a non-string text) or an unknown role",
     "no_labels": "sft/dpo: no assistant token left to train on (no assistant turn, or truncated before it)",
+    "bad_text": "valid JSON whose text is not valid Unicode (a lone surrogate such as \\ud800)",
+    "too_long": "longer than data.max_record_chars (its jsonl line; a Parquet row's text fields)",
+    "truncated_file": "a .jsonl.gz that breaks off or is not gzip: the lines before the break are kept",
     "truncated": "longer than max_seq_len: truncated and KEPT (counted, not skipped)",
 }
 ROLES = ("system", "user", "assistant", "tool")
+_BAD_TEXT = "text holds a lone surrogate (e.g. \\ud800), which is not Unicode and cannot be tokenized"
 COLUMNS = {"pretrain": ["ids"], "sft": ["ids", "mask"],  # stored list columns of each format
            "dpo": ["chosen_ids", "chosen_mask", "rejected_ids", "rejected_mask"]}
 
@@ -74,18 +78,26 @@ def id_dtype(vocab_size: int):
     return np.uint16 if vocab_size <= 1 << 16 else np.uint32
 
 
-def parse_line(raw: bytes) -> dict:
-    """One jsonl line -> a dict, or BadRecord(empty_line | not_utf8 | bad_json | wrong_type)."""
+def too_long(chars: int, max_chars: int) -> BadRecord:
+    return BadRecord("too_long", f"{chars} characters > data.max_record_chars={max_chars}")
+
+
+def parse_line(raw: bytes, max_chars: Optional[int] = None) -> dict:
+    """One jsonl line -> a dict, or BadRecord(empty_line | not_utf8 | too_long | bad_json | wrong_type)."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise BadRecord("not_utf8", f"invalid byte at offset {e.start}") from None
     if not text.strip():
         raise BadRecord("empty_line", "blank line")
+    if max_chars is not None and len(text) > max_chars:
+        raise too_long(len(text), max_chars)
     try:
         rec = json.loads(text)
     except ValueError as e:
         raise BadRecord("bad_json", str(e)) from None
+    except RecursionError:  # valid JSON nested deeper than Python's recursion limit
+        raise BadRecord("bad_json", "nested too deep to parse") from None
     if not isinstance(rec, dict):
         raise BadRecord("wrong_type", f"record is a JSON {type(rec).__name__}, expected an object")
     return rec
@@ -110,20 +122,25 @@ def _check_messages(rec: dict, field: str) -> None:
             raise BadRecord("wrong_type", f"'{where}.role' is {m['role']!r}, expected one of {ROLES}")
 
 
-def check_record(fmt: str, rec: dict) -> None:
-    """Raise BadRecord(missing_field | wrong_type) unless ``rec`` has what ``fmt`` needs."""
+def check_record(fmt: str, rec: dict, max_chars: Optional[int] = None) -> None:
+    """Raise BadRecord(missing_field | wrong_type) unless ``rec`` has what ``fmt`` needs, or
+    BadRecord(too_long) if its text fields hold more than ``max_chars`` characters (used for
+    Parquet rows; a jsonl line was measured whole by :func:`parse_line`)."""
     if fmt == "pretrain":
         if rec.get("text") is None:
             raise BadRecord("missing_field", "field 'text' missing")
         if not isinstance(rec["text"], str):
             raise BadRecord("wrong_type", f"'text' is {type(rec['text']).__name__}, expected a string")
-    elif fmt == "sft":
-        _check_messages(rec, "conversations")
-    elif fmt == "dpo":
-        _check_messages(rec, "chosen")
-        _check_messages(rec, "rejected")
+        chars = len(rec["text"])
+    elif fmt in ("sft", "dpo"):
+        fields = ["conversations"] if fmt == "sft" else ["chosen", "rejected"]
+        for field in fields:
+            _check_messages(rec, field)
+        chars = sum(len(m["content"]) for field in fields for m in rec[field])
     else:
         raise ValueError(f"unknown format {fmt!r}; one of {FORMATS}")
+    if max_chars is not None and chars > max_chars:
+        raise too_long(chars, max_chars)
 
 
 def render_chat(tokenizer, messages: List[dict]) -> str:
@@ -147,7 +164,7 @@ def render_chat(tokenizer, messages: List[dict]) -> str:
                 raise BadRecord("wrong_type", "'tools' is a string that is not JSON") from None
     try:
         return tokenizer.apply_chat_template(msgs, add_generation_prompt=False, tools=tools or None)
-    except (TemplateError, TypeError) as e:  # e.g. a template that raise_exception()s on role order
+    except (TemplateError, TypeError, RecursionError) as e:  # e.g. a template that raise_exception()s on role order
         raise BadRecord("wrong_type", f"chat template rejected the conversation: {e}") from None
 
 
@@ -203,6 +220,23 @@ class Encoder:
         self._stream_len = 0
         self.dropped_tail_tokens = 0
 
+    def _encode(self, texts: List[str]) -> List[Optional[List[int]]]:
+        """Token ids of each text; None for a text that is not valid Unicode (a lone surrogate
+        from a JSON escape such as \\ud800, which HF tokenizers refuse with a TypeError for the
+        whole batch). The clean batch pays nothing: texts are checked one by one only after a failure."""
+        try:
+            return self.tok.encode_batch(texts)
+        except TypeError:
+            out = []
+            for t in texts:
+                try:
+                    t.encode("utf-8")
+                except UnicodeEncodeError:
+                    out.append(None)
+                else:
+                    out.append(self.tok.encode(t))  # a TypeError here is not the text's fault: raise it
+            return out
+
     def dtype_of(self, column: str):
         return np.uint8 if column.endswith("mask") else self.dtype
 
@@ -223,10 +257,14 @@ class Encoder:
                 kept.append(i)
             except BadRecord as e:
                 issues.append((i, e.reason, e.detail))
-        encoded = self.tok.encode_batch(texts)
+        encoded = self._encode(texts)
         for j, i in enumerate(kept):
             sides, truncated = [], False
-            for ids in encoded[j * len(keys):(j + 1) * len(keys)]:
+            both = encoded[j * len(keys):(j + 1) * len(keys)]
+            if any(ids is None for ids in both):
+                issues.append((i, "bad_text", _BAD_TEXT))
+                continue
+            for ids in both:
                 truncated |= len(ids) > self.L
                 arr = np.asarray(ids[: self.L], dtype=self.dtype)
                 sides.append((arr, assistant_mask(arr, self.start_seq, self.end_seq)))
@@ -243,7 +281,10 @@ class Encoder:
 
     def _add_pretrain(self, texts: List[str]) -> List[Tuple[int, str, str]]:
         issues = []
-        for i, ids in enumerate(self.tok.encode_batch(texts)):
+        for i, ids in enumerate(self._encode(texts)):
+            if ids is None:
+                issues.append((i, "bad_text", _BAD_TEXT))
+                continue
             if not self.pack and len(ids) > self.L - 2:
                 issues.append((i, "truncated", f"longer than max_seq_len={self.L}"))
                 ids = ids[: self.L - 2]

@@ -29,28 +29,33 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Tuple, Union
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from minimind_ray.data import formats
-from minimind_ray.data.sources import SourceFile, iter_records, plan_ranges, resolve_sources
-from minimind_ray.fsio import filesystem, join
+from minimind_ray.data.manifest import (  # noqa: F401  (read_manifest, is_prepared: re-exported)
+    MANIFEST, PREPARED_VERSION, DataError, check_manifest, is_prepared, read_manifest, row_settings, verify_shards,
+    write_manifest)
+from minimind_ray.data.sources import (OverlongLine, SourceFile, TruncatedFile, content_digests, iter_records,
+                                       plan_ranges, resolve_sources)
+from minimind_ray.fsio import filesystem, is_uri, join
 
-MANIFEST = "manifest.json"
-PREPARED_VERSION = 1  # bump when the layout or a format's rows change: old caches are then not reused
+log = logging.getLogger(__name__)
+
 SAMPLE_ID_STRIDE = 1 << 32  # sample_id = chunk index * stride + row in shard
 MAX_SAMPLES = 5  # file:line examples kept per reason
 _BATCH_RECORDS = 512  # records tokenized per encode_batch call
-
-
-class DataError(ValueError):
-    """Bad data under the strict policy, unusable prepared data, or no data at all."""
+# a UTF-8 character is at most 4 bytes: a line longer than this many bytes per allowed character
+# is certainly too long, so the reader drops it unread (memory stays bounded)
+_MAX_BYTES_PER_CHAR = 4
 
 
 @dataclass(frozen=True)
@@ -72,8 +77,11 @@ def plan_chunks(files: List[SourceFile], chunk_bytes: int) -> List[Chunk]:
             continue
         if sf.kind == "parquet":
             fs, path = filesystem(sf.uri)
-            with fs.open_input_file(path) as f:
-                meta = pq.ParquetFile(f).metadata
+            try:
+                with fs.open_input_file(path) as f:
+                    meta = pq.ParquetFile(f).metadata
+            except (pa.ArrowException, OSError) as e:
+                raise DataError(f"{sf.uri}: not a readable Parquet file ({e})") from None
             start, acc = 0, 0
             for g in range(meta.num_row_groups):
                 acc += meta.row_group(g).total_byte_size
@@ -83,11 +91,6 @@ def plan_chunks(files: List[SourceFile], chunk_bytes: int) -> List[Chunk]:
         else:
             chunks += [Chunk(len(chunks) + i, sf, a, b) for i, (a, b) in enumerate(plan_ranges(sf, chunk_bytes))]
     return chunks
-
-
-def _chunk_items(chunk: Chunk) -> Iterator[Tuple[int, Union[bytes, dict]]]:
-    """(line or row number within the chunk, raw line or parquet row)."""
-    return enumerate(iter_records(chunk.source, chunk.start, chunk.end), 1)
 
 
 class _ShardWriter:
@@ -104,6 +107,7 @@ class _ShardWriter:
         self.pending: Dict[str, List[np.ndarray]] = {c: [] for c in encoder.columns}
         self.rows = 0
         self.tokens = 0
+        self.bytes = 0
         self._writer = None
 
     def add(self, rows: Dict[str, List[np.ndarray]], final: bool = False) -> None:
@@ -116,8 +120,6 @@ class _ShardWriter:
             self._write_group()
 
     def _write_group(self) -> None:
-        import pyarrow as pa
-
         n = min(self.block_rows, len(self.pending[self.encoder.columns[0]]))
         schema = self.encoder.schema()
         arrays = [pa.array(np.arange(self.base_id + self.rows, self.base_id + self.rows + n, dtype=np.int64))]
@@ -135,12 +137,42 @@ class _ShardWriter:
             self._writer.close()
             self._sink.close()
             self.fs.move(self.tmp, self.path)
+            self.bytes = self.fs.get_file_info(self.path).size  # the manifest records it: see verify_shards
 
     def abort(self) -> None:
         if self._writer is not None:
-            self._writer.close()
-            self._sink.close()
-            self.fs.delete_file(self.tmp)
+            writer, self._writer = self._writer, None
+            try:
+                writer.close()
+                self._sink.close()
+            finally:
+                self.fs.delete_file(self.tmp)
+
+
+def _record(item, fmt: str, max_chars: int) -> dict:
+    """A checked record from what the reader yielded, or BadRecord."""
+    if isinstance(item, OverlongLine):
+        raise formats.BadRecord("too_long", f"a line of {item.nbytes} bytes, so over {max_chars} characters "
+                                            f"> data.max_record_chars={max_chars} (dropped unread)")
+    if isinstance(item, bytes):
+        rec = formats.parse_line(item, max_chars)
+        formats.check_record(fmt, rec)  # the whole line was within max_chars
+    else:  # a Parquet row
+        rec = item
+        formats.check_record(fmt, rec, max_chars)
+    return rec
+
+
+def _read(chunk: Chunk, max_line_bytes: int):
+    """The chunk's records (see sources.iter_records); a read failure other than a broken gzip
+    (e.g. a corrupt Parquet row group) becomes a DataError naming the file."""
+    n = 0
+    try:
+        for n, item in enumerate(iter_records(chunk.source, chunk.start, chunk.end, max_line_bytes), 1):
+            yield item
+    except (pa.ArrowException, OSError) as e:
+        part = f"{'row groups' if chunk.source.kind == 'parquet' else 'bytes'} [{chunk.start}, {chunk.end})"
+        raise DataError(f"{chunk.source.uri}: unreadable after record {n} of {part} ({e})") from None
 
 
 def process_chunk(chunk: Chunk, tokenizer, data_cfg, out_dir: str) -> dict:
@@ -149,9 +181,11 @@ def process_chunk(chunk: Chunk, tokenizer, data_cfg, out_dir: str) -> dict:
     Pure except for writing the shard, and independent of Ray (it is what the Ray
     Data job maps over the chunks; tests call it directly). Line numbers in the
     result are relative to the chunk; ``lines`` lets the driver make them absolute.
-    Under ``strict`` it stops at the first bad record and writes nothing.
+    Under ``strict`` it stops at the first bad record and writes nothing; on an
+    exception it leaves no temporary file behind.
     """
     strict = data_cfg.bad_records == "strict"
+    max_chars = data_cfg.max_record_chars
     enc = formats.Encoder(data_cfg.format, tokenizer, data_cfg.max_seq_len, data_cfg.pack)
     writer = _ShardWriter(out_dir, chunk.index, enc, data_cfg.block_rows)
     issues: Dict[str, dict] = {}
@@ -177,29 +211,37 @@ def process_chunk(chunk: Chunk, tokenizer, data_cfg, out_dir: str) -> dict:
 
     batch: List[dict] = []
     lines: List[int] = []
-    for line, item in _chunk_items(chunk):
-        summary["lines"] = line
+    try:
         try:
-            rec = formats.parse_line(item) if isinstance(item, bytes) else item
-            formats.check_record(data_cfg.format, rec)
-        except formats.BadRecord as e:
-            note(e.reason, line, e.detail)
-        else:
-            batch.append(rec)
-            lines.append(line)
-            if len(batch) >= _BATCH_RECORDS:
-                flush(batch, lines, False)
-                batch, lines = [], []
-        if summary["error"] is not None:
-            break
-    if summary["error"] is None:
-        flush(batch, lines, True)
+            for line, item in enumerate(_read(chunk, _MAX_BYTES_PER_CHAR * max_chars), 1):
+                summary["lines"] = line
+                try:
+                    rec = _record(item, data_cfg.format, max_chars)
+                except formats.BadRecord as e:
+                    note(e.reason, line, e.detail)
+                else:
+                    batch.append(rec)
+                    lines.append(line)
+                    if len(batch) >= _BATCH_RECORDS:
+                        flush(batch, lines, False)
+                        batch, lines = [], []
+                if summary["error"] is not None:
+                    break
+        except TruncatedFile as e:  # the lines before the break were read: keep them, count the file
+            note("truncated_file", summary["lines"] + 1,
+                 f"{e.detail}; a partial line of {e.lost_bytes} bytes after it dropped")
+        if summary["error"] is None:
+            flush(batch, lines, True)
+    except BaseException:
+        writer.abort()
+        raise
     if summary["error"] is None:
         writer.close()
     else:
         writer.abort()
-    summary.update(file=writer.name if writer.rows else None, rows=writer.rows, tokens=writer.tokens,
-                   dropped_tail_tokens=enc.dropped_tail_tokens, issues=issues)
+    written = summary["error"] is None and writer.rows > 0
+    summary.update(file=writer.name if written else None, rows=writer.rows, bytes=writer.bytes,
+                   tokens=writer.tokens, dropped_tail_tokens=enc.dropped_tail_tokens, issues=issues)
     return summary
 
 
@@ -243,7 +285,8 @@ def merge_summaries(chunks: List[Chunk], results: List[dict], file_issues: List[
             "sequences": sum(r["rows"] for r in results),
             "dropped_tail_tokens": sum(r["dropped_tail_tokens"] for r in results),
         },
-        "shards": [{"file": r["file"], "index": r["chunk"], "rows": r["rows"]} for r in results if r["file"]],
+        "shards": [{"file": r["file"], "index": r["chunk"], "rows": r["rows"], "bytes": r["bytes"]}
+                   for r in results if r["file"]],
         "skipped": dict(sorted((k, v) for k, v in issues.items() if k != "truncated")),
         "truncated": issues.get("truncated", {"count": 0, "samples": []}),
     }
@@ -259,45 +302,32 @@ def _clear(out_dir: str) -> None:
             fs.delete_file(info.path)
 
 
-def _write_manifest(out_dir: str, manifest: dict) -> None:
-    fs, root = filesystem(out_dir)
-    tmp = f"{root}/{MANIFEST}.tmp-{os.getpid()}"
-    with fs.open_output_stream(tmp) as f:
-        f.write(json.dumps(manifest, indent=1, ensure_ascii=False).encode())
-    fs.move(tmp, f"{root}/{MANIFEST}")  # os.replace on a local filesystem: atomic
-
-
-def read_manifest(path: str) -> dict:
-    """The manifest of a prepared directory (local path or URI); FileNotFoundError if absent."""
-    fs, root = filesystem(path)
-    with fs.open_input_stream(f"{root}/{MANIFEST}") as f:
-        return json.loads(f.read())
-
-
-def is_prepared(path: str) -> bool:
-    fs, root = filesystem(path)
-    return fs.get_file_info(f"{root}/{MANIFEST}").type == pafs.FileType.File
-
-
 def _run_chunk(row: dict, tokenizer, data_cfg, out_dir: str) -> dict:
     c = json.loads(row["chunk"])
     chunk = Chunk(c["index"], SourceFile(**c["source"]), c["start"], c["end"])
-    return {"summary": json.dumps(process_chunk(chunk, tokenizer, data_cfg, out_dir))}
+    try:
+        summary = process_chunk(chunk, tokenizer, data_cfg, out_dir)
+    except DataError as e:  # an unreadable file: returned, because Ray's wrapping would lose the one-line message
+        summary = {"chunk": chunk.index, "unreadable": str(e)}
+    return {"summary": json.dumps(summary)}
 
 
-def prepare(sources: List[str], out_dir: str, tokenizer, data_cfg) -> str:
+def prepare(sources: List[str], out_dir: str, tokenizer, data_cfg, digests: Optional[Dict[str, str]] = None) -> str:
     """Tokenize and format ``sources`` into ``out_dir`` with a Ray Data job; return out_dir.
 
     Needs Ray initialised (or lets Ray Data start a local one). Bad records are
     counted per reason with up to 5 ``file:line`` samples (policy ``skip``) or fail
     the job naming the first one in file order (``strict``). The manifest is written
-    last; ``ensure_prepared`` reuses a directory only if it has one.
+    last; ``ensure_prepared`` reuses a directory only if it has one. ``digests``
+    (sha256 by source URI, when the caller has them) are recorded in the manifest.
     """
     import ray
 
     fmt, strict = data_cfg.format, data_cfg.bad_records == "strict"
     if fmt not in formats.FORMATS:
         raise ValueError(f"data.format: unknown format {fmt!r}; one of {formats.FORMATS}")
+    if data_cfg.max_record_chars < 1:
+        raise ValueError(f"data.max_record_chars: must be >= 1, got {data_cfg.max_record_chars}")
     files, missing = resolve_sources(sources)
     file_issues = [("missing_file", m) for m in missing] + [("empty_file", f.uri) for f in files if f.size == 0]
     if strict and file_issues:
@@ -317,11 +347,14 @@ def prepare(sources: List[str], out_dir: str, tokenizer, data_cfg) -> str:
     elapsed = time.time() - t0
 
     try:
+        unreadable = [r["unreadable"] for r in results if "unreadable" in r]
+        if unreadable:
+            raise DataError(unreadable[0])
         merged = merge_summaries(chunks, results, file_issues)
     except DataError:
         fs, root = filesystem(out_dir)
         for r in results:
-            if r["file"]:
+            if r.get("file"):
                 fs.delete_file(f"{root}/{r['file']}")
         raise
     if not merged["shards"]:
@@ -337,68 +370,63 @@ def prepare(sources: List[str], out_dir: str, tokenizer, data_cfg) -> str:
         "block_rows": data_cfg.block_rows,
         "chunk_bytes": data_cfg.chunk_bytes,
         "bad_records": data_cfg.bad_records,
-        "sources": [{"uri": f.uri, "size": f.size, "mtime_ns": f.mtime_ns} for f in files],
+        "max_record_chars": data_cfg.max_record_chars,
+        "sources": [{"uri": f.uri, "size": f.size, "mtime_ns": f.mtime_ns,
+                     **({"sha256": digests[f.uri]} if digests and f.uri in digests else {})} for f in files],
         **merged,
         "prepare_seconds": round(elapsed, 3),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-    _write_manifest(out_dir, manifest)
+    write_manifest(out_dir, manifest)
     return out_dir
 
 
-def row_settings(data_cfg) -> dict:
-    """The settings that shape the prepared rows, as the manifest records them and a run must match.
-    Packing applies to pretrain only, so it is recorded as it takes effect."""
-    return {"format": data_cfg.format, "max_seq_len": data_cfg.max_seq_len,
-            "pack": bool(data_cfg.pack and data_cfg.format == "pretrain")}
-
-
-def check_manifest(manifest: dict, path: str, data_cfg, tokenizer) -> None:
-    """Refuse prepared data that does not match the run: the ids would mean other tokens,
-    or the rows would have another shape than the config asks for."""
-    if manifest.get("version") != PREPARED_VERSION:
-        raise DataError(f"prepared data {path} has layout version {manifest.get('version')}, this code reads "
-                        f"{PREPARED_VERSION}: prepare it again from the raw files")
-    if manifest["tokenizer_hash"] != tokenizer.hash():
-        raise DataError(
-            f"prepared data {path} was tokenized with tokenizer hash {manifest['tokenizer_hash']} "
-            f"({manifest.get('tokenizer_path')}), but data.tokenizer {tokenizer.path!r} has hash {tokenizer.hash()}: "
-            f"prepare the raw data again with this tokenizer, or set data.tokenizer to the one it was made with")
-    for field, want in row_settings(data_cfg).items():
-        if manifest[field] != want:
-            raise DataError(f"prepared data {path} has {field}={manifest[field]!r} but data.{field}={want!r}")
+def _cache_key(files: List[SourceFile], missing: List[str], digests: Dict[str, str], tokenizer, data_cfg) -> str:
+    """What decides the prepared rows: the sources' URIs and content (sha256, not mtime: an edit
+    that keeps the size and restores the mtime is still seen), the tokenizer and every setting."""
+    return hashlib.sha256(json.dumps({
+        "version": PREPARED_VERSION, "sources": [[f.uri, f.size, digests[f.uri]] for f in files], "missing": missing,
+        "tokenizer": tokenizer.hash(), **row_settings(data_cfg), "block_rows": data_cfg.block_rows,
+        "chunk_bytes": data_cfg.chunk_bytes, "bad_records": data_cfg.bad_records,
+        "max_record_chars": data_cfg.max_record_chars,
+    }, sort_keys=True).encode()).hexdigest()
 
 
 def ensure_prepared(data_cfg, tokenizer) -> str:
     """The prepared directory for ``data.train_path``, preparing it if needed.
 
-    - a prepared directory (has manifest.json): checked against the tokenizer and the
-      config (:func:`check_manifest`), used as is;
+    - a prepared directory (has manifest.json): checked (the manifest parses, every shard it
+      lists is there with its recorded size, the tokenizer and row settings match the config)
+      and used as is; anything wrong is a DataError naming the file, and nothing is changed;
     - raw files (``'demo'`` = the built-in corpus of ``data.format``): prepared into
-      ``data.cache_dir/<format>-<key>``, where the key hashes the source files (URI,
-      size, mtime), the tokenizer hash and every setting that changes the rows; a
-      complete earlier result with the same key is reused.
+      ``data.cache_dir/<format>-<key>``, where the key hashes the source files (URI, size,
+      sha256 of the content), the tokenizer hash and every setting that changes the rows.
+      A complete earlier result with the same key is reused if it passes the same checks;
+      one that does not (a shard deleted, a corrupt manifest) is prepared again.
     Returns an absolute path (Ray workers run in another cwd).
     """
     paths = list(data_cfg.train_path)
     if len(paths) == 1 and paths[0] != "demo" and is_prepared(paths[0]):
-        path = paths[0] if "://" in paths[0] else os.path.abspath(paths[0])
-        check_manifest(read_manifest(path), path, data_cfg, tokenizer)
+        path = paths[0] if is_uri(paths[0]) else os.path.abspath(paths[0])
+        manifest = read_manifest(path)
+        check_manifest(manifest, path, data_cfg, tokenizer)
+        verify_shards(path, manifest)
         return path
-    cache = data_cfg.cache_dir if "://" in data_cfg.cache_dir else os.path.abspath(data_cfg.cache_dir)
+    cache = data_cfg.cache_dir if is_uri(data_cfg.cache_dir) else os.path.abspath(data_cfg.cache_dir)
     if "demo" in paths:
         from minimind_ray.data.demo import write_demo_corpus
 
         demo = write_demo_corpus(join(cache, "demo"))
         paths = [demo[data_cfg.format] if p == "demo" else p for p in paths]
     files, missing = resolve_sources(paths)
-    key = hashlib.sha256(json.dumps({
-        "version": PREPARED_VERSION, "sources": [dataclasses.asdict(f) for f in files], "missing": missing,
-        "tokenizer": tokenizer.hash(), **row_settings(data_cfg), "block_rows": data_cfg.block_rows,
-        "chunk_bytes": data_cfg.chunk_bytes, "bad_records": data_cfg.bad_records,
-    }, sort_keys=True).encode()).hexdigest()
-    out = join(cache, f"{data_cfg.format}-{key[:16]}")
+    digests = content_digests(files)
+    out = join(cache, f"{data_cfg.format}-{_cache_key(files, missing, digests, tokenizer, data_cfg)[:16]}")
     if is_prepared(out):
-        check_manifest(read_manifest(out), out, data_cfg, tokenizer)
-        return out
-    return prepare(paths, out, tokenizer, data_cfg)
+        try:
+            manifest = read_manifest(out)
+            check_manifest(manifest, out, data_cfg, tokenizer)
+            verify_shards(out, manifest)
+            return out
+        except DataError as e:  # our own cache: make it again rather than train on it
+            log.warning("prepared cache is unusable, preparing it again: %s", e)
+    return prepare(paths, out, tokenizer, data_cfg, digests=digests)

@@ -2,8 +2,8 @@
 
 Every path goes through ``pyarrow.fs`` so that a local path, ``file://``, ``s3://``,
 ``gs://``, ``hdfs://`` ... all work the same way (``FileSystem.from_uri``). Files are
-described by :class:`SourceFile` (URI, size, mtime), which is what the prepare cache
-key and the manifest record.
+described by :class:`SourceFile` (URI, size, mtime), which the manifest records; the
+prepare cache is keyed by their content (:func:`content_digests`).
 
 Reading is always streamed: :func:`iter_lines` reads one byte range of a jsonl file in
 fixed-size blocks, so no process ever holds a whole dataset. :func:`plan_ranges` cuts a
@@ -13,9 +13,12 @@ few bytes around each nominal cut. A gzip file cannot be seeked, so it is one ra
 from __future__ import annotations
 
 import fnmatch
+import hashlib
 import os
+import zlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Iterator, List, Sequence, Tuple, Union
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import pyarrow.fs as pafs
 
@@ -24,6 +27,7 @@ from minimind_ray.fsio import filesystem, is_uri
 SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")
 _READ_BLOCK = 8 << 20  # bytes per read when streaming lines
 _PROBE_BLOCK = 64 << 10  # bytes per read when looking for the newline after a cut
+_BOM = b"\xef\xbb\xbf"  # UTF-8 byte order mark, written by some Windows tools
 
 
 @dataclass(frozen=True)
@@ -103,6 +107,26 @@ def resolve_sources(specs: Union[str, Sequence[str]]) -> Tuple[List[SourceFile],
     return files, missing
 
 
+def content_digests(files: Sequence[SourceFile], threads: int = 4) -> Dict[str, str]:
+    """sha256 of each file's bytes, by URI: what the prepare cache is keyed by, so that an edit
+    is seen even when it keeps the size and restores the mtime. Every byte is read once
+    (about 2-2.5 s per GiB on one core here, docs/data.md); files are hashed in parallel threads
+    (pyarrow reads and hashlib release the GIL)."""
+    def digest(sf: SourceFile) -> str:
+        fs, path = filesystem(sf.uri)
+        h = hashlib.sha256()
+        with fs.open_input_file(path) as f:
+            while True:
+                block = f.read(_READ_BLOCK)
+                if not block:
+                    break
+                h.update(block)
+        return h.hexdigest()
+
+    with ThreadPoolExecutor(max(1, min(threads, len(files)))) as pool:
+        return dict(zip((sf.uri for sf in files), pool.map(digest, files)))
+
+
 def plan_ranges(sf: SourceFile, chunk_bytes: int) -> List[Tuple[int, int]]:
     """Newline-aligned byte ranges [start, end) covering a jsonl file.
 
@@ -134,39 +158,127 @@ def plan_ranges(sf: SourceFile, chunk_bytes: int) -> List[Tuple[int, int]]:
     return list(zip(cuts[:-1], cuts[1:]))
 
 
-def iter_lines(sf: SourceFile, start: int = 0, end: int = -1) -> Iterator[bytes]:
+class OverlongLine:
+    """Yielded by :func:`iter_lines` in place of a line longer than ``max_line_bytes``: the
+    line was dropped while streaming, never assembled in memory; its place keeps line numbers right."""
+
+    __slots__ = ("nbytes",)
+
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
+
+
+class TruncatedFile(Exception):
+    """A compressed source ends early or is not gzip at all. Raised by :func:`iter_lines` after
+    the complete lines before the break; ``lost_bytes`` counts the partial line dropped there."""
+
+    def __init__(self, uri: str, detail: str, lost_bytes: int):
+        super().__init__(f"{uri}: {detail}")
+        self.uri, self.detail, self.lost_bytes = uri, detail, lost_bytes
+
+
+class _BrokenGzip(Exception):
+    pass
+
+
+def _gunzip(raw) -> Iterator[bytes]:
+    """Decompressed blocks (at most _READ_BLOCK bytes each, whatever the compression ratio) of
+    a gzip stream, members one after another; _BrokenGzip once the data stops being gzip or
+    ends mid-stream, after every byte that could be decompressed before that point."""
+    d, started = zlib.decompressobj(16 + zlib.MAX_WBITS), False
+    while True:
+        data = raw.read(_READ_BLOCK)
+        if not data:
+            break
+        while data:
+            started = True
+            try:
+                out = d.decompress(data, _READ_BLOCK)
+            except zlib.error as e:
+                raise _BrokenGzip(f"not gzip data from here on ({e})") from None
+            if out:
+                yield out
+            data = d.unconsumed_tail
+            if d.eof:  # a member ended; anything after it starts the next member
+                data, d = d.unused_data, zlib.decompressobj(16 + zlib.MAX_WBITS)
+                started = bool(data)
+    if started and not d.eof:
+        raise _BrokenGzip("the gzip stream ends early (a truncated file?)")
+
+
+def _blocks(sf: SourceFile, start: int, end: int) -> Iterator[bytes]:
+    fs, path = filesystem(sf.uri)
+    if sf.kind == "jsonl.gz":
+        with fs.open_input_stream(path, compression=None) as raw:  # not "detect": decompressed here
+            yield from _gunzip(raw)
+        return
+    with fs.open_input_file(path) as f:
+        f.seek(start)
+        remaining = (sf.size if end < 0 else end) - start
+        while remaining > 0:
+            buf = f.read(min(_READ_BLOCK, remaining))
+            if not buf:
+                break
+            remaining -= len(buf)
+            yield buf
+
+
+def iter_lines(sf: SourceFile, start: int = 0, end: int = -1,
+               max_line_bytes: Optional[int] = None) -> Iterator[Union[bytes, OverlongLine]]:
     """The lines (without their newline) of bytes [start, end) of a jsonl(.gz) file.
 
     ``start`` must be a line start (see :func:`plan_ranges`); ``end=-1`` means to the end.
     A final line without a newline is yielded too; a trailing newline yields nothing.
+    A UTF-8 byte order mark at the start of the file is dropped (read as ``utf-8-sig``).
+    With ``max_line_bytes``, a line that grows past it while being read is dropped up to its
+    newline and an :class:`OverlongLine` is yielded instead, so memory stays within about
+    ``max_line_bytes`` + one read block whatever the data holds. (Shorter lines are yielded
+    whole even if they arrived in one block longer than the limit.) A .jsonl.gz that breaks
+    off, or is not gzip, raises :class:`TruncatedFile` after its last complete line.
     """
-    fs, path = filesystem(sf.uri)
-    if sf.kind == "jsonl.gz":
-        stream, remaining = fs.open_input_stream(path, compression="gzip"), -1
-    else:
-        stream = fs.open_input_file(path)
-        stream.seek(start)
-        remaining = (sf.size if end < 0 else end) - start
-    carry = b""
-    with stream:
-        while remaining != 0:
-            buf = stream.read(_READ_BLOCK if remaining < 0 else min(_READ_BLOCK, remaining))
-            if not buf:
+    carry = b""  # the start of the current line: the bytes after the last newline
+    skipped = -1  # >= 0 while dropping an over-long line: its bytes so far
+    first = start == 0
+    blocks = _blocks(sf, start, end)
+    try:
+        while True:
+            try:
+                buf = next(blocks, None)
+            except _BrokenGzip as e:
+                raise TruncatedFile(sf.uri, str(e), max(skipped, 0) + len(carry)) from None
+            if buf is None:
                 break
-            if remaining > 0:
-                remaining -= len(buf)
+            if first:
+                first = False
+                if buf.startswith(_BOM):
+                    buf = buf[len(_BOM):]
+            if skipped >= 0:
+                j = buf.find(b"\n")
+                if j < 0:
+                    skipped += len(buf)
+                    continue
+                yield OverlongLine(skipped + j)
+                skipped, buf = -1, buf[j + 1:]
             parts = (carry + buf).split(b"\n")
             carry = parts.pop()
             yield from parts
-    if carry:
-        yield carry
+            if max_line_bytes is not None and len(carry) > max_line_bytes:
+                skipped, carry = len(carry), b""
+        if skipped >= 0:
+            yield OverlongLine(skipped)
+        elif carry:
+            yield carry
+    finally:
+        blocks.close()  # the file, also when the reader stops early
 
 
-def iter_records(sf: SourceFile, start: int = 0, end: int = -1) -> Iterator[Union[bytes, dict]]:
+def iter_records(sf: SourceFile, start: int = 0, end: int = -1,
+                 max_line_bytes: Optional[int] = None) -> Iterator[Union[bytes, OverlongLine, dict]]:
     """The records of part of a source: raw lines (bytes, unparsed) of bytes [start, end) of a
-    jsonl(.gz) file, or rows (dicts) of row groups [start, end) of a Parquet file. ``end=-1``: to the end."""
+    jsonl(.gz) file (see :func:`iter_lines` for ``max_line_bytes``), or rows (dicts) of row groups
+    [start, end) of a Parquet file. ``end=-1``: to the end."""
     if sf.kind != "parquet":
-        yield from iter_lines(sf, start, end)
+        yield from iter_lines(sf, start, end, max_line_bytes)
         return
     import pyarrow.parquet as pq
 
