@@ -5,6 +5,7 @@ stage's objective class here. An objective supplies:
 
 * ``setup(model, device)``: freeze what must not train, build frozen extra
   models (DPO reference, distillation teacher);
+* ``prepare(state, batches, step)``: what the step trains on (RL rollouts; the identity otherwise);
 * ``weight(batch)``: how many loss units a micro-batch holds (target tokens, or
   preference pairs), computable before the forward pass;
 * ``loss_sum(model, batch)``: the loss *summed* over those units, plus metrics.
@@ -17,7 +18,7 @@ and a 2-worker run at the same global batch take the same steps.
 from __future__ import annotations
 
 import copy
-from typing import Dict, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +51,12 @@ class Objective:
 
     def setup(self, model: nn.Module, device: torch.device) -> None:
         """Called once before DDP wrapping; the default trains every parameter."""
+
+    def prepare(self, state, batches: List[Batch], step: int) -> List[Batch]:
+        """Turn this rank's micro-batches of the step into what ``loss_sum`` trains on, before their
+        weight is counted. The identity here; an RL objective generates and scores its rollouts
+        with ``state.model`` (the plain module: generation needs no collectives)."""
+        return batches
 
     def weight(self, batch: Batch) -> int:
         return int(batch["targets"].ne(-100).sum())

@@ -1,5 +1,6 @@
 """One optimizer step of one rank: the same for every stage, every world size, with or without Ray.
 
+    batches = objective.prepare(batches)                             (RL: rollouts, rewards; else as is)
     weight  = all-reduce(sum of the micro-batches' loss units)      (target tokens, or pairs)
     for each micro-batch (no_sync on all but the last):
         loss = objective.loss_sum(mb) * world / weight + aux / n_micro ; backward
@@ -65,6 +66,7 @@ class StepOutput:
 def train_step(state, batches: List[Dict[str, torch.Tensor]], step: int) -> StepOutput:
     """Run optimizer step ``step`` (1-based) of ``state`` (a TrainState) on this rank's micro-batches."""
     obj, world, device = state.objective, state.world, state.device
+    batches = obj.prepare(state, batches, step)  # RL stages generate their rollouts here; others: as they are
     n_micro = len(batches)
     # the step's loss is a mean over the *global* batch: all-reduce its weight first
     w_local = sum(obj.weight(b) for b in batches)
