@@ -185,7 +185,11 @@ class ClusterConfig:
 class RunConfig:
     """Everything one run needs."""
 
-    name: Optional[str] = _f(None, "run name (Ray Train + MLflow); reusing a name resumes that run; None = <stage>-<timestamp>")
+    name: Optional[str] = _f(None, "run name (Ray Train + MLflow); None = <stage>-<hash of the settings that define the "
+                                   "training> (see run_identity), so running the same command again finds the same run")
+    resume: str = _f("auto", "auto: continue an unfinished run of this name, train a finished one further only when "
+                             "max_steps/epochs grew | never: always a new run (a fresh name when none is given) | "
+                             "must: fail unless there is an unfinished run to continue")
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -292,6 +296,32 @@ def accumulation_steps(global_batch_size: int, micro_batch_size: int, world_size
     return global_batch_size // per_step
 
 
+# Settings that do not change what is trained, only where, how fast, or how it is watched: left out of a
+# run's identity, so a run can be resumed on another cluster, with other logging, or trained further.
+RUNTIME_FIELDS = (
+    "name", "resume", "cluster", "tracking", "checkpoint",
+    "data.cache_dir", "data.prefetch_steps",
+    "train.max_steps", "train.epochs", "train.micro_batch_size", "train.precision", "train.compile",
+    "train.threads_per_worker", "train.log_interval", "train.eval_interval", "train.eval_batches",
+    "train.comm_warn_fraction", "train.collective_timeout_s", "train.sample_log_dir",
+    "train.fail_at_step", "train.fail_mode", "train.fail_rank", "train.hang_at_step",
+)
+
+
+def run_identity(cfg: "RunConfig") -> str:
+    """``<stage>-<10 hex>``: a hash of the settings that define the training (model, data, stage,
+    optimisation, seed), without the runtime-only ones in :data:`RUNTIME_FIELDS`. The default run name:
+    the same command finds the same run again, whatever the cluster size or tracking server."""
+    import hashlib
+    import json
+
+    flat = flatten(to_dict(cfg))
+    kept = {k: v for k, v in flat.items()
+            if not any(k == f or k.startswith(f + ".") for f in RUNTIME_FIELDS)}
+    digest = hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()
+    return f"{cfg.train.stage}-{digest[:10]}"
+
+
 def validate(cfg: RunConfig) -> None:
     """Fail fast, naming the field, before any Ray work starts."""
     m, d, t, c, cl = cfg.model, cfg.data, cfg.train, cfg.checkpoint, cfg.cluster
@@ -340,3 +370,4 @@ def validate(cfg: RunConfig) -> None:
     if t.stage == "distill":
         _need(t.distill.teacher_weights is not None, "train.distill.teacher_weights", "distillation needs teacher weights")
     _need(0.0 <= t.distill.alpha <= 1.0, "train.distill.alpha", "must be in [0, 1]")
+    _need(cfg.resume in ("auto", "never", "must"), "resume", "must be auto, never or must")

@@ -37,9 +37,23 @@ def lr_lambda(train_cfg, total_steps: int) -> Callable[[int], float]:
     return cosine
 
 
+def check_precision(precision: str, device_type: str, bf16_supported: bool, device_name: str = "") -> None:
+    """bf16 needs a GPU that computes in it (compute capability 8.0+: A100, H100, L4, RTX 30xx and newer).
+    On older GPUs (V100, T4) ``train.precision=bf16`` is refused rather than emulated slowly; ``auto``
+    falls back to fp32 there. There is no fp16 + loss-scaling mode."""
+    if precision == "bf16" and device_type == "cuda" and not bf16_supported:
+        from minimind_ray.config import ConfigError
+
+        raise ConfigError(f"train.precision: bf16 needs a GPU with bf16 (compute capability 8.0 or newer); "
+                          f"{device_name or 'this GPU'} has none: use train.precision=fp32 (or auto)")
+
+
 def autocast_for(precision: str, device: torch.device):
-    """A context-manager factory: bf16 autocast on CUDA (or when asked), fp32 otherwise."""
-    use_bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
+    """A context-manager factory: bf16 autocast on CUDA GPUs that have bf16 (or when asked), fp32 otherwise."""
+    bf16_ok = device.type != "cuda" or torch.cuda.is_bf16_supported()
+    if device.type == "cuda":
+        check_precision(precision, device.type, bf16_ok, torch.cuda.get_device_name(device))
+    use_bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda" and bf16_ok)
     if use_bf16:
         return lambda: torch.autocast(device_type=device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext

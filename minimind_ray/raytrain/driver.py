@@ -19,17 +19,21 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
-from minimind_ray.config import ConfigError, RunConfig, worker_threads
+from minimind_ray.config import ConfigError, RunConfig, run_identity, worker_threads
 from minimind_ray.fsio import is_uri
 from minimind_ray.raytrain.spec import WorkerSpec
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-class ClusterTooSmall(RuntimeError):
-    """The cluster cannot place the requested worker group."""
+class ClusterTooSmall(ConfigError):
+    """The cluster cannot place the requested worker group; the message names the field to change."""
+
+
+class RunFinished(ConfigError):
+    """``resume=auto|must`` found this run finished, with no more steps asked for."""
 
 
 @dataclass
@@ -117,8 +121,9 @@ def check_resources(cfg: RunConfig, use_gpu: bool) -> None:
             return
         if time.monotonic() >= deadline:
             detail = ", ".join(f"{k}: need {n:g}, cluster has {h:g}" for k, (n, h) in short.items())
+            field = "cluster.use_gpu" if "GPU" in short else "cluster.num_workers"
             raise ClusterTooSmall(
-                f"the cluster cannot hold {need_workers} worker(s) of {per} ({detail}); waited "
+                f"{field}: the cluster cannot hold {need_workers} worker(s) of {per} ({detail}); waited "
                 f"{cfg.cluster.resource_timeout_s:g}s (cluster.resource_timeout_s). Lower cluster.num_workers, "
                 f"set cluster.use_gpu=false, or add nodes.")
         time.sleep(min(2.0, max(0.1, deadline - time.monotonic())))
@@ -127,8 +132,62 @@ def check_resources(cfg: RunConfig, use_gpu: bool) -> None:
 # --------------------------------------------------------------------------- run
 
 
-def default_run_name(cfg: RunConfig) -> str:
-    return f"{cfg.train.stage}-{time.strftime('%Y%m%d-%H%M%S')}"
+def decide_run(cfg: RunConfig, storage: str) -> Tuple[str, str]:
+    """(run name, what happens to it), by ``cfg.resume``; raises ConfigError when the choice is the user's.
+
+    The name is ``cfg.name``, or the run's identity (:func:`minimind_ray.config.run_identity`), so the
+    same command finds the same run. Ray Train resumes a run whose name it finds in storage; this decides
+    beforehand whether that is what the user asked for, and says so."""
+    from minimind_ray.store.checkpoint import newest_complete
+
+    name = cfg.name or run_identity(cfg)
+    run_dir = f"{storage.rstrip('/')}/{name}"
+    latest = newest_complete(run_dir)
+    if cfg.resume == "never":
+        if latest is None and not _has_run_state(run_dir):
+            return name, f"starting run {name}"
+        if cfg.name:
+            raise ConfigError(f"resume: run {name!r} already exists in {storage} and resume=never starts a new run; "
+                              f"choose another name= (nothing is deleted)")
+        name = f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        return name, f"starting run {name} (resume=never; {run_dir} is left as it is)"
+    if latest is None:
+        if cfg.resume == "must":
+            raise ConfigError(f"resume: must, but run {name!r} has no complete checkpoint in {storage}")
+        return name, f"starting run {name}" + (" (its earlier attempt left no checkpoint)" if _has_run_state(run_dir)
+                                                else "")
+    meta = latest.meta()
+    if meta.step < meta.total_steps:
+        return name, f"resuming run {name} from step {meta.step} of {meta.total_steps} ({latest.location})"
+    old = meta.run_config().train
+    t = cfg.train
+    more = t.max_steps > meta.step if t.max_steps else (old.max_steps is None and t.epochs > old.epochs)
+    if more:
+        return name, f"training run {name} further from its last checkpoint (step {meta.step}, {latest.location})"
+    raise RunFinished(
+        f"resume: run {name!r} finished at step {meta.step} ({latest.location}). To train it further, raise "
+        f"train.max_steps above {meta.step} (or train.epochs); to start anew, pass resume=never (a new run name) "
+        f"or another name=")
+
+
+def _absolute_weight_paths(t):
+    """The TrainConfig with every local weights path made absolute: workers run in another directory."""
+    def absolute(p):
+        return p if p is None or is_uri(p) else str(Path(p).expanduser().resolve())
+
+    return dataclasses.replace(t, init_from=absolute(t.init_from),
+                               dpo=dataclasses.replace(t.dpo, reference=absolute(t.dpo.reference)),
+                               distill=dataclasses.replace(t.distill, teacher_weights=absolute(t.distill.teacher_weights)))
+
+
+def _has_run_state(run_dir: str) -> bool:
+    """Has Ray Train left anything of this run in storage (so that starting it again resumes it)?"""
+    import pyarrow.fs as pafs
+
+    from minimind_ray.fsio import filesystem
+
+    fs, root = filesystem(run_dir)
+    return fs.get_file_info(root).type == pafs.FileType.Directory
 
 
 def _storage(cfg: RunConfig) -> str:
@@ -208,16 +267,22 @@ def run(cfg: RunConfig) -> RunResult:
     from minimind_ray.tokenizer import resolve_tokenizer
     from minimind_ray.tracking.runs import finish_run, resolve_tracking_uri, start_run
 
-    name = cfg.name or default_run_name(cfg)
+    storage = _storage(cfg)
+    name, plan = decide_run(cfg, storage)  # before Ray starts: a run the user must decide about fails in a second
+    print(f"[minimind-ray] {plan}", flush=True)
+    run_dir = f"{storage.rstrip('/')}/{name}"
     connect_ray(cfg)
     if in_ray_job():
         warn_relative_paths(cfg)
-    storage = _storage(cfg)
-    run_dir = f"{storage.rstrip('/')}/{name}"
 
     gpus = ray.cluster_resources().get("GPU", 0)
     use_gpu = bool(gpus) if cfg.cluster.use_gpu is None else cfg.cluster.use_gpu
-    run_cfg = dataclasses.replace(cfg, name=name, cluster=dataclasses.replace(cfg.cluster, use_gpu=use_gpu))
+    if cfg.cluster.backend == "nccl" and not use_gpu:
+        raise ConfigError("cluster.backend: nccl needs GPU workers, and this run has none "
+                          f"({'cluster.use_gpu=false' if cfg.cluster.use_gpu is False else 'the cluster has no GPUs'}); "
+                          "use cluster.backend=auto (nccl on GPUs, gloo otherwise) or gloo")
+    run_cfg = dataclasses.replace(cfg, name=name, cluster=dataclasses.replace(cfg.cluster, use_gpu=use_gpu),
+                                  train=_absolute_weight_paths(cfg.train))
     check_resources(run_cfg, use_gpu)  # before any data work: a request that cannot fit fails in seconds
 
     tokenizer = resolve_tokenizer(cfg.data.tokenizer, cfg.data.cache_dir, cfg.model.generation)

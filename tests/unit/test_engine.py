@@ -137,3 +137,14 @@ def test_two_ranks_over_plain_gloo_match_one_rank(tmp_path):
     w2 = torch.load(tmp_path / "w2.pt", weights_only=True)
     for k, v in one.model.state_dict().items():
         torch.testing.assert_close(w2[k], v, atol=1e-4, rtol=0)
+
+
+def test_bf16_on_a_gpu_without_bf16_is_refused_naming_the_field():
+    from minimind_ray.config import ConfigError
+    from minimind_ray.engine.step import check_precision
+
+    with pytest.raises(ConfigError, match=r"^train.precision: bf16 needs a GPU with bf16.*Tesla T4"):
+        check_precision("bf16", "cuda", bf16_supported=False, device_name="Tesla T4")
+    check_precision("auto", "cuda", bf16_supported=False)  # auto falls back to fp32 there
+    check_precision("bf16", "cuda", bf16_supported=True)
+    check_precision("bf16", "cpu", bf16_supported=True)  # CPU autocast
