@@ -43,16 +43,15 @@ def cmd_train(args) -> int:
 
 
 def print_run_summary(res) -> None:
-    print("\n==== results ====")
-    print(f"run name:        {res.name}")
-    print(f"run directory:   {res.run_dir}")
-    print(f"last checkpoint: {res.checkpoint_dir}")
-    for k, v in res.exports.items():
-        print(f"export ({k}): {v}")
+    from minimind_ray.fsio import redact
+
+    lines = ["\n==== results ====", f"run name:        {res.name}", f"run directory:   {res.run_dir}",
+             f"last checkpoint: {res.checkpoint_dir}", *(f"export ({k}): {v}" for k, v in res.exports.items())]
     if res.mlflow_run_id:
-        print(f"MLflow run id:   {res.mlflow_run_id}  (tracking URI {res.tracking_uri})")
+        lines.append(f"MLflow run id:   {res.mlflow_run_id}  (tracking URI {res.tracking_uri})")
         if res.tracking_uri and res.tracking_uri.startswith("sqlite:///"):
-            print(f"MLflow UI:       make ui   (or: mlflow ui --backend-store-uri {res.tracking_uri} --host 127.0.0.1)")
+            lines.append(f"MLflow UI:       make ui   (or: mlflow ui --backend-store-uri {res.tracking_uri} --host 127.0.0.1)")
+    print("\n".join(redact(line) for line in lines))  # a URI's credentials are never printed
 
 
 def cmd_prepare(args) -> int:

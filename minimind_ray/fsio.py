@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Any, Callable, Tuple, Union
@@ -85,3 +86,32 @@ def write_bytes_atomic(location: PathLike, data: bytes) -> None:
     with fs.open_output_stream(tmp) as f:
         f.write(data)
     fs.move(tmp, path)
+
+
+# --------------------------------------------------------------------------- secrets in URIs
+
+# userinfo of any scheme://user:password@host, and the values of query parameters whose name says secret
+# (a user:secret pair may hold an unescaped '/', as AWS secret keys do: then it is taken up to the '@')
+_USERINFO = re.compile(r"(?P<scheme>\b[a-zA-Z][a-zA-Z0-9+.\-]*://)(?P<userinfo>[^/@\s'\"]+|[^/@\s'\":]+:[^@\s'\"]+)@")
+_SECRET_QUERY = re.compile(r"(?P<name>[?&;][^=&\s'\"#]*(?:secret|token|password|passwd|pwd|signature|credential|"
+                           r"access[_-]?key|api[_-]?key)[^=&\s'\"#]*=)[^&\s'\"#]*", re.IGNORECASE)
+
+
+def redact(text: str) -> str:
+    """``text`` with the credentials of every URI in it replaced by ``***``: the userinfo of
+    ``scheme://user:pw@host`` and the values of ``?...secret/token/password/key...=`` query parameters.
+    Applied to everything the project prints or stores; the real URI is still what is used."""
+    if not isinstance(text, str) or ("://" not in text and "=" not in text):
+        return text
+    return _SECRET_QUERY.sub(r"\g<name>***", _USERINFO.sub(r"\g<scheme>***@", text))
+
+
+def redact_obj(obj: Any) -> Any:
+    """:func:`redact` applied to every string in nested dicts, lists and tuples (a config, a meta record)."""
+    if isinstance(obj, str):
+        return redact(obj)
+    if isinstance(obj, dict):
+        return {k: redact_obj(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(redact_obj(v) for v in obj)
+    return obj

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
 from minimind_ray.config import ConfigError, RunConfig, run_identity, worker_threads
-from minimind_ray.fsio import is_uri
+from minimind_ray.fsio import is_uri, redact
 from minimind_ray.raytrain.spec import WorkerSpec
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -230,7 +230,7 @@ def _finish(spec: WorkerSpec, result, tokenizer) -> RunResult:
         export_dir = Path(export_dir)
         out.exports = export_run_checkpoint(cfg, ckpt_dir, export_dir)
         index = export_dir / "checkpoints.json"  # where every kept checkpoint is, by step: MLflow points at storage
-        index.write_text(json.dumps([{"path": join(run_dir, Path(c.path).name),
+        index.write_text(json.dumps([{"path": redact(join(run_dir, Path(c.path).name)),
                                       **{k: m.get(k) for k in ("step", "loss")}}
                                      for c, m in (result.best_checkpoints or [])], indent=1))
         if run_id:
@@ -244,7 +244,7 @@ def _finish(spec: WorkerSpec, result, tokenizer) -> RunResult:
                 registered_model=cfg.tracking.registered_model or f"minimind-{cfg.train.stage}", extra=extra)
             out.metrics["model_version"] = final.get("model_version")
             if final.get("errors"):
-                print(f"[{name}] tracking: not everything was logged: {final['errors']}", flush=True)
+                print(redact(f"[{name}] tracking: not everything was logged: {final['errors']}"), flush=True)
         if remote:
             fs, root = filesystem(join(run_dir, "export"))
             pafs.copy_files(str(export_dir), root, destination_filesystem=fs)
@@ -269,7 +269,7 @@ def run(cfg: RunConfig) -> RunResult:
 
     storage = _storage(cfg)
     name, plan = decide_run(cfg, storage)  # before Ray starts: a run the user must decide about fails in a second
-    print(f"[minimind-ray] {plan}", flush=True)
+    print(redact(f"[minimind-ray] {plan}"), flush=True)
     run_dir = f"{storage.rstrip('/')}/{name}"
     connect_ray(cfg)
     if in_ray_job():
@@ -299,7 +299,7 @@ def run(cfg: RunConfig) -> RunResult:
                 "world_size": str(cfg.cluster.num_workers), "device_type": "cuda" if use_gpu else "cpu",
                 "backend": backend})
         except Exception as e:  # a down tracking server must not stop training
-            print(f"[{name}] WARNING: MLflow at {uri} unavailable ({type(e).__name__}: {e}); training untracked",
+            print(redact(f"[{name}] WARNING: MLflow at {uri} unavailable ({type(e).__name__}: {e}); training untracked"),
                   flush=True)
 
     sink = make_progress_sink()
@@ -331,7 +331,7 @@ def run(cfg: RunConfig) -> RunResult:
     except BaseException as e:
         printer.close()
         if run_id:
-            finish_run(uri, run_id, "FAILED", error=f"{type(e).__name__}: {e}")
+            finish_run(uri, run_id, "FAILED", error=redact(f"{type(e).__name__}: {e}"))
         raise
     printer.close()
     try:
@@ -346,5 +346,5 @@ def run(cfg: RunConfig) -> RunResult:
     if summary:
         s = json.loads(summary) if isinstance(summary, str) else summary
         if s.get("metrics_dropped") or s.get("errors"):
-            print(f"[{name}] tracking summary: {s}", flush=True)
+            print(redact(f"[{name}] tracking summary: {s}"), flush=True)
     return out

@@ -12,6 +12,8 @@ import threading
 import time
 from typing import Any, Dict
 
+from minimind_ray.fsio import redact
+
 
 def make_progress_sink():
     """A tiny actor that rank 0 pushes metrics to (fire-and-forget) and the driver drains."""
@@ -95,8 +97,8 @@ class ProgressPrinter(threading.Thread):
 
     def show(self, m: Dict[str, Any]):
         if "_error" in m:
-            print(f"[{self.name}] worker failure: {m['_error']} (restarting from the latest checkpoint if "
-                  f"cluster.max_failures allows)", flush=True)
+            print(redact(f"[{self.name}] worker failure: {m['_error']} (restarting from the latest checkpoint if "
+                         f"cluster.max_failures allows)"), flush=True)
             return
         if self.tty:
             from tqdm import tqdm

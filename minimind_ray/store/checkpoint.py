@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import pyarrow.fs as pafs
 import torch
 
-from minimind_ray.fsio import filesystem, is_uri, torch_save_atomic, write_json_atomic
+from minimind_ray.fsio import filesystem, is_uri, redact, redact_obj, torch_save_atomic, write_json_atomic
 
 COMPLETE = "COMPLETE.json"
 MODEL = "model.pth"
@@ -94,7 +94,7 @@ def write_shared_files(ckpt_dir, *, model_state: Dict[str, torch.Tensor], train_
     ckpt_dir = Path(ckpt_dir)
     torch_save_atomic({k: v.detach().cpu() for k, v in clean_state_dict(model_state).items()}, ckpt_dir / MODEL)
     torch_save_atomic(train_state, ckpt_dir / TRAIN_STATE)
-    write_json_atomic(ckpt_dir / META, meta.to_json())
+    write_json_atomic(ckpt_dir / META, redact_obj(meta.to_json()))  # a URI's credentials never reach storage
     files = {name: (ckpt_dir / name).stat().st_size for name in (MODEL, TRAIN_STATE, META)}
     write_json_atomic(ckpt_dir / COMPLETE, {"files": files, "rng_ranks": list(range(meta.world_size)),
                                             "step": meta.step})
@@ -267,7 +267,7 @@ def choose_restore(registered: Optional[Tuple[str, Any]], run_dir: Optional[str]
         if newer is not None:
             why = (f"newer than the checkpoint Ray registered (step {reg_step if reg_step >= 0 else 'none'})"
                    if registered is None or chosen is not None else f"Ray's registered checkpoint is unusable: {refusal}")
-            print(f"[minimind-ray] resuming from {newer.location} (step {newer.step}), {why}", flush=True)
+            print(redact(f"[minimind-ray] resuming from {newer.location} (step {newer.step}), {why}"), flush=True)
             return newer
     if registered is not None and chosen is None:
         raise refusal
@@ -294,7 +294,7 @@ def prune_untracked(run_dir, kept_names) -> List[str]:
             try:
                 fs.delete_dir(e.path)
             except OSError as err:  # storage trouble must not fail a finished run; say so and go on
-                print(f"[minimind-ray] could not remove {e.path}: {err}", flush=True)
+                print(redact(f"[minimind-ray] could not remove {e.path}: {err}"), flush=True)
                 continue
             removed.append(e.base_name)
     return sorted(removed)

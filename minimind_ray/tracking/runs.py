@@ -25,6 +25,7 @@ from typing import Dict, Iterator, Optional
 from urllib.parse import unquote
 
 from minimind_ray.config import RunConfig, TrackingConfig, flatten, to_dict, to_yaml
+from minimind_ray.fsio import redact, redact_obj
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +89,8 @@ def _error_code(e: BaseException) -> str:
 
 
 def _short(e: BaseException) -> str:
-    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:500]
+    """One line for a log or a summary; URIs in it lose their credentials (MLflow puts its URL in errors)."""
+    return redact(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")[:500]
 
 
 # --------------------------------------------------------------------------- where runs live
@@ -233,7 +235,10 @@ def start_run(cfg: RunConfig, run_name: str, storage_dir: str, tags: dict) -> st
     experiment = cfg.tracking.experiment or f"minimind-{cfg.train.stage}"
     all_tags = {**_versions(), **_git_tags(), **_ray_tags(), **{k: v for k, v in tags.items() if v is not None}}
     all_tags = {k: str(v) for k, v in all_tags.items()}
-    params = {k: str(v)[:_MAX_PARAM_LEN] for k, v in flatten(to_dict(cfg)).items()}
+    # what MLflow stores never holds a credential: params, the config artifact and the storage tag are redacted
+    params = {k: str(v)[:_MAX_PARAM_LEN] for k, v in redact_obj(flatten(to_dict(cfg))).items()}
+    config_yaml = redact(to_yaml(cfg))
+    storage_dir = redact(storage_dir)
     with _short_http(cfg.tracking.timeout_s):
         client = _client(uri)
         exp_id = _experiment_id(client, experiment, uri)
@@ -248,7 +253,7 @@ def start_run(cfg: RunConfig, run_name: str, storage_dir: str, tags: dict) -> st
                 log.warning("MLflow run %s resumed with a changed config (params keep their first values; "
                             "the new config is config/config.resume-%d.yaml): %s", run_id, resumes,
                             ", ".join(changed))
-                client.log_text(run_id, to_yaml(cfg), f"config/config.resume-{resumes}.yaml")
+                client.log_text(run_id, config_yaml, f"config/config.resume-{resumes}.yaml")
             _log_tags(client, run_id, all_tags)
             log.info("reopened MLflow run %s (%s) in experiment %r", run_id, run_name, experiment)
             return run_id
@@ -260,8 +265,8 @@ def start_run(cfg: RunConfig, run_name: str, storage_dir: str, tags: dict) -> st
         items = [Param(k, v) for k, v in params.items()]
         for i in range(0, len(items), _MAX_PARAMS_PER_BATCH):
             client.log_batch(run_id, params=items[i:i + _MAX_PARAMS_PER_BATCH])
-        client.log_text(run_id, to_yaml(cfg), "config/config.yaml")
-        log.info("created MLflow run %s (%s) in experiment %r at %s", run_id, run_name, experiment, uri)
+        client.log_text(run_id, config_yaml, "config/config.yaml")
+        log.info("created MLflow run %s (%s) in experiment %r at %s", run_id, run_name, experiment, redact(uri))
         return run_id
 
 
@@ -293,7 +298,7 @@ def finish_run(uri: str, run_id: str, status: str, error: Optional[str] = None,
         with _short_http(timeout_s):
             client = _client(uri)
             if error and status == "FAILED":
-                client.set_tag(run_id, ERROR_TAG, _truncate_error(error))
+                client.set_tag(run_id, ERROR_TAG, _truncate_error(redact(error)))
             client.set_terminated(run_id, status=status)
     except Exception as e:  # noqa: BLE001 - see docstring
         log.error("could not mark MLflow run %s %s: %s", run_id, status, _short(e))
