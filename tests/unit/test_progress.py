@@ -1,0 +1,24 @@
+"""Issue 11, item 22: the driver's ETA comes from the workers' own step times, not from when progress
+messages happen to arrive (they arrive in bursts: a burst used to read as an infinite rate, ETA 00:00:00)."""
+from __future__ import annotations
+
+from minimind_ray.raytrain.progress import ProgressPrinter, eta_seconds
+
+
+def _m(step, step_time_s=0.5, total=30):
+    return {"step": step, "total_steps": total, "epoch": 0, "loss": 2.0, "tokens_per_s": 1000.0,
+            "step_time_s": step_time_s}
+
+
+def test_eta_from_the_workers_step_time_even_in_a_burst(capsys):
+    printer = ProgressPrinter(sink=None, name="run")
+    for step in (2, 4, 6):  # three messages delivered at once
+        printer.show(_m(step))
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[-1].startswith("[run] step 6/30") and lines[-1].endswith("ETA 00:00:12"), lines
+    assert [line.split("ETA ")[1] for line in lines] == ["00:00:14", "00:00:13", "00:00:12"]
+
+
+def test_eta_unknown_without_a_step_time():
+    assert eta_seconds({"step": 3, "total_steps": 10}) != eta_seconds({"step": 3, "total_steps": 10})  # nan
+    assert eta_seconds(_m(30)) == 0.0
