@@ -268,6 +268,8 @@ def _pod_specs() -> list[tuple[str, dict | None]]:
                 pods.append((name, spec["template"]["spec"]))
             elif kind == "RayCluster":
                 pods += [(f"{name}/{g}", p) for g, p in _ray_pods(d)]
+            elif kind == "RayService":
+                pods += [(f"{name}/{g}", p) for g, p in _ray_pods({"spec": spec["rayClusterConfig"]})]
             elif kind == "RayJob":
                 if "rayClusterSpec" in spec:
                     pods += [(f"{name}/{g}", p) for g, p in _ray_pods({"spec": spec["rayClusterSpec"]})]
@@ -306,10 +308,13 @@ def test_every_pod_runs_hardened():
                 assert pod_sc.get("fsGroup") == gid, \
                     f"{name}: fsGroup {pod_sc.get('fsGroup')} must be the container's group {gid}, or the claim is not writable"
     # the autoscaler sidecar, when someone turns it on
-    _, cluster = _kind("RayCluster")
-    auto = (cluster["spec"].get("autoscalerOptions") or {}).get("securityContext")
-    head_pod_sc = cluster["spec"]["headGroupSpec"]["template"]["spec"]["securityContext"]
-    _check_container_security("RayCluster autoscalerOptions", auto or {}, head_pod_sc)
+    for path in sorted(KUBERAY.glob("*.yaml")):
+        for d in _docs(path):
+            spec = {"RayCluster": d.get("spec"), "RayService": d.get("spec", {}).get("rayClusterConfig")}.get(d.get("kind"))
+            if spec:
+                auto = (spec.get("autoscalerOptions") or {}).get("securityContext")
+                head_pod_sc = spec["headGroupSpec"]["template"]["spec"]["securityContext"]
+                _check_container_security(f"{path.name} autoscalerOptions", auto or {}, head_pod_sc)
 
 
 def test_pods_of_the_project_image_run_as_its_user():
