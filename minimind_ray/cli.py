@@ -256,7 +256,20 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("name", choices=sorted(PINNED))
     sp.add_argument("--out", required=True, help="local directory or URI; the files land in OUT/NAME/")
     sp.set_defaults(fn=cmd_fetch_tokenizer)
+
+    from minimind_ray.serve.launch import add_arguments as add_serve_arguments
+
+    sp = sub.add_parser("serve", help="serve WEIGHTS on Ray Serve: an OpenAI-compatible API and a chat page "
+                                      "(docs/serving.md)")
+    add_serve_arguments(sp)
+    sp.set_defaults(fn=cmd_serve)
     return p
+
+
+def cmd_serve(args) -> int:
+    from minimind_ray.serve.launch import serve_from_args
+
+    return serve_from_args(args)
 
 
 def cmd_fetch_tokenizer(args) -> int:

@@ -1,0 +1,152 @@
+"""``minimind-ray serve`` and ``python -m pipelines.serve``: start or join Ray, deploy, wait.
+
+Without ``--address`` or ``RAY_ADDRESS`` a local Ray is started for the service and stopped with
+it. On a cluster the app is deployed next to whatever else runs there; the command then waits
+(Ctrl-C or ``ray job stop`` deletes the app again) unless ``--detach`` leaves it running.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Optional
+
+from minimind_ray.fsio import is_uri
+from minimind_ray.serve.options import ServeOptions, is_mlflow_uri
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The serve command's flags (shared by the CLI verb and pipelines/serve.py)."""
+    d = ServeOptions()
+    p.add_argument("weights", help=ServeOptions.__dataclass_fields__["weights"].metadata["help"])
+    p.add_argument("--host", default=d.host, help="bind address (default 127.0.0.1: this machine only; "
+                                                  "see docs/serving.md before using 0.0.0.0)")
+    p.add_argument("--port", type=int, default=d.port)
+    scale = p.add_mutually_exclusive_group()
+    scale.add_argument("--replicas", type=int, default=d.replicas, help="fixed replica count")
+    scale.add_argument("--autoscale", metavar="MIN..MAX", help="let Serve scale the replicas between MIN and MAX")
+    p.add_argument("--max-batch", type=int, default=d.max_batch, help="requests decoded together per replica")
+    p.add_argument("--max-tokens-cap", type=int, default=d.max_tokens_cap, help="largest max_tokens accepted")
+    p.add_argument("--context", type=int, default=None, help="prompt + reply token limit (default: the model's)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if available")
+    p.add_argument("--lora", help="LoRA weights file (MiniMind lora_*.pth) merged into WEIGHTS")
+    p.add_argument("--lora-alpha", type=float, default=None, help="LoRA scale alpha/rank (default: unscaled)")
+    p.add_argument("--tokenizer", help="tokenizer name or directory (default: the one that came with WEIGHTS)")
+    p.add_argument("--preset", help="model preset for a bare .pth (default: inferred from shapes)")
+    p.add_argument("--tracking-uri", help="MLflow tracking URI for models:/ and runs:/ (default: "
+                                          "MLFLOW_TRACKING_URI or sqlite:///<cwd>/mlflow.db)")
+    p.add_argument("--model-name", help="model id served in /v1/models (default: from WEIGHTS)")
+    p.add_argument("--cpus-per-replica", type=float, default=d.cpus_per_replica)
+    p.add_argument("--threads", type=int, default=None, help="torch threads per replica (default: its CPUs)")
+    p.add_argument("--address", help="Ray address to join (default: RAY_ADDRESS, else a local Ray)")
+    p.add_argument("--app-name", default=d.app_name, help="Serve application name")
+    p.add_argument("--detach", action="store_true",
+                   help="on a cluster: deploy and return, leaving the app running (stop: serve shutdown / "
+                        "serve.delete(APP_NAME))")
+
+
+def options_from_args(args: argparse.Namespace) -> ServeOptions:
+    names = {f for f in ServeOptions.__dataclass_fields__}
+    values = {k: v for k, v in vars(args).items() if k in names and v is not None}
+    weights = values.get("weights")
+    if weights and not is_uri(weights) and not is_mlflow_uri(weights):
+        values["weights"] = os.path.abspath(weights)  # replicas do not share our cwd
+    return ServeOptions(**values).validate()
+
+
+def connect(opts: ServeOptions) -> bool:
+    """Join ``opts.address`` / RAY_ADDRESS, or start a local Ray; True when we started it."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    env = {"env_vars": {"PYTHONPATH": str(REPO_ROOT), "TOKENIZERS_PARALLELISM": "false"}}
+    address = opts.address or os.environ.get("RAY_ADDRESS")
+    if "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ:  # under `ray job submit`: the job's runtime env applies
+        ray.init()
+        return False
+    if address:
+        ray.init(address=address, runtime_env=env)
+        return False
+    ray.init(num_cpus=max(os.cpu_count() or 1, opts.logical_cpus()), include_dashboard=False, runtime_env=env)
+    return True
+
+
+def deploy(opts: ServeOptions, quiet: bool = False) -> str:
+    """Deploy the app on the connected Ray and wait until it is ready; returns its URL.
+    ``quiet``: no per-request access log lines (benchmarks)."""
+    from ray import serve
+
+    from minimind_ray.serve.app import build_app
+
+    serve.start(http_options={"host": opts.host, "port": opts.port})
+    logging_config = {"enable_access_log": False, "log_level": "WARNING"} if quiet else None
+    serve.run(build_app(_as_args(opts)), name=opts.app_name, route_prefix=opts.route_prefix,
+              logging_config=logging_config)
+    host = "127.0.0.1" if opts.host in ("0.0.0.0", "::") else opts.host
+    return f"http://{host}:{opts.port}{opts.route_prefix.rstrip('/')}"
+
+
+def _as_args(opts: ServeOptions) -> dict:
+    import dataclasses
+
+    return {k: v for k, v in dataclasses.asdict(opts).items() if v is not None}
+
+
+def serve_from_args(args: argparse.Namespace) -> int:
+    from minimind_ray.serve.model_io import check_source
+
+    opts = options_from_args(args)
+    check_source(opts.weights, opts.tracking_uri)  # a one-line error before Ray starts
+    started_ray = connect(opts)
+    stop = threading.Event()
+    try:
+        url = deploy(opts)
+        print(f"\nserving {opts.weights}")
+        print(f"  chat page:        {url}/")
+        print(f"  OpenAI base URL:  {url}/v1   (model id: GET {url}/v1/models)")
+        print(f"  health:           {url}/health")
+        if opts.host in ("0.0.0.0", "::"):
+            print(f"  bound to {opts.host}: reachable from other machines; see docs/serving.md")
+        if args.detach and not started_ray:
+            print(f"detached: the app keeps running; stop it with `serve shutdown` or serve.delete('{opts.app_name}')")
+            return 0
+        print("Ctrl-C stops it.", flush=True)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        stop.wait()
+    finally:
+        _teardown(opts, started_ray, stopping=stop.is_set() or not args.detach)
+    return 0
+
+
+def _teardown(opts: ServeOptions, started_ray: bool, stopping: bool) -> None:
+    import ray
+
+    if not ray.is_initialized() or not stopping:
+        return
+    from ray import serve
+
+    try:
+        serve.delete(opts.app_name)  # only our app: other apps on a shared cluster stay up
+        if started_ray:
+            serve.shutdown()
+    finally:
+        if started_ray:
+            ray.shutdown()
+
+
+def main(argv: Optional[list] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m pipelines.serve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    return serve_from_args(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,229 @@
+"""The serve package's one door into the rest of the project: model, weights, tokenizer, generation
+helpers and MLflow. When those modules move, only the imports at the top of this file change.
+
+:func:`load_served_model` turns whatever a user points ``minimind-ray serve`` at into a model in
+eval mode plus its tokenizer:
+
+* a run directory, a checkpoint, a MiniMind ``.pth`` or a storage URI of one
+  (``minimind_ray.store.weights``; the tokenizer is the run's own, or ``--tokenizer``);
+* a Hugging Face export folder (``config.json`` + ``model.safetensors`` + tokenizer files);
+* an MLflow model URI, ``models:/<name>/<version|alias>`` (also ``models:/<name>@<alias>``) or
+  ``runs:/<run_id>/<path>``: the run's ``model/`` files, its ``config/config.yaml`` (the exact
+  architecture) and its ``tokenizer/`` are downloaded from the tracking server.
+"""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Tuple
+
+import torch
+
+from minimind_ray.config import LoRAConfig, ModelConfig, TrackingConfig, from_dict
+from minimind_ray.fsio import is_uri
+from minimind_ray.serve.options import is_mlflow_uri
+from minimind_ray.generate import SamplingConfig, StreamDecoder, render_prompt  # noqa: F401 (re-exported)
+from minimind_ray.generate import generate_tokens, sample_filter  # noqa: F401 (re-exported)
+from minimind_ray.model.lora import apply_lora, load_lora, merge_lora
+from minimind_ray.model.minimind import apply_rope, build_model, clean_state_dict
+from minimind_ray.tokenizer import Tokenizer, load_tokenizer, resolve_tokenizer
+from minimind_ray.tracking.runs import resolve_tracking_uri
+from minimind_ray.store.weights import LoadedWeights, apply_weights, build_inference_model, load_weights
+
+
+
+@dataclass
+class ServedModel:
+    model: torch.nn.Module  # eval mode, on its device
+    tokenizer: Tokenizer
+    name: str  # the id /v1/models lists
+    context: int  # the model's position limit (max_position_embeddings)
+
+
+def is_hf_export(path: str) -> bool:
+    p = Path(path)
+    return p.is_dir() and (p / "config.json").is_file() and (p / "model.safetensors").is_file()
+
+
+def default_name(source: str) -> str:
+    """A readable model id: the registered name and version, the run id, or the file/dir name."""
+    if source.startswith("models:/"):
+        return source[len("models:/"):].strip("/")
+    if source.startswith("runs:/"):
+        return source[len("runs:/"):].split("/")[0][:12]
+    stem = Path(source.rstrip("/")).name
+    return stem[:-4] if stem.endswith(".pth") else stem or "minimind"
+
+
+def check_source(source: str, tracking_uri: Optional[str] = None) -> None:
+    """Fail fast in the driver, with one line, before replicas try to load: a missing path or an
+    MLflow model/run that does not exist."""
+    if is_mlflow_uri(source):
+        uri = resolve_tracking_uri(TrackingConfig(uri=tracking_uri))
+        _mlflow_run_id(source, uri)
+        return
+    if not is_uri(source) and not Path(source).exists():
+        raise FileNotFoundError(f"{source}: no such file or directory (a run dir, checkpoint, .pth, HF export "
+                                f"folder, storage URI, models:/NAME/VERSION or runs:/RUN_ID/model)")
+
+
+def load_served_model(source: str, tokenizer: Optional[str] = None, preset: Optional[str] = None,
+                      lora: Optional[str] = None, lora_alpha: Optional[float] = None, device: str = "cpu",
+                      tracking_uri: Optional[str] = None, name: Optional[str] = None) -> ServedModel:
+    """Model (eval mode, LoRA merged) and tokenizer for ``source``; ``lora`` adds a separate adapter
+    file (MiniMind's ``lora_*.pth``) on top of the weights and merges it."""
+    if is_mlflow_uri(source):
+        model, tok = _from_mlflow(source, resolve_tracking_uri(TrackingConfig(uri=tracking_uri)), preset)
+    elif is_hf_export(source):
+        model, tok = _from_hf_export(Path(source))
+    else:
+        model, lw = build_inference_model(source, preset, merge_lora=True, device="cpu")
+        tok = _tokenizer_of(lw)
+    if tokenizer:  # an explicit tokenizer wins over the one that came with the weights
+        tok = resolve_tokenizer(tokenizer, "data_cache", model.cfg.generation)
+    if tok is None:
+        raise ValueError(f"{source}: a bare .pth carries no tokenizer; pass --tokenizer "
+                         f"(minimind2, minimind3, auto or a tokenizer directory)")
+    if lora:
+        model = _add_lora(model, lora, lora_alpha)
+    model = model.to(device).eval()
+    return ServedModel(model, tok, name or default_name(source), model.cfg.max_position_embeddings)
+
+
+def _tokenizer_of(lw: LoadedWeights) -> Optional[Tokenizer]:
+    if lw.run_cfg is None:
+        return None
+    data = lw.run_cfg.data
+    return resolve_tokenizer(data.tokenizer, data.cache_dir, lw.run_cfg.model.generation)
+
+
+def _add_lora(model, path: str, alpha: Optional[float]):
+    sd = clean_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+    ranks = [v.shape[0] for k, v in sd.items() if k.endswith("lora.A.weight")]
+    if not ranks:
+        raise ValueError(f"--lora {path}: no '<module>.lora.A.weight' keys; not a LoRA weights file")
+    apply_lora(model, LoRAConfig(rank=ranks[0], alpha=alpha))
+    load_lora(model, sd)
+    return merge_lora(model)
+
+
+# --------------------------------------------------------------------------- MLflow
+
+
+_MODELS_URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:/(?P<ref>[^/]+)|@(?P<alias>[^/]+))/?$")
+
+
+def _mlflow_run_id(source: str, uri: str) -> Tuple[str, str]:
+    """(run id, artifact path of the model files in that run) of a models:/ or runs:/ URI."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+    try:
+        if source.startswith("runs:/"):
+            run_id, _, path = source[len("runs:/"):].partition("/")
+            client.get_run(run_id)
+            return run_id, path.strip("/") or "model"
+        m = _MODELS_URI.match(source)
+        if not m:
+            raise ValueError(f"{source}: expected models:/<name>/<version|alias> or models:/<name>@<alias>")
+        ref = m["ref"] or m["alias"]
+        if m["ref"] and ref.isdigit():
+            mv = client.get_model_version(m["name"], ref)
+        else:
+            mv = client.get_model_version_by_alias(m["name"], ref)
+    except MlflowException as e:
+        raise ValueError(f"{source}: not found in the MLflow registry at {uri} ({str(e).splitlines()[0]})") from None
+    run_base = client.get_run(mv.run_id).info.artifact_uri.rstrip("/")
+    path = mv.source[len(run_base) + 1:] if mv.source.startswith(run_base + "/") else "model"
+    return mv.run_id, path
+
+
+def _from_mlflow(source: str, uri: str, preset: Optional[str]):
+    """Download model files, config and tokenizer of the run behind ``source`` and build the model."""
+    run_id, model_path = _mlflow_run_id(source, uri)
+    dst = Path(tempfile.mkdtemp(prefix="mmr-serve-"))
+    try:
+        return _build_from_download(source, uri, run_id, model_path, dst, preset)
+    finally:
+        shutil.rmtree(dst, ignore_errors=True)  # everything is in memory by now
+
+
+def _build_from_download(source: str, uri: str, run_id: str, model_path: str, dst: Path, preset: Optional[str]):
+    from mlflow.artifacts import download_artifacts
+
+    def fetch(path: str) -> Optional[Path]:
+        try:
+            return Path(download_artifacts(run_id=run_id, artifact_path=path, tracking_uri=uri,
+                                           dst_path=str(dst)))
+        except Exception:  # noqa: BLE001 - an optional artifact that is absent
+            return None
+
+    model_dir = fetch(model_path)
+    pths = sorted(p for p in (model_dir.rglob("*.pth") if model_dir else []) if not p.name.startswith("lora"))
+    if not pths:
+        raise FileNotFoundError(f"{source}: run {run_id} has no MiniMind .pth under its '{model_path}' artifacts")
+    config_file = fetch("config/config.yaml")
+    tok_dir = fetch("tokenizer")
+    if config_file is not None and not preset:
+        from omegaconf import OmegaConf
+
+        run_cfg = from_dict(OmegaConf.to_container(OmegaConf.load(config_file)))
+        sd = clean_state_dict(torch.load(pths[0], map_location="cpu", weights_only=True))
+        model = apply_weights(build_model(run_cfg.model), LoadedWeights(sd, run_cfg.model, None, None))
+    else:
+        lw = load_weights(str(pths[0]), preset)
+        model = apply_weights(build_model(lw.model_cfg), lw)
+    tok = load_tokenizer(str(tok_dir)) if tok_dir is not None and (tok_dir / "tokenizer.json").exists() else None
+    return model.eval(), tok
+
+
+# --------------------------------------------------------------------------- HF export folder
+
+
+def _from_hf_export(folder: Path):
+    """The model of an ``export --format hf`` folder: MiniMind's keys in model.safetensors (a tied
+    lm_head stored once), the architecture from config.json, the tokenizer beside them."""
+    from safetensors.torch import load_file
+
+    hf = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+            "vocab_size", "intermediate_size", "rms_norm_eps", "rope_theta", "max_position_embeddings",
+            "tie_word_embeddings")
+    values = {k: hf[k] for k in keys if k in hf}
+    moe = hf.get("model_type") == "qwen3_moe"
+    qk_norm = hf.get("model_type") in ("qwen3", "qwen3_moe")
+    mc = ModelConfig(preset="custom", generation="minimind3" if qk_norm else "minimind2", qk_norm=qk_norm,
+                     inference_rope_scaling=bool(hf.get("rope_scaling")), use_moe=moe, **values)
+    if moe:
+        mc.num_experts, mc.num_experts_per_tok = hf["num_experts"], hf["num_experts_per_tok"]
+        mc.moe_intermediate_size, mc.norm_topk_prob = hf["moe_intermediate_size"], hf["norm_topk_prob"]
+        mc.n_shared_experts = 0
+    sd = load_file(str(folder / "model.safetensors"))
+    if mc.tie_word_embeddings:
+        sd.setdefault("lm_head.weight", sd["model.embed_tokens.weight"])
+    model = apply_weights(build_model(mc), LoadedWeights(sd, mc, None, None))
+    tok = load_tokenizer(str(folder)) if (folder / "tokenizer.json").exists() else None
+    return model.eval(), tok
+
+
+# --------------------------------------------------------------------------- KV-cache position shifts
+
+
+def shift_keys(model, k: torch.Tensor, offset: int) -> torch.Tensor:
+    """Cached keys (B, S, nkv, hs), rotated by RoPE at positions p, re-rotated to p + ``offset``.
+
+    RoPE turns each pair of dims by an angle proportional to the position, so turning a key
+    further by ``offset`` positions equals having computed it there (up to float rounding);
+    attention depends only on the difference of query and key positions. The model's
+    tables are pure rotations (MiniMind's YaRN uses attention_factor 1), so cos/sin at
+    ``|offset|`` with the sign of sin flipped for negative offsets is the turn."""
+    if offset == 0:
+        return k
+    m = model.model
+    cos, sin = m.freqs_cos[abs(offset)][None], m.freqs_sin[abs(offset)][None]  # (1, hs)
+    return apply_rope(k, cos, sin if offset > 0 else -sin)

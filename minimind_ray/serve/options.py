@@ -1,0 +1,124 @@
+"""What one ``minimind-ray serve`` deployment is: the weights, the limits, the replicas, the address.
+
+The same dataclass comes from the command line (``minimind-ray serve``, ``python -m pipelines.serve``)
+and from a Serve config file's ``args`` (``import_path: minimind_ray.serve.app:build_app``, as the
+KubeRay RayService uses it), and travels to every replica as a plain dict.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional, Tuple
+
+from minimind_ray.config import ConfigError
+
+
+def is_mlflow_uri(source: str) -> bool:
+    """``models:/...`` or ``runs:/...``: weights that come from an MLflow tracking server."""
+    return source.startswith(("models:/", "runs:/"))
+
+
+def _f(default: Any, help: str):
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class ServeOptions:
+    """One served model on Ray Serve."""
+
+    weights: str = _f("", "run dir, checkpoint, MiniMind .pth, HF export folder, storage URI, "
+                          "models:/NAME/VERSION|ALIAS or runs:/RUN_ID/model")
+    tokenizer: Optional[str] = _f(None, "tokenizer name or directory; None = the one that came with the weights")
+    preset: Optional[str] = _f(None, "model preset for a bare .pth; None = inferred from the tensor shapes")
+    lora: Optional[str] = _f(None, "a LoRA weights file (MiniMind lora_*.pth) merged into the weights")
+    lora_alpha: Optional[float] = _f(None, "LoRA scale alpha/rank; None = unscaled (MiniMind's behaviour)")
+    tracking_uri: Optional[str] = _f(None, "MLflow tracking URI for models:/ and runs:/; None = MLFLOW_TRACKING_URI "
+                                           "or sqlite:///<cwd>/mlflow.db")
+    model_name: Optional[str] = _f(None, "the model id /v1/models lists; None = derived from the weights")
+    device: Optional[str] = _f(None, "cpu | cuda; None = cuda when the machine has a GPU (one GPU per replica)")
+    max_batch: int = _f(16, "most requests one replica decodes together (continuous batching)")
+    max_tokens_cap: int = _f(1024, "requests asking for more max_tokens get a 400")
+    context: Optional[int] = _f(None, "most prompt + reply tokens per request; None = the model's "
+                                      "max_position_embeddings")
+    temperature: float = _f(0.85, "temperature when a request gives none (0 = greedy)")
+    top_p: float = _f(0.85, "top_p when a request gives none")
+    top_k: int = _f(50, "top_k when a request gives none (0 = off)")
+    replicas: int = _f(1, "fixed number of replicas (each holds the model and its own batch)")
+    autoscale: Optional[str] = _f(None, "MIN..MAX: let Serve scale replicas on load instead of --replicas")
+    cpus_per_replica: float = _f(1.0, "logical CPUs Ray reserves per replica")
+    threads: Optional[int] = _f(None, "torch threads per replica; None = cpus_per_replica (at least 1)")
+    host: str = _f("127.0.0.1", "HTTP bind address of Serve's proxies; 0.0.0.0 exposes it (see docs/serving.md)")
+    port: int = _f(8000, "HTTP port of Serve's proxies")
+    app_name: str = _f("minimind", "Serve application name (serve status, serve.delete)")
+    route_prefix: str = _f("/", "URL prefix of the app")
+    address: Optional[str] = _f(None, "Ray address to join; None = RAY_ADDRESS or a local Ray")
+
+    def autoscale_range(self) -> Optional[Tuple[int, int]]:
+        if not self.autoscale:
+            return None
+        lo, sep, hi = self.autoscale.partition("..")
+        try:
+            low, high = int(lo), int(hi)
+        except ValueError:
+            low = high = -1
+        if not sep or low < 0 or high < max(low, 1):
+            raise ConfigError(f"autoscale: {self.autoscale!r} is not MIN..MAX with 0 <= MIN <= MAX and MAX >= 1")
+        return low, high
+
+    def validate(self) -> "ServeOptions":
+        if not self.weights:
+            raise ConfigError("weights: nothing to serve (a run dir, checkpoint, .pth, HF export or models:/ URI)")
+        if self.device not in (None, "cpu", "cuda") and not str(self.device).startswith("cuda:"):
+            raise ConfigError(f"device: {self.device!r} is not cpu or cuda")
+        for name, low in (("max_batch", 1), ("max_tokens_cap", 1), ("replicas", 1), ("port", 1)):
+            if getattr(self, name) < low:
+                raise ConfigError(f"{name}: must be >= {low} (got {getattr(self, name)})")
+        if self.context is not None and self.context < 2:
+            raise ConfigError(f"context: must be >= 2 (got {self.context})")
+        if self.cpus_per_replica < 0:
+            raise ConfigError(f"cpus_per_replica: must be >= 0 (got {self.cpus_per_replica})")
+        if not 0 <= self.temperature <= 2 or not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise ConfigError("temperature/top_p/top_k: need 0 <= temperature <= 2, 0 < top_p <= 1, top_k >= 0")
+        self.autoscale_range()
+        return self
+
+    def torch_threads(self) -> int:
+        return self.threads or max(1, int(self.cpus_per_replica))
+
+    def max_replicas(self) -> int:
+        rng = self.autoscale_range()
+        return rng[1] if rng else self.replicas
+
+    def deployment_options(self) -> Dict[str, Any]:
+        """Ray Serve deployment options: replicas or autoscaling, resources, how many requests may wait."""
+        actor = {"num_cpus": self.cpus_per_replica}
+        if self.device and self.device.startswith("cuda"):
+            actor["num_gpus"] = 1
+        opts: Dict[str, Any] = {
+            "ray_actor_options": actor,
+            # every running stream is one ongoing request: let a replica hold a full batch plus a
+            # full batch waiting to join, instead of Serve's default of 5
+            "max_ongoing_requests": 2 * self.max_batch,
+            "health_check_period_s": 10,
+        }
+        rng = self.autoscale_range()
+        if rng:
+            opts["autoscaling_config"] = {"min_replicas": rng[0], "initial_replicas": max(rng[0], 1),
+                                          "max_replicas": rng[1], "target_ongoing_requests": self.max_batch}
+        else:
+            opts["num_replicas"] = self.replicas
+        return opts
+
+    def logical_cpus(self) -> int:
+        """Logical CPUs a local Ray needs for every replica."""
+        return math.ceil(self.max_replicas() * self.cpus_per_replica)
+
+
+def options_from_dict(d: Dict[str, Any]) -> ServeOptions:
+    """A Serve config's ``args`` (or a replica's copy) -> ServeOptions; unknown keys are an error."""
+    known = {f.name for f in dataclasses.fields(ServeOptions)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise ConfigError(f"unknown serve option(s) {unknown}; known: {', '.join(sorted(known))}")
+    return ServeOptions(**d).validate()
