@@ -10,7 +10,9 @@ from dataclasses import dataclass
 from typing import Dict, Tuple
 
 # Record formats of the data pipeline (minimind_ray/data/formats.py says what each holds).
-FORMATS: Tuple[str, ...] = ("pretrain", "sft", "dpo")
+FORMATS: Tuple[str, ...] = ("pretrain", "sft", "dpo", "rlaif", "prompt")
+# Formats that hold prompts to sample completions for (RL), not text to imitate.
+RL_FORMATS: Tuple[str, ...] = ("rlaif", "prompt")
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,8 @@ STAGES: Dict[str, Stage] = {s.name: s for s in (
     Stage("lora", ("sft", "pretrain"), "LoRAObjective", "full_sft", "LoRA adapters on a frozen base"),
     Stage("dpo", ("dpo",), "DPOObjective", "dpo", "direct preference optimisation on chosen/rejected pairs"),
     Stage("distill", ("sft", "pretrain"), "DistillObjective", "full_dist", "distillation from a frozen teacher"),
+    Stage("grpo", RL_FORMATS, "GRPOObjective", "grpo", "GRPO/CISPO: sample completions, score them with rewards, "
+          "reinforce the better ones"),
 )}
 STAGE_NAMES: Tuple[str, ...] = tuple(STAGES)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 from typing import Dict, List
 
 _VERSION = 1
@@ -169,17 +170,52 @@ def _dpo_record(rng: random.Random) -> dict:
             "rejected": [{"role": "user", "content": q}, {"role": "assistant", "content": bad}]}
 
 
+ARITHMETIC_HELDOUT = "arithmetic_heldout.jsonl"  # beside the corpus: the RL demo's held-out questions
+
+
+def addition_pairs_used(paths: List[str]) -> set:
+    """Every (a, b) that the files write as "a plus b" or "a加b" (facts, questions, wrong answers)."""
+    used = set()
+    for p in paths:
+        with open(p, encoding="utf-8") as f:
+            for m in re.finditer(r"(\d+) plus (\d+)|(\d+)加(\d+)", f.read()):
+                a, b = (m.group(1), m.group(2)) if m.group(1) else (m.group(3), m.group(4))
+                used.add((int(a), int(b)))
+    return used
+
+
+def _write_arithmetic_tasks(paths: Dict[str, str], seed: int, n: int) -> None:
+    """The RL demo's ``prompt`` records ("What is a plus b?" with the sum as answer): ``n`` training
+    questions in ``paths["prompt"]``, and every pair of 0..99 that the corpus never adds, in either
+    order, as the held-out set (``ARITHMETIC_HELDOUT``): a model can only answer those by adding."""
+    used = addition_pairs_used([paths[k] for k in ("pretrain", "sft", "dpo")])
+    pairs = [(a, b) for a in range(100) for b in range(100)]
+    unseen = {(a, b) for a, b in pairs if (a, b) not in used and (b, a) not in used}
+    seen = [p for p in pairs if p not in unseen]
+    rng = random.Random(f"{seed}-prompt")
+    train = [rng.choice(seen) for _ in range(n)]
+    heldout_path = os.path.join(os.path.dirname(paths["prompt"]), ARITHMETIC_HELDOUT)
+    for path, chosen in ((paths["prompt"], train), (heldout_path, sorted(unseen))):
+        tmp = path + f".tmp{os.getpid()}"
+        with open(tmp, "w", encoding="utf-8") as f:
+            for a, b in chosen:
+                f.write(json.dumps({"prompt": f"What is {a} plus {b}?", "answer": a + b}) + "\n")
+        os.replace(tmp, path)
+
+
 def write_demo_corpus(out_dir: str, seed: int = 0, n_pretrain: int = 40000, n_sft: int = 10000,
-                      n_dpo: int = 2000) -> Dict[str, str]:
-    """Write pretrain.jsonl, sft.jsonl and dpo.jsonl into ``out_dir``; return their paths.
+                      n_dpo: int = 2000, n_prompt: int = 2000) -> Dict[str, str]:
+    """Write pretrain.jsonl, sft.jsonl, dpo.jsonl and prompt.jsonl (RL questions with known answers,
+    plus their held-out set ``ARITHMETIC_HELDOUT``) into ``out_dir``; return their paths.
 
     The defaults give about 1M pretrain tokens with the builtin tokenizer (5 MB),
     enough that a small model learns the facts rather than memorising documents.
     """
     out_dir = os.path.abspath(out_dir)
-    paths = {name: os.path.join(out_dir, f"{name}.jsonl") for name in ("pretrain", "sft", "dpo")}
+    paths = {name: os.path.join(out_dir, f"{name}.jsonl") for name in ("pretrain", "sft", "dpo", "prompt")}
     stamp_path = os.path.join(out_dir, "demo.json")
-    stamp = {"version": _VERSION, "seed": seed, "n_pretrain": n_pretrain, "n_sft": n_sft, "n_dpo": n_dpo}
+    stamp = {"version": _VERSION, "seed": seed, "n_pretrain": n_pretrain, "n_sft": n_sft, "n_dpo": n_dpo,
+             "n_prompt": n_prompt}
     if os.path.exists(stamp_path) and all(os.path.exists(p) for p in paths.values()):
         with open(stamp_path) as f:
             if json.load(f) == stamp:
@@ -193,6 +229,7 @@ def write_demo_corpus(out_dir: str, seed: int = 0, n_pretrain: int = 40000, n_sf
             for _ in range(n):
                 f.write(json.dumps(make(rng), ensure_ascii=False) + "\n")
         os.replace(tmp, paths[name])
+    _write_arithmetic_tasks(paths, seed, n_prompt)
     tmp = stamp_path + f".tmp{os.getpid()}"
     with open(tmp, "w") as f:
         json.dump(stamp, f)

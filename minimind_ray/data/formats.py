@@ -1,6 +1,6 @@
 """Record formats: how a jsonl record becomes stored token rows, and a row a training batch.
 
-Three formats, following MiniMind's ``dataset/lm_dataset.py`` (83e52f6 / d65ef2c):
+Five formats, following MiniMind's ``dataset/lm_dataset.py`` (83e52f6 / d65ef2c):
 
 ``pretrain`` ``{"text": ...}``
     Each document is ``bos + ids + eos``. Packed (default): the documents of a shard are
@@ -29,6 +29,12 @@ Three formats, following MiniMind's ``dataset/lm_dataset.py`` (83e52f6 / d65ef2c
 ``dpo`` ``{"chosen": [...], "rejected": [...]}``
     Both conversations rendered and labelled like SFT, each with its own assistant mask.
 
+``rlaif`` ``{"conversations": [..., {"role": "assistant", ...}]}``, ``prompt`` ``{"prompt", "answer"}``
+    RL prompts (stage ``grpo``): MiniMind's ``rlaif.jsonl`` (the last turn, the assistant's, is the one
+    to generate; its content is kept as the reference answer), or a question with its known answer (a
+    string or number). Rendered with the generation prompt; a longer prompt keeps its last ``max_seq_len``
+    tokens (MiniMind's rule, counted ``truncated``). No random system prompt or thinking switch.
+
 Bad input never reaches training silently. :func:`parse_line` and :func:`check_record`
 raise :class:`BadRecord` with a reason from :data:`REASONS`; the prepare job counts
 them per reason (policy ``skip``) or stops at the first (``strict``).
@@ -42,7 +48,7 @@ import numpy as np
 import pyarrow as pa
 from jinja2.exceptions import TemplateError
 
-from minimind_ray.stages import FORMATS  # the one format list
+from minimind_ray.stages import FORMATS, RL_FORMATS  # the one format list
 
 REASONS = {
     "missing_file": "a source path matched no file",
@@ -57,11 +63,13 @@ REASONS = {
     "too_long": "longer than data.max_record_chars (its jsonl line; a Parquet row's text fields)",
     "truncated_file": "a .jsonl.gz that breaks off or is not gzip: the lines before the break are kept",
     "truncated": "longer than max_seq_len: truncated and KEPT (counted, not skipped)",
+    "no_prompt": "rlaif/prompt: nothing to prompt with (an empty prompt, or no turn before the assistant's)",
 }
 ROLES = ("system", "user", "assistant", "tool")
 _BAD_TEXT = "text holds a lone surrogate (e.g. \\ud800), which is not Unicode and cannot be tokenized"
 COLUMNS = {"pretrain": ["ids"], "sft": ["ids", "mask"],  # stored list columns of each format
-           "dpo": ["chosen_ids", "chosen_mask", "rejected_ids", "rejected_mask"]}
+           "dpo": ["chosen_ids", "chosen_mask", "rejected_ids", "rejected_mask"],
+           "rlaif": ["prompt_ids", "answer_utf8"], "prompt": ["prompt_ids", "answer_utf8"]}
 
 
 class BadRecord(ValueError):
@@ -137,14 +145,37 @@ def check_record(fmt: str, rec: dict, max_chars: Optional[int] = None) -> None:
         for field in fields:
             _check_messages(rec, field)
         chars = sum(len(m["content"]) for field in fields for m in rec[field])
+    elif fmt in RL_FORMATS:
+        chars = _check_prompt_record(fmt, rec)
     else:
         raise ValueError(f"unknown format {fmt!r}; one of {FORMATS}")
     if max_chars is not None and chars > max_chars:
         raise too_long(chars, max_chars)
 
 
-def render_chat(tokenizer, messages: List[dict]) -> str:
-    """A conversation as training text, with tools taken from the first system message."""
+def _check_prompt_record(fmt: str, rec: dict) -> int:
+    """The rlaif/prompt checks of :func:`check_record`; returns the record's text length."""
+    if fmt == "rlaif":
+        _check_messages(rec, "conversations")
+        conv = rec["conversations"]
+        if conv and conv[-1]["role"] != "assistant":
+            raise BadRecord("wrong_type", f"'conversations[-1].role' is {conv[-1]['role']!r}, expected 'assistant'")
+        if len(conv) < 2:
+            raise BadRecord("no_prompt", "'conversations' has no turn before the assistant's")
+        return sum(len(m["content"]) for m in conv)
+    for key, types, expected in (("prompt", (str,), "a string"), ("answer", (str, int, float), "a string or number")):
+        if rec.get(key) is None:
+            raise BadRecord("missing_field", f"field '{key}' missing")
+        if not isinstance(rec[key], types) or isinstance(rec[key], bool):
+            raise BadRecord("wrong_type", f"'{key}' is {type(rec[key]).__name__}, expected {expected}")
+    if not rec["prompt"].strip():
+        raise BadRecord("no_prompt", "'prompt' is empty")
+    return len(rec["prompt"]) + len(str(rec["answer"]))
+
+
+def render_chat(tokenizer, messages: List[dict], add_generation_prompt: bool = False) -> str:
+    """A conversation as training text, with tools taken from the first system message; with
+    ``add_generation_prompt`` it ends where the next assistant turn starts (an RL prompt)."""
     tools = None
     msgs = []
     for m in messages:
@@ -163,7 +194,7 @@ def render_chat(tokenizer, messages: List[dict]) -> str:
             except ValueError:
                 raise BadRecord("wrong_type", "'tools' is a string that is not JSON") from None
     try:
-        return tokenizer.apply_chat_template(msgs, add_generation_prompt=False, tools=tools or None)
+        return tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, tools=tools or None)
     except (TemplateError, TypeError, RecursionError) as e:  # e.g. a template that raise_exception()s on role order
         raise BadRecord("wrong_type", f"chat template rejected the conversation: {e}") from None
 
@@ -238,7 +269,7 @@ class Encoder:
             return out
 
     def dtype_of(self, column: str):
-        return np.uint8 if column.endswith("mask") else self.dtype
+        return np.uint8 if column.endswith(("mask", "_utf8")) else self.dtype
 
     def schema(self) -> pa.Schema:
         return pa.schema([pa.field("sample_id", pa.int64())] +
@@ -249,6 +280,8 @@ class Encoder:
         (kept) and for records dropped (no labels, or a conversation the template rejects)."""
         if self.fmt == "pretrain":
             return self._add_pretrain([r["text"] for r in records])
+        if self.fmt in RL_FORMATS:
+            return self._add_prompts(records)
         keys = ["conversations"] if self.fmt == "sft" else ["chosen", "rejected"]
         issues, texts, kept = [], [], []
         for i, r in enumerate(records):
@@ -295,6 +328,31 @@ class Encoder:
                 self._stream_len += len(doc)
             else:
                 self._rows["ids"].append(doc)
+        return issues
+
+    def _add_prompts(self, records: List[dict]) -> List[Tuple[int, str, str]]:
+        issues, texts, answers, kept = [], [], [], []
+        for i, r in enumerate(records):
+            rlaif = self.fmt == "rlaif"
+            try:
+                texts.append(render_chat(self.tok, r["conversations"][:-1] if rlaif else
+                                         [{"role": "user", "content": r["prompt"]}], add_generation_prompt=True))
+                answers.append(r["conversations"][-1]["content"] if rlaif else str(r["answer"]))
+                kept.append(i)
+            except BadRecord as e:
+                issues.append((i, e.reason, e.detail))
+        for i, ids, answer in zip(kept, self._encode(texts), answers):
+            try:
+                answer_bytes = np.frombuffer(answer.encode("utf-8"), dtype=np.uint8)
+            except UnicodeEncodeError:  # a lone surrogate
+                ids = None
+            if ids is None:
+                issues.append((i, "bad_text", _BAD_TEXT))
+                continue
+            if len(ids) > self.L:  # MiniMind keeps the prompt's end: the question and the generation prompt
+                issues.append((i, "truncated", f"prompt longer than max_seq_len={self.L}: kept its last tokens"))
+            self._rows["prompt_ids"].append(np.asarray(ids[-self.L:], dtype=self.dtype))
+            self._rows["answer_utf8"].append(answer_bytes)
         return issues
 
     def take(self, final: bool = False) -> Optional[Dict[str, List[np.ndarray]]]:
@@ -362,6 +420,8 @@ def collate(fmt: str, rows: Dict[str, List[np.ndarray]], sample_ids: np.ndarray,
     """
     import torch
 
+    if fmt in RL_FORMATS:
+        return _collate_prompts(rows, sample_ids, pad_id)
     sides = [""] if fmt != "dpo" else ["chosen_", "rejected_"]
     longest = max(len(r) - 1 for s in sides for r in rows[s + "ids"])
     T = min(max_seq_len, _round8(max(longest, 1)))
@@ -371,3 +431,20 @@ def collate(fmt: str, rows: Dict[str, List[np.ndarray]], sample_ids: np.ndarray,
         out[s + "input_ids"], out[s + "targets"] = x, y
     out["sample_ids"] = torch.from_numpy(np.asarray(sample_ids, dtype=np.int64))
     return out
+
+
+def _collate_prompts(rows: Dict[str, List[np.ndarray]], sample_ids: np.ndarray, pad_id: int) -> dict:
+    """rlaif/prompt rows -> ``prompt_ids`` (B, P) left-padded with ``pad_id``, ``prompt_mask`` (B, P)
+    (1 = a prompt token), ``answer_utf8`` (B, A) zero-padded bytes, ``answer_len`` (B,), ``sample_ids``."""
+    import torch
+
+    prompts, answers = rows["prompt_ids"], rows["answer_utf8"]
+    B, P, A = len(prompts), max(len(p) for p in prompts), max(1, max(len(a) for a in answers))
+    ids, mask, utf8 = np.full((B, P), pad_id, np.int64), np.zeros((B, P), np.int64), np.zeros((B, A), np.uint8)
+    for i, (p, a) in enumerate(zip(prompts, answers)):
+        ids[i, P - len(p):], mask[i, P - len(p):] = p, 1
+        utf8[i, :len(a)] = a
+    return {"prompt_ids": torch.from_numpy(ids), "prompt_mask": torch.from_numpy(mask),
+            "answer_utf8": torch.from_numpy(utf8),
+            "answer_len": torch.tensor([len(a) for a in answers], dtype=torch.int64),
+            "sample_ids": torch.from_numpy(np.asarray(sample_ids, dtype=np.int64))}

@@ -1,4 +1,4 @@
-"""Stage plug-ins: what differs between pretrain, SFT, LoRA, DPO and distillation.
+"""Stage plug-ins: what differs between pretrain, SFT, LoRA, DPO, distillation and GRPO.
 
 The training step (step.py) is the same for every stage; minimind_ray/stages.py names each
 stage's objective class here. An objective supplies:
@@ -190,7 +190,60 @@ class DistillObjective(Objective):
         return loss, out.aux_loss, {"ce": ce.detach(), "kl": kl.detach()}
 
 
-OBJECTIVE_CLASSES = {c.__name__: c for c in (Objective, SFTObjective, LoRAObjective, DPOObjective, DistillObjective)}
+class GRPOObjective(Objective):
+    """GRPO / CISPO (MiniMind's train_grpo.py; the pieces are in minimind_ray/rl/). ``prepare`` samples
+    ``num_generations`` completions of each prompt from the current policy, scores them with the reward
+    terms and normalises the rewards within each prompt's group; ``loss_sum`` is the clipped (grpo) or
+    clamped (cispo) policy-gradient loss plus beta * k3 KL to a frozen copy of the initial weights, a mean
+    over each completion's tokens. The loss unit is a completion. Sampling draws from the global torch
+    RNG, which every checkpoint saves per rank: a restarted run samples what an uninterrupted one did."""
+
+    name = "grpo"
+
+    def setup(self, model: nn.Module, device: torch.device) -> None:
+        from minimind_ray.rl.rewards import build_rewards
+
+        g = self.cfg.train.grpo
+        self.reference = _frozen_copy(model).to(device) if g.beta > 0 else None
+        with torch.random.fork_rng(devices=[]):  # loading a reward model must not move the sampling RNG
+            self.rewards = build_rewards(g.rewards, device)
+        self.engine = self.tokenizer = None
+
+    def prepare(self, state, batches: List[Batch], step: int) -> List[Batch]:
+        import time
+
+        from minimind_ray.rl.grpo import rollout_micro_batch, run_tokenizer
+        from minimind_ray.rl.rollout import SamplingParams, build_rollout
+
+        g = self.cfg.train.grpo
+        if self.engine is None:
+            self.engine = build_rollout(g, state.autocast)
+            self.tokenizer = run_tokenizer(self.cfg, state.dataset.manifest)
+        params = SamplingParams(g.max_gen_len, g.temperature, g.top_p, g.top_k, self.tokenizer.eos_id,
+                                self.tokenizer.pad_id)
+        t0 = time.perf_counter()
+        self.engine.update_policy(state.model, step)
+        out = [rollout_micro_batch(mb, engine=self.engine, params=params, group_size=g.num_generations,
+                                   rewards=self.rewards, tokenizer=self.tokenizer, reference=self.reference,
+                                   autocast=state.autocast, device=state.device) for mb in batches]
+        # the interval meter divides extras by the completions of the interval (global batch * G per step):
+        # weighted so, this rank's seconds come out as the step's rollout time averaged over ranks
+        per_step = self.cfg.train.global_batch_size * g.num_generations
+        out[0]["metric_rollout_s"] = torch.tensor((time.perf_counter() - t0) * per_step / state.world,
+                                                  dtype=torch.float64, device=state.device)
+        return out
+
+    def weight(self, batch: Batch) -> int:
+        return int(batch["advantages"].shape[0])
+
+    def loss_sum(self, model, batch):
+        from minimind_ray.rl.grpo import grpo_loss_sum
+
+        return grpo_loss_sum(model, batch, self.cfg.train.grpo)
+
+
+OBJECTIVE_CLASSES = {c.__name__: c for c in (Objective, SFTObjective, LoRAObjective, DPOObjective, DistillObjective,
+                                             GRPOObjective)}
 
 
 def build_objective(cfg: RunConfig) -> Objective:

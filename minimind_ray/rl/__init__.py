@@ -1,0 +1,10 @@
+"""Reinforcement learning on the training engine (stage ``grpo``).
+
+``rollout.py``  the rollout interface and the in-worker batched KV-cache sampler
+``rewards.py``  reward plug-ins (MiniMind's rule rewards, exact answers, ``module:function``) and their sum
+``reward_model.py``  model-based rewards: an HF sequence classifier, or a MiniMind-style ``get_score`` model
+``grpo.py``     group-normalised advantages, the EOS mask, the GRPO/CISPO loss and one micro-batch's rollout
+
+The objective that ties them into the engine is ``minimind_ray.engine.objectives.GRPOObjective``.
+Nothing here imports Ray: rollouts and rewards run inside the training worker (see docs/rl.md).
+"""

@@ -1,0 +1,170 @@
+"""Reward plug-ins of the grpo stage, combined by configured weights.
+
+Every reward is called once per micro-batch as ``fn(prompts, completions, answers, **args)`` and returns
+one float per completion. The three lists are aligned, one entry per completion: ``prompts`` the
+chat-templated prompt text (special tokens kept, so a reward model can read the turns back),
+``completions`` the sampled text through its EOS (special tokens removed), ``answers`` the
+reference answer of its prompt ('' when the data has none). ``train.grpo.rewards`` lists the
+terms; the total reward of a completion is the sum of ``weight * term``.
+
+Built in (MiniMind's rules from ``trainer/train_grpo.py``, d65ef2c, written anew):
+
+``length``        +0.5 when the stripped completion has 20..800 characters, else -0.5
+``think_format``  for a completion with ``</think>``: +1.0 when the thinking has 20..300 characters (else
+                  -0.5), +0.25 when ``</think>`` occurs once (else -0.25); 0 without ``</think>``
+``repetition``    minus MiniMind's repetition penalty of the answer (the text after ``</think>``):
+                  the share of repeated word 3-grams, times 2 * cap, at most cap = 0.5
+``exact_answer``  1.0 when the answer is right, else 0.0 (:func:`is_correct`)
+``reward_model``  a model's score, clipped to [-3, 3] (minimind_ray/rl/reward_model.py)
+``module:function``  any importable callable with the signature above
+
+No reward draws random numbers: scoring never moves the sampling RNG that checkpoints restore.
+"""
+from __future__ import annotations
+
+import importlib
+import math
+import re
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+BUILTIN_REWARDS = ("length", "think_format", "repetition", "exact_answer", "reward_model")
+RewardFn = Callable[..., Sequence[float]]
+
+
+def split_think(text: str) -> Tuple[Optional[str], str]:
+    """(thinking, answer): the text before and after the first ``</think>``; (None, text) without one."""
+    if "</think>" not in text:
+        return None, text
+    thinking, answer = text.split("</think>", 1)  # MiniMind's rule: the thinking is measured as it is
+    return thinking, answer.strip()
+
+
+def length_reward(prompts, completions, answers, min_chars: int = 20, max_chars: int = 800,
+                  inside: float = 0.5, outside: float = -0.5) -> List[float]:
+    return [inside if min_chars <= len(c.strip()) <= max_chars else outside for c in completions]
+
+
+def think_format_reward(prompts, completions, answers, min_chars: int = 20, max_chars: int = 300) -> List[float]:
+    out = []
+    for c in completions:
+        thinking, _ = split_think(c)
+        if thinking is None:
+            out.append(0.0)
+            continue
+        r = 1.0 if min_chars <= len(thinking.strip()) <= max_chars else -0.5
+        out.append(r + (0.25 if c.count("</think>") == 1 else -0.25))
+    return out
+
+
+def repetition_penalty(text: str, n: int = 3, cap: float = 0.5) -> float:
+    """MiniMind's ``rep_penalty``: words and punctuation marks, lower-cased, in n-grams; the share of
+    n-grams that repeat an earlier one, times 2 * cap, at most cap."""
+    toks = re.findall(r"\w+|[^\w\s]", text.lower())
+    grams = [tuple(toks[i:i + n]) for i in range(len(toks) - n + 1)]
+    if not grams:
+        return 0.0
+    return min(cap, (len(grams) - len(set(grams))) * cap * 2 / len(grams))
+
+
+def repetition_reward(prompts, completions, answers, n: int = 3, cap: float = 0.5) -> List[float]:
+    return [-repetition_penalty(split_think(c)[1], n, cap) for c in completions]
+
+
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def _as_number(text: str) -> Optional[float]:
+    try:
+        return float(text.replace(",", "").strip())
+    except ValueError:
+        return None
+
+
+def _normalise(text: str) -> str:
+    return " ".join(text.casefold().split()).rstrip(".。!！")
+
+
+def is_correct(completion: str, answer: str) -> bool:
+    """Whether ``completion`` gives ``answer``. A numeric answer must equal the completion's *last*
+    number ("12 plus 7 equals 19." gives 19; thousands commas ignored); any other answer must equal
+    the whole reply, case, spacing and a final full stop aside. After ``</think>`` when there is one."""
+    answer = answer.strip()
+    if not answer:
+        return False
+    reply = split_think(completion)[1]
+    ref = _as_number(answer)
+    if ref is not None:
+        numbers = _NUMBER.findall(reply.replace(",", ""))
+        return bool(numbers) and float(numbers[-1]) == ref
+    return _normalise(reply) == _normalise(answer)
+
+
+def exact_answer_reward(prompts, completions, answers, correct: float = 1.0, wrong: float = 0.0) -> List[float]:
+    return [correct if is_correct(c, a) else wrong for c, a in zip(completions, answers)]
+
+
+RULES: Dict[str, RewardFn] = {"length": length_reward, "think_format": think_format_reward,
+                              "repetition": repetition_reward, "exact_answer": exact_answer_reward}
+
+
+def load_callable(spec: str) -> RewardFn:
+    """``package.module:function`` -> the function; ValueError naming what is wrong."""
+    module, _, attr = spec.partition(":")
+    if not module or not attr:
+        raise ValueError(f"{spec!r} is neither a built-in reward ({', '.join(BUILTIN_REWARDS)}) nor 'module:function'")
+    try:
+        fn = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"cannot load reward {spec!r}: {type(e).__name__}: {e}") from None
+    if not callable(fn):
+        raise ValueError(f"reward {spec!r} is a {type(fn).__name__}, not a callable")
+    return fn
+
+
+@dataclass
+class RewardTerm:
+    label: str  # the metric name's suffix: reward_<label>
+    weight: float
+    fn: RewardFn
+    args: dict
+
+    def __call__(self, prompts: List[str], completions: List[str], answers: List[str]) -> List[float]:
+        values = [float(v) for v in self.fn(prompts, completions, answers, **self.args)]
+        if len(values) != len(completions):
+            raise ValueError(f"reward {self.label!r} returned {len(values)} values for {len(completions)} completions")
+        bad = [v for v in values if not math.isfinite(v)]
+        if bad:
+            raise ValueError(f"reward {self.label!r} returned a non-finite value ({bad[0]})")
+        return values
+
+
+def build_rewards(specs, device=None) -> List[RewardTerm]:
+    """The terms of ``train.grpo.rewards`` (a list of config.RewardConfig), ready to call."""
+    terms, labels = [], set()
+    for spec in specs:
+        args = dict(spec.args or {})
+        if spec.name == "reward_model":
+            from minimind_ray.rl.reward_model import load_reward_model
+
+            fn, args = load_reward_model(spec.path, device, **args), {}
+            label = "reward_model"
+        elif spec.name in RULES:
+            fn, label = RULES[spec.name], spec.name
+        else:
+            fn = load_callable(spec.name)
+            label = re.sub(r"\W", "_", spec.name.partition(":")[2])
+        base, k = label, 2
+        while label in labels:  # the same reward twice (other args): reward_length, reward_length_2
+            label, k = f"{base}_{k}", k + 1
+        labels.add(label)
+        terms.append(RewardTerm(label, float(spec.weight), fn, args))
+    return terms
+
+
+def score(terms: List[RewardTerm], prompts: List[str], completions: List[str],
+          answers: List[str]) -> Tuple[List[float], Dict[str, List[float]]]:
+    """(total reward of each completion, each term's unweighted values by label)."""
+    per_term = {t.label: t(prompts, completions, answers) for t in terms}
+    total = [sum(t.weight * per_term[t.label][i] for t in terms) for i in range(len(completions))]
+    return total, per_term

@@ -1,0 +1,133 @@
+"""Rollouts: sampling completions of a batch of prompts from the current policy.
+
+:class:`RolloutEngine` is the small interface the grpo objective talks to; :class:`TorchRollout`
+is the one used by default: each training worker samples for its own prompts with its own copy of
+the policy, in batches, with the model's KV cache. Another engine (a pool of Ray actors, vLLM,
+SGLang) implements the same two methods; docs/rl.md says what that takes.
+
+Layout of a batch: prompts arrive left-padded (``prompt_mask`` marks their tokens), so every
+completion starts in the same column. RoPE depends only on relative positions, so a left-padded
+prompt with its pads masked out is computed as the same prompt alone would be.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    eos_id: int = 2
+    pad_id: int = 0
+
+
+@dataclass
+class Rollout:
+    """The completions of N prompt rows (R = the longest completion)."""
+
+    completion_ids: Tensor  # (N, R) sampled tokens, pad_id after a completion's EOS
+    completion_mask: Tensor  # (N, R) bool: a sampled token (through the EOS, inclusive)
+    logprobs: Tensor  # (N, R) float32: the behaviour policy's log p(token) at temperature 1; 0 where masked
+    truncated: Tensor  # (N,) bool: ended at max_new_tokens without an EOS
+
+
+class RolloutEngine:
+    """What the grpo objective needs from whatever generates its completions."""
+
+    def update_policy(self, model: torch.nn.Module, step: int) -> None:
+        """The weights to sample from for optimizer step ``step`` (called before its rollouts)."""
+        raise NotImplementedError
+
+    def generate(self, prompt_ids: Tensor, prompt_mask: Tensor, params: SamplingParams) -> Rollout:
+        """Sample one completion for each row of ``prompt_ids`` (N, P), left-padded."""
+        raise NotImplementedError
+
+
+def token_logprobs(logits: Tensor, tokens: Tensor) -> Tensor:
+    """log p(token) under ``logits`` (..., V) at temperature 1, in float32: the logit minus the logsumexp
+    (no normalised (..., V) tensor is built). Rollouts, reference and loss all use this one function."""
+    logits = logits.float()
+    return logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def sample_tokens(logits: Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0,
+                  generator: torch.Generator = None) -> Tensor:
+    """One token per row of ``logits`` (N, V): temperature, then top-k, then the top-p nucleus (the
+    token that crosses ``top_p`` is kept, as in minimind_ray/generate.py); draws from ``generator``
+    (None = the global RNG, which checkpoints save and restore)."""
+    logits = logits / temperature
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        drop = torch.cumsum(F.softmax(sorted_logits, dim=-1), dim=-1) > top_p
+        drop[:, 1:] = drop[:, :-1].clone()
+        drop[:, 0] = False
+        logits = logits.masked_fill(drop.scatter(1, order, drop), float("-inf"))
+    return torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator).squeeze(1)
+
+
+class TorchRollout(RolloutEngine):
+    """Batched sampling in this process with the model's KV cache: one forward over the prompts, then
+    one forward of one token per row until every row has sent its EOS or ``max_new_tokens`` is reached.
+    The model runs in eval mode without gradients (its mode is restored); no collectives, so each rank
+    samples on its own. Random draws come from the global torch RNG (per rank ``seed + rank``), which
+    every checkpoint holds, so a restarted run samples exactly what an uninterrupted one did."""
+
+    def __init__(self, autocast=None):
+        self.model = None
+        self.autocast = autocast
+
+    def update_policy(self, model: torch.nn.Module, step: int) -> None:
+        self.model = model  # the training module itself: no copy, always the current weights
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: Tensor, prompt_mask: Tensor, params: SamplingParams) -> Rollout:
+        model = self.model
+        n, p_len = prompt_ids.shape
+        budget = min(params.max_new_tokens, model.cfg.max_position_embeddings - p_len)
+        if budget < 1:
+            raise ValueError(f"prompts of {p_len} tokens leave no room under max_position_embeddings="
+                             f"{model.cfg.max_position_embeddings}")
+        was_training = model.training
+        model.eval()
+        try:
+            with (self.autocast or contextlib.nullcontext)():
+                attention = prompt_mask.long()
+                out = model(prompt_ids, use_cache=True, attention_mask=attention)
+                alive = torch.ones(n, dtype=torch.bool, device=prompt_ids.device)
+                tokens, logps, masks = [], [], []
+                for t in range(budget):
+                    logits = out.logits[:, -1].float()  # (N, V)
+                    nxt = sample_tokens(logits, params.temperature, params.top_p, params.top_k)
+                    logp = token_logprobs(logits, nxt)
+                    nxt = torch.where(alive, nxt, torch.full_like(nxt, params.pad_id))
+                    tokens.append(nxt)
+                    logps.append(torch.where(alive, logp, torch.zeros_like(logp)))
+                    masks.append(alive)
+                    alive = alive & nxt.ne(params.eos_id)
+                    if t == budget - 1 or not bool(alive.any()):
+                        break
+                    attention = torch.cat([attention, masks[-1].long()[:, None]], dim=1)
+                    out = model(nxt[:, None], past_key_values=out.past_key_values, use_cache=True,
+                                attention_mask=attention)
+        finally:
+            model.train(was_training)
+        return Rollout(completion_ids=torch.stack(tokens, 1), completion_mask=torch.stack(masks, 1),
+                       logprobs=torch.stack(logps, 1).float(), truncated=alive)
+
+
+def build_rollout(grpo_cfg, autocast=None) -> RolloutEngine:
+    """The engine ``train.grpo.rollout`` names."""
+    if grpo_cfg.rollout == "torch":
+        return TorchRollout(autocast)
+    raise ValueError(f"train.grpo.rollout: unknown rollout engine {grpo_cfg.rollout!r}; one of ('torch',)")
