@@ -118,7 +118,7 @@ class RewardConfig:
     path: Optional[str] = _f(None, "reward_model: a directory with an HF AutoModelForSequenceClassification, or a model "
                                    "with get_score as MiniMind uses (internlm2-1_8b-reward; args.trust_remote_code=true)")
     args: Dict[str, Any] = _f({}, "keyword arguments of the term, e.g. {min_chars: 20, max_chars: 800} for length, "
-                                  "{clip: 3.0, kind: auto} for reward_model")
+                                  "{clip: 3.0, kind: auto, placement: worker | actor} for reward_model")
 
 
 @dataclass

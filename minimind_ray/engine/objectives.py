@@ -206,7 +206,7 @@ class GRPOObjective(Objective):
         g = self.cfg.train.grpo
         self.reference = _frozen_copy(model).to(device) if g.beta > 0 else None
         with torch.random.fork_rng(devices=[]):  # loading a reward model must not move the sampling RNG
-            self.rewards = build_rewards(g.rewards, device)
+            self.rewards = build_rewards(g.rewards, device, run_name=self.cfg.name)
         self.engine = self.tokenizer = None
 
     def prepare(self, state, batches: List[Batch], step: int) -> List[Batch]:

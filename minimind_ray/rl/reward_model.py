@@ -13,6 +13,10 @@ Two kinds of directory:
 ``kind: auto`` (the default) picks ``sequence_classification`` when the directory's config.json names
 a ``*ForSequenceClassification`` architecture, else ``get_score``. Scores are clipped to [-clip, clip]
 (MiniMind: 3). The model is frozen, in eval mode, on the worker's device.
+
+``placement: actor`` scores on a Ray actor instead: one copy of the reward model that every rank of the
+run calls (a named actor the first rank creates), with resources of its own (``actor_cpus``,
+``actor_gpus``), so a large reward model is not loaded once per training GPU.
 """
 from __future__ import annotations
 
@@ -104,15 +108,49 @@ class GetScoreReward:
                 for p, c in zip(prompts, completions)]
 
 
-def load_reward_model(path: str, device=None, kind: str = "auto", **kw):
+def load_reward_model(path: str, device=None, kind: str = "auto", placement: str = "worker", actor_name: str = "",
+                      actor_cpus: float = 1.0, actor_gpus: float = 0.0, **kw):
     """A reward callable for the model in directory ``path`` (see the module docstring); ``kw`` are the
-    reward's ``args`` (clip, max_length, batch_size, trust_remote_code, dtype)."""
+    reward's other ``args`` (clip, max_length, batch_size, trust_remote_code, dtype)."""
     if not path or not os.path.isdir(path):
         raise ValueError(f"reward model: {path!r} is not a directory")
     if kind not in KINDS:
         raise ValueError(f"reward model {path}: kind {kind!r} is not one of {KINDS}")
+    if placement == "actor":
+        return ActorReward(path, actor_name, actor_cpus, actor_gpus, kind=kind, **kw)
+    if placement != "worker":
+        raise ValueError(f"reward model {path}: placement {placement!r} is not 'worker' or 'actor'")
     kind = _kind_of(path) if kind == "auto" else kind
     device = device or torch.device("cpu")
     if kind == "sequence_classification":
         return SequenceClassifierReward(path, device, **kw)
     return GetScoreReward(path, device, **kw)
+
+
+class _Scorer:
+    """What the reward actor runs: the same in-process scorer, on the actor's device."""
+
+    def __init__(self, path: str, gpu: bool, kw: dict):
+        self.fn = load_reward_model(path, torch.device("cuda" if gpu else "cpu"), **kw)
+
+    def score(self, prompts, completions, answers) -> List[float]:
+        return self.fn(prompts, completions, answers)
+
+
+class ActorReward:
+    """A reward model on a named Ray actor, shared by the ranks of a run (created by whichever asks first;
+    it lives as long as that worker). Scoring is deterministic, so where it runs changes no result."""
+
+    def __init__(self, path: str, name: str, cpus: float, gpus: float, **kw):
+        import ray
+
+        import hashlib
+
+        self.name = name or f"minimind-reward-{hashlib.sha256(path.encode()).hexdigest()[:12]}"
+        cls = ray.remote(_Scorer).options(name=self.name, get_if_exists=True, num_cpus=cpus, num_gpus=gpus)
+        self.actor = cls.remote(path, gpus > 0, kw)
+
+    def __call__(self, prompts, completions, answers) -> List[float]:
+        import ray
+
+        return ray.get(self.actor.score.remote(list(prompts), list(completions), list(answers)))

@@ -139,14 +139,17 @@ class RewardTerm:
         return values
 
 
-def build_rewards(specs, device=None) -> List[RewardTerm]:
-    """The terms of ``train.grpo.rewards`` (a list of config.RewardConfig), ready to call."""
+def build_rewards(specs, device=None, run_name: Optional[str] = None) -> List[RewardTerm]:
+    """The terms of ``train.grpo.rewards`` (a list of config.RewardConfig), ready to call. ``run_name``
+    names a reward model's actor (``placement: actor``), which every rank of the run then shares."""
     terms, labels = [], set()
-    for spec in specs:
+    for i, spec in enumerate(specs):
         args = dict(spec.args or {})
         if spec.name == "reward_model":
             from minimind_ray.rl.reward_model import load_reward_model
 
+            if run_name and args.get("placement") == "actor":
+                args.setdefault("actor_name", f"minimind-reward-{run_name}-{i}")
             fn, args = load_reward_model(spec.path, device, **args), {}
             label = "reward_model"
         elif spec.name in RULES:

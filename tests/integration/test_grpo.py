@@ -73,3 +73,24 @@ def test_grpo_crash_and_resume_equals_an_uninterrupted_run(ray_session, shared):
     tok = resolve_tokenizer(lw.run_cfg.data.tokenizer, str(shared["cache"]), lw.run_cfg.model.generation)
     reply = generate_text(model, tok, "What is 1 plus 2?", SamplingConfig(max_new_tokens=4, temperature=0.0))
     assert isinstance(reply, str)
+
+
+def test_a_reward_model_on_a_ray_actor_scores_as_in_the_worker(ray_session, tmp_path):
+    """``placement: actor``: one named actor per run, shared by every rank that asks, same scores."""
+    import ray
+
+    from minimind_ray.config import RewardConfig
+    from minimind_ray.rl.rewards import build_rewards
+    from tests.unit.test_grpo_rewards import PROMPT, make_classifier_dir
+
+    d = str(make_classifier_dir(tmp_path / "rm"))
+    (in_worker,) = build_rewards([RewardConfig("reward_model", path=d)])
+    on_actor = RewardConfig("reward_model", path=d, args={"placement": "actor", "actor_cpus": 0})
+    (rank0,) = build_rewards([on_actor], run_name="t-actor")
+    (rank1,) = build_rewards([on_actor], run_name="t-actor")
+    assert rank0.fn.name == rank1.fn.name == "minimind-reward-t-actor-0"
+    completions = ["12 plus 7 equals 19.", "no", "19"]
+    want = in_worker([PROMPT] * 3, completions, ["19"] * 3)
+    assert rank0([PROMPT] * 3, completions, ["19"] * 3) == pytest.approx(want, abs=1e-6)
+    assert rank1([PROMPT] * 3, completions, ["19"] * 3) == pytest.approx(want, abs=1e-6)
+    ray.kill(ray.get_actor("minimind-reward-t-actor-0"))

@@ -104,18 +104,22 @@ def _copy_tokenizer(dst):
         shutil.copy(src / f, dst / f)
 
 
-@pytest.fixture(scope="module")
-def classifier_dir(tmp_path_factory):
+def make_classifier_dir(d):
     """A tiny randomly initialised HF reward model (one-label sequence classifier) with MiniMind's tokenizer."""
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
-    d = tmp_path_factory.mktemp("rm-cls")
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=6400, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1, num_labels=1, pad_token_id=0)
-    LlamaForSequenceClassification(cfg).save_pretrained(d)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        cfg = LlamaConfig(vocab_size=6400, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                          num_attention_heads=2, num_key_value_heads=1, num_labels=1, pad_token_id=0)
+        LlamaForSequenceClassification(cfg).save_pretrained(d)
     _copy_tokenizer(d)
     return d
+
+
+@pytest.fixture(scope="module")
+def classifier_dir(tmp_path_factory):
+    return make_classifier_dir(tmp_path_factory.mktemp("rm-cls"))
 
 
 def test_sequence_classifier_reward_scores_each_completion_with_the_model(classifier_dir):
