@@ -262,7 +262,8 @@ def run(cfg: RunConfig) -> RunResult:
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from minimind_ray.data.prepare import ensure_prepared
-    from minimind_ray.raytrain.progress import ProgressPrinter, make_failure_callback, make_progress_sink
+    from minimind_ray.raytrain.faults import failure_callback
+    from minimind_ray.raytrain.progress import ProgressPrinter, make_progress_sink
     from minimind_ray.raytrain.worker import train_loop_per_worker
     from minimind_ray.tokenizer import resolve_tokenizer
     from minimind_ray.tracking.runs import finish_run, resolve_tracking_uri, start_run
@@ -317,7 +318,7 @@ def run(cfg: RunConfig) -> RunResult:
             name=name, storage_path=storage,
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.num_to_keep),
             failure_config=FailureConfig(max_failures=cfg.cluster.max_failures),
-            callbacks=[make_failure_callback(sink)],
+            callbacks=[failure_callback(sink, run_dir)],
             logging_config=LoggingConfig(log_level="WARNING"),  # progress comes from ProgressPrinter
             worker_runtime_env={"env_vars": {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
                                              "TOKENIZERS_PARALLELISM": "false",

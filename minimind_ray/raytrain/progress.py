@@ -35,18 +35,6 @@ def make_progress_sink():
     return ProgressSink.remote()
 
 
-def make_failure_callback(sink):
-    from ray.train import UserCallback
-
-    class FailureNotice(UserCallback):
-        """Runs in the Train controller: tells the driver's console that workers failed."""
-
-        def after_exception(self, run_context, worker_exceptions):
-            sink.push.remote({"_error": {r: repr(e)[:500] for r, e in worker_exceptions.items()}})
-
-    return FailureNotice()
-
-
 def eta_seconds(m: Dict[str, Any]) -> float:
     """Seconds left, from the workers' own step time (``step_time_s``, measured on the worker over the
     interval): the driver receives progress in bursts, so its arrival times say nothing about the rate."""

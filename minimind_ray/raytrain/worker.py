@@ -50,7 +50,7 @@ class RayHooks(Hooks):
     def __init__(self, spec: WorkerSpec, state: TrainState, run_id: Optional[str]):
         self.spec, self.state, self.run_id = spec, state, run_id
         cfg, rank = spec.cfg, state.rank
-        self.faults = FaultInjector(cfg, spec.run_dir, rank)
+        self.faults = FaultInjector(cfg, spec.run_dir, rank, state.device)
         self.samples = SampleLog(cfg.train.sample_log_dir, rank, state.world, attempt=state.step)
         self.logger = None
         if rank == 0 and run_id and cfg.tracking.enabled:
@@ -60,11 +60,11 @@ class RayHooks(Hooks):
                                     system_metrics=cfg.tracking.system_metrics)
 
     def before_step(self, step):
-        self.faults.maybe_fail(step)
+        self.faults.before_step(step)
 
     def on_batches(self, step, batches):
         self.samples.write(step, batches)
-        self.faults.maybe_hang(step)
+        self.faults.after_batches(step)
 
     def on_metrics(self, step, metrics, per_step_loss, is_checkpoint):
         if self.state.rank != 0:

@@ -54,7 +54,7 @@ def test_the_same_command_resumes_after_the_driver_is_killed(ray_session, tmp_pa
     first = _driver(args + ["train.hang_at_step=10", "train.fail_rank=1"], tmp_path / "first.log")
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and first.poll() is None:
-        if (run_dir / ".fault_hang_10").exists() and any(s == 8 for s, _ in checkpoints_in(run_dir)):
+        if (run_dir / ".faults" / "10-hang-1.json").exists() and any(s == 8 for s, _ in checkpoints_in(run_dir)):
             break
         time.sleep(0.2)
     assert first.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
