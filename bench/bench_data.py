@@ -9,19 +9,26 @@
     consumes on this CPU (a few forward/backward passes). Goal: ratio >= 20.
 
 Both sides of (a) use every core: the direct call through the tokenizer's own thread
-pool, prepare through one Ray task per chunk. Run from the repository root:
+pool, prepare through its Ray Data job. Run from the repository root:
 
-    .venv/bin/python bench/bench_data.py            # ~1.5 min on 2 cores
+    .venv/bin/python bench/bench_data.py                                   # ~1.5 min on 2 cores
+    .venv/bin/python bench/bench_data.py --docs 200000 --files 8 --cli     # 9M tokens in 8 files
 
 The default corpus (800k documents, 36M tokens) is large enough that the fixed cost of a
 Ray Data job (printed separately) is a small share, as it is on MiniMind's GB-sized sets;
 with ``--docs 200000`` (9M tokens, about 4 s of tokenizing here) that cost shows in (a).
+``--files N`` splits the corpus into N jsonl files of equal size (a common layout of many
+small shards) and prepares their directory. ``--cli`` also times the whole user command,
+``minimind-ray prepare`` in a fresh process (Python start, Ray start, hashing the sources,
+the job, Ray's shutdown), against ``encode_batch``: the cost a user sees.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -38,31 +45,69 @@ def _tokenizer(spec: str, cache: str):
     return resolve_tokenizer(spec, cache)
 
 
-def bench_prepare(tok, corpus: str, work: str, cpus: int) -> dict:
-    """(a): the same texts through encode_batch directly, then through prepare()."""
+def split_corpus(corpus: str, out_dir: str, n_files: int) -> str:
+    """The corpus as ``n_files`` jsonl files of consecutive lines and about equal size, in ``out_dir``."""
+    os.makedirs(out_dir, exist_ok=True)
+    size, written, part = os.path.getsize(corpus), 0, 0
+    out = open(os.path.join(out_dir, f"part-{part:03d}.jsonl"), "wb")
+    with open(corpus, "rb") as f:
+        for line in f:
+            if written >= size * (part + 1) / n_files and part + 1 < n_files:
+                out.close()
+                part += 1
+                out = open(os.path.join(out_dir, f"part-{part:03d}.jsonl"), "wb")
+            out.write(line)
+            written += len(line)
+    out.close()
+    return out_dir
+
+
+def direct_encode(tok, source: str):
+    """(seconds, tokens) of HF's own encode_batch (its thread pool) on every text of ``source``, in memory."""
+    files = sorted(os.path.join(source, f) for f in os.listdir(source)) if os.path.isdir(source) else [source]
+    texts = [json.loads(line)["text"] for path in files for line in open(path, encoding="utf-8")]
+    t = time.perf_counter()
+    encoded = tok._hf.encode_batch(texts, add_special_tokens=False)
+    return time.perf_counter() - t, sum(len(e.ids) for e in encoded)
+
+
+def time_cli(source: str, tok_dir: str, out: str, chunk_bytes: int) -> float:
+    """Wall seconds of the whole ``minimind-ray prepare`` command in a fresh process, as a user runs it."""
+    cmd = [sys.executable, "-m", "minimind_ray.cli", "prepare", "--out", out, f"data.train_path=[{source}]",
+           f"data.tokenizer={tok_dir}", "data.format=pretrain", "data.max_seq_len=512", f"data.chunk_bytes={chunk_bytes}"]
+    t = time.perf_counter()
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"})
+    if done.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} exited {done.returncode}:\n{done.stderr[-3000:]}")
+    return time.perf_counter() - t
+
+
+def bench_prepare(tok, source: str, work: str, chunk_bytes: int, repeat: int) -> dict:
+    """(a): the same texts through encode_batch directly, then through prepare(), ``repeat``
+    times in alternation (on a shared machine the load drifts; each pair sees about the same)."""
+    import statistics
+
     from minimind_ray.config import DataConfig
     from minimind_ray.data.demo import write_demo_corpus
     from minimind_ray.data.prepare import prepare
 
-    texts = [json.loads(line)["text"] for line in open(corpus, encoding="utf-8")]
-    t = time.perf_counter()
-    encoded = tok._hf.encode_batch(texts, add_special_tokens=False)  # HF's own call, its thread pool
-    direct_s = time.perf_counter() - t
-    n_tokens = sum(len(e.ids) for e in encoded)
-    del encoded, texts
-
-    size = os.path.getsize(corpus)
-    cfg = DataConfig(format="pretrain", max_seq_len=512, chunk_bytes=max(1 << 20, size // (4 * cpus)))
+    cfg = DataConfig(format="pretrain", max_seq_len=512, chunk_bytes=chunk_bytes)
     warm = write_demo_corpus(os.path.join(work, "warm"), n_pretrain=2000, n_sft=10, n_dpo=10)["pretrain"]
     prepare([warm], os.path.join(work, "warm-prepared"), tok, cfg)  # start Ray Data's workers first
     t = time.perf_counter()
     prepare([warm], os.path.join(work, "warm-prepared-2"), tok, cfg)  # a job with almost no work: its fixed cost
     small_s = time.perf_counter() - t
-    t = time.perf_counter()
-    out = prepare([corpus], os.path.join(work, "prepared"), tok, cfg)
-    prepare_s = time.perf_counter() - t
+    pairs = []
+    for i in range(repeat):
+        direct_s, n_tokens = direct_encode(tok, source)
+        t = time.perf_counter()
+        out = prepare([source], os.path.join(work, f"prepared-{i}"), tok, cfg)
+        pairs.append((direct_s, time.perf_counter() - t))
+    direct_s, prepare_s = statistics.median(d for d, _ in pairs), statistics.median(p for _, p in pairs)
     return {"tokens": n_tokens, "direct_tps": n_tokens / direct_s, "prepare_tps": n_tokens / prepare_s,
-            "direct_s": direct_s, "prepare_s": prepare_s, "small_job_s": small_s, "prepared": out}
+            "direct_s": direct_s, "prepare_s": prepare_s, "small_job_s": small_s, "prepared": out,
+            "ratios": [d / p for d, p in pairs], "pairs": pairs}
 
 
 def bench_stream(prepared: str, world: int, repeats: int = 3) -> float:
@@ -111,6 +156,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--docs", type=int, default=800_000,
                     help="pretrain documents in the benchmark corpus (800k: 36M tokens, 150 MB)")
+    ap.add_argument("--files", type=int, default=1, help="split the corpus into this many jsonl files of equal size")
+    ap.add_argument("--chunk-mb", type=float, default=0,
+                    help="data.chunk_bytes in MiB (0: the corpus size / (4 x CPUs), at least 1 MiB)")
+    ap.add_argument("--cli", action="store_true", help="also time the whole `minimind-ray prepare` command")
+    ap.add_argument("--prepare-only", action="store_true", help="measure (a) only: skip the stream and model parts")
+    ap.add_argument("--repeat", type=int, default=1, help="(a): alternate encode_batch and prepare this many times; "
+                                                          "the table shows medians, each pair is printed")
     ap.add_argument("--tokenizer", default="minimind2",
                     help="data.tokenizer: minimind2 | minimind3 (fetched by name; offline: "
                          "MINIMIND_RAY_TOKENIZER_MIRROR), builtin or a directory")
@@ -124,29 +176,48 @@ def main() -> None:
     from minimind_ray.data.demo import write_demo_corpus
 
     cpus = os.cpu_count() or 1
-    ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}})
     with tempfile.TemporaryDirectory(prefix="bench-data-") as work:
         tok = _tokenizer(args.tokenizer, os.path.join(work, "cache"))
         corpus = write_demo_corpus(os.path.join(work, "corpus"), n_pretrain=args.docs, n_sft=10, n_dpo=10)["pretrain"]
-        a = bench_prepare(tok, corpus, work, cpus)
-        stream1 = bench_stream(a["prepared"], world=1)
-        stream2 = bench_stream(a["prepared"], world=2)
-    ray.shutdown()
-    model_tps = bench_model(args.micro, args.seq, args.model_steps)
+        source = corpus if args.files == 1 else split_corpus(corpus, os.path.join(work, "split"), args.files)
+        size = sum(os.path.getsize(os.path.join(source, f)) for f in os.listdir(source)) \
+            if os.path.isdir(source) else os.path.getsize(source)
+        chunk_bytes = int(args.chunk_mb * (1 << 20)) or max(1 << 20, size // (4 * cpus))
+        cli_s = None
+        if args.cli:  # before this process starts its own Ray
+            tok_dir = os.path.join(work, "tok")
+            tok.save(tok_dir)
+            cli_s = time_cli(source, tok_dir, os.path.join(work, "cli-cache"), chunk_bytes)
+        ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": {"PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}})
+        a = bench_prepare(tok, source, work, chunk_bytes, args.repeat)
+        if not args.prepare_only:
+            stream1 = bench_stream(a["prepared"], world=1)
+            stream2 = bench_stream(a["prepared"], world=2)
+        ray.shutdown()
+    if not args.prepare_only:
+        model_tps = bench_model(args.micro, args.seq, args.model_steps)
 
     print(f"\nhost: {cpus} CPUs, load average {os.getloadavg()[0]:.1f}; tokenizer {tok.path} (vocab {tok.vocab_size}); "
-          f"corpus {args.docs} docs, {a['tokens']:,} tokens")
+          f"corpus {args.docs} docs, {a['tokens']:,} tokens, {size / 2**20:.1f} MiB in {args.files} file(s), "
+          f"chunk_bytes {chunk_bytes / 2**20:.1f} MiB")
     print("| measure | tokens/s | baseline | baseline tokens/s | ratio | goal |")
     print("|---|---:|---|---:|---:|---:|")
-    print(f"| (a) prepare job, {cpus} Ray tasks | {a['prepare_tps']:,.0f} | HF encode_batch on the same texts | "
+    print(f"| (a) prepare job on {cpus} CPUs | {a['prepare_tps']:,.0f} | HF encode_batch on the same texts | "
           f"{a['direct_tps']:,.0f} | {a['prepare_tps'] / a['direct_tps']:.2f} | >= 0.8 |")
-    print(f"| (b) TrainStream, world 1 (rank 0) | {stream1:,.0f} | minimind2-small fwd+bwd, seq {args.seq}, "
-          f"micro {args.micro} | {model_tps:,.0f} | {stream1 / model_tps:,.0f}x | >= 20x |")
-    print(f"| (b) TrainStream, world 2 (rank 0) | {stream2:,.0f} | same | {model_tps:,.0f} | "
-          f"{stream2 / model_tps:,.0f}x | >= 20x |")
+    if not args.prepare_only:
+        print(f"| (b) TrainStream, world 1 (rank 0) | {stream1:,.0f} | minimind2-small fwd+bwd, seq {args.seq}, "
+              f"micro {args.micro} | {model_tps:,.0f} | {stream1 / model_tps:,.0f}x | >= 20x |")
+        print(f"| (b) TrainStream, world 2 (rank 0) | {stream2:,.0f} | same | {model_tps:,.0f} | "
+              f"{stream2 / model_tps:,.0f}x | >= 20x |")
+    if args.repeat > 1:
+        print("pairs (encode_batch s, prepare s -> ratio): " + ", ".join(
+            f"({d:.1f}, {p:.1f} -> {d / p:.2f})" for d, p in a["pairs"]))
     print(f"\nprepare: {a['prepare_s']:.1f} s for the corpus (encode_batch alone: {a['direct_s']:.1f} s); "
           f"a warm job of 2,000 documents: {a['small_job_s']:.2f} s (the fixed cost of a job)")
+    if cli_s is not None:
+        print(f"whole command `minimind-ray prepare` (fresh process, Ray start and stop): {cli_s:.1f} s, "
+              f"{a['direct_s'] / cli_s:.2f} of encode_batch's speed ({a['direct_s']:.1f} s)")
 
 
 if __name__ == "__main__":

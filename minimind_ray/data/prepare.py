@@ -13,11 +13,17 @@ Layout of a prepared directory::
 
 Chunks: every jsonl file is cut into newline-aligned byte ranges of about
 ``data.chunk_bytes`` (a .jsonl.gz is one chunk: gzip cannot seek; a parquet source is
-cut by row groups). Each chunk is one Ray Data task that streams its lines, checks,
-renders, tokenizes in batches (HF tokenizers, Rust) and writes its shard, so no process
-ever holds more than a batch of records. A task knows line numbers only relative to
-its chunk; the driver turns them into real file line numbers from the line counts
-every task reports, so messages say ``file:line`` as an editor would.
+cut by row groups). Each chunk becomes one shard (shard.process_chunk: stream its lines,
+check, render, tokenize in batches with HF tokenizers, write), so no process ever holds
+more than a batch of records. A chunk knows line numbers only relative to itself; the
+driver turns them into real file line numbers from the line counts every chunk reports,
+so messages say ``file:line`` as an editor would.
+
+Tasks: small chunks (small files) are packed into one Ray Data task, up to
+``data.chunk_bytes`` and to about two tasks per CPU of the cluster (:func:`plan_tasks`),
+so a directory of many small files does not pay a task's start for each; the tokenizer is
+rebuilt once per worker process, not once per task. Packing decides only which process
+writes a shard, never what it holds: the prepared output is the same for any packing.
 
 Sample ids: row r of the shard of chunk c has ``sample_id = c * 2**32 + r``. Ids are
 global, unique and stable, and every reader can compute them from the manifest alone
@@ -30,9 +36,10 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import os
+import pickle
 import time
-from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
@@ -41,32 +48,16 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from minimind_ray.data import formats
-from minimind_ray.data.manifest import (  # noqa: F401  (read_manifest, is_prepared: re-exported)
+from minimind_ray.data.manifest import (  # noqa: F401  (read_manifest, is_prepared, verify_shards: re-exported)
     MANIFEST, PREPARED_VERSION, DataError, check_manifest, is_prepared, read_manifest, row_settings, verify_shards,
     write_manifest)
-from minimind_ray.data.sources import (OverlongLine, SourceFile, TruncatedFile, content_digests, iter_records,
-                                       plan_ranges, resolve_sources)
+from minimind_ray.data.shard import (  # noqa: F401  (SAMPLE_ID_STRIDE, process_chunk: re-exported)
+    MAX_SAMPLES, SAMPLE_ID_STRIDE, Chunk, process_chunk)
+from minimind_ray.data.sources import SourceFile, content_digests, plan_ranges, resolve_sources
 from minimind_ray.fsio import filesystem, is_uri, join
 
 log = logging.getLogger(__name__)
-
-SAMPLE_ID_STRIDE = 1 << 32  # sample_id = chunk index * stride + row in shard
-MAX_SAMPLES = 5  # file:line examples kept per reason
-_BATCH_RECORDS = 512  # records tokenized per encode_batch call
-# a UTF-8 character is at most 4 bytes: a line longer than this many bytes per allowed character
-# is certainly too long, so the reader drops it unread (memory stays bounded)
-_MAX_BYTES_PER_CHAR = 4
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """One Ray Data task's share: bytes [start, end) of a jsonl file, or row groups
-    [start, end) of a parquet file."""
-
-    index: int
-    source: SourceFile
-    start: int
-    end: int
+_TASKS_PER_CPU = 2  # packing small chunks stops at this many tasks per CPU: enough to even out unequal tasks
 
 
 def plan_chunks(files: List[SourceFile], chunk_bytes: int) -> List[Chunk]:
@@ -86,163 +77,29 @@ def plan_chunks(files: List[SourceFile], chunk_bytes: int) -> List[Chunk]:
             for g in range(meta.num_row_groups):
                 acc += meta.row_group(g).total_byte_size
                 if acc >= chunk_bytes or g == meta.num_row_groups - 1:
-                    chunks.append(Chunk(len(chunks), sf, start, g + 1))
+                    chunks.append(Chunk(len(chunks), sf, start, g + 1, acc))
                     start, acc = g + 1, 0
         else:
-            chunks += [Chunk(len(chunks) + i, sf, a, b) for i, (a, b) in enumerate(plan_ranges(sf, chunk_bytes))]
+            chunks += [Chunk(len(chunks) + i, sf, a, b, b - a) for i, (a, b) in enumerate(plan_ranges(sf, chunk_bytes))]
     return chunks
 
 
-class _ShardWriter:
-    """Writes one shard in row groups of exactly ``block_rows`` rows, to a temporary name
-    renamed on close, so that a retried task never leaves a half-written shard."""
-
-    def __init__(self, out_dir: str, chunk_index: int, encoder: formats.Encoder, block_rows: int):
-        self.fs, root = filesystem(out_dir)
-        self.name = f"part-{chunk_index:05d}.parquet"
-        self.path = f"{root}/{self.name}"
-        self.tmp = f"{self.path}.tmp-{os.getpid()}-{time.time_ns()}"
-        self.base_id = chunk_index * SAMPLE_ID_STRIDE
-        self.encoder, self.block_rows = encoder, block_rows
-        self.pending: Dict[str, List[np.ndarray]] = {c: [] for c in encoder.columns}
-        self.rows = 0
-        self.tokens = 0
-        self.bytes = 0
-        self._writer = None
-
-    def add(self, rows: Dict[str, List[np.ndarray]], final: bool = False) -> None:
-        for c, values in rows.items():
-            self.pending[c] += values
-            if c.endswith("ids"):
-                self.tokens += sum(len(v) for v in values)
-        while len(self.pending[self.encoder.columns[0]]) >= self.block_rows or (
-                final and self.pending[self.encoder.columns[0]]):
-            self._write_group()
-
-    def _write_group(self) -> None:
-        n = min(self.block_rows, len(self.pending[self.encoder.columns[0]]))
-        schema = self.encoder.schema()
-        arrays = [pa.array(np.arange(self.base_id + self.rows, self.base_id + self.rows + n, dtype=np.int64))]
-        for c in self.encoder.columns:
-            arrays.append(formats.to_arrow(self.pending[c][:n], self.encoder.dtype_of(c)))
-            self.pending[c] = self.pending[c][n:]
-        if self._writer is None:
-            self._sink = self.fs.open_output_stream(self.tmp)
-            self._writer = pq.ParquetWriter(self._sink, schema, compression="zstd")
-        self._writer.write_table(pa.Table.from_arrays(arrays, schema=schema), row_group_size=n)
-        self.rows += n
-
-    def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._sink.close()
-            self.fs.move(self.tmp, self.path)
-            self.bytes = self.fs.get_file_info(self.path).size  # the manifest records it: see verify_shards
-
-    def abort(self) -> None:
-        if self._writer is not None:
-            writer, self._writer = self._writer, None
-            try:
-                writer.close()
-                self._sink.close()
-            finally:
-                self.fs.delete_file(self.tmp)
-
-
-def _record(item, fmt: str, max_chars: int) -> dict:
-    """A checked record from what the reader yielded, or BadRecord."""
-    if isinstance(item, OverlongLine):
-        raise formats.BadRecord("too_long", f"a line of {item.nbytes} bytes, so over {max_chars} characters "
-                                            f"> data.max_record_chars={max_chars} (dropped unread)")
-    if isinstance(item, bytes):
-        rec = formats.parse_line(item, max_chars)
-        formats.check_record(fmt, rec)  # the whole line was within max_chars
-    else:  # a Parquet row
-        rec = item
-        formats.check_record(fmt, rec, max_chars)
-    return rec
-
-
-def _read(chunk: Chunk, max_line_bytes: int):
-    """The chunk's records (see sources.iter_records); a read failure other than a broken gzip
-    (e.g. a corrupt Parquet row group) becomes a DataError naming the file."""
-    n = 0
-    try:
-        for n, item in enumerate(iter_records(chunk.source, chunk.start, chunk.end, max_line_bytes), 1):
-            yield item
-    except (pa.ArrowException, OSError) as e:
-        part = f"{'row groups' if chunk.source.kind == 'parquet' else 'bytes'} [{chunk.start}, {chunk.end})"
-        raise DataError(f"{chunk.source.uri}: unreadable after record {n} of {part} ({e})") from None
-
-
-def process_chunk(chunk: Chunk, tokenizer, data_cfg, out_dir: str) -> dict:
-    """Turn one chunk into one shard; return what the driver needs for the manifest.
-
-    Pure except for writing the shard, and independent of Ray (it is what the Ray
-    Data job maps over the chunks; tests call it directly). Line numbers in the
-    result are relative to the chunk; ``lines`` lets the driver make them absolute.
-    Under ``strict`` it stops at the first bad record and writes nothing; on an
-    exception it leaves no temporary file behind.
-    """
-    strict = data_cfg.bad_records == "strict"
-    max_chars = data_cfg.max_record_chars
-    enc = formats.Encoder(data_cfg.format, tokenizer, data_cfg.max_seq_len, data_cfg.pack)
-    writer = _ShardWriter(out_dir, chunk.index, enc, data_cfg.block_rows)
-    issues: Dict[str, dict] = {}
-    summary = {"chunk": chunk.index, "lines": 0, "records": 0, "error": None}
-
-    def note(reason: str, line: int, detail: str) -> None:
-        entry = issues.setdefault(reason, {"count": 0, "lines": []})
-        entry["count"] += 1
-        if len(entry["lines"]) < MAX_SAMPLES:
-            entry["lines"].append(line)
-        if strict and reason != "truncated" and summary["error"] is None:
-            summary["error"] = {"reason": reason, "line": line, "detail": detail}
-
-    def flush(batch: List[dict], lines: List[int], final: bool) -> None:
-        dropped = 0
-        for i, reason, detail in enc.add(batch):
-            note(reason, lines[i], detail)
-            dropped += reason != "truncated"
-        summary["records"] += len(batch) - dropped
-        rows = enc.take(final)
-        if summary["error"] is None:
-            writer.add(rows or {c: [] for c in enc.columns}, final)
-
-    batch: List[dict] = []
-    lines: List[int] = []
-    try:
-        try:
-            for line, item in enumerate(_read(chunk, _MAX_BYTES_PER_CHAR * max_chars), 1):
-                summary["lines"] = line
-                try:
-                    rec = _record(item, data_cfg.format, max_chars)
-                except formats.BadRecord as e:
-                    note(e.reason, line, e.detail)
-                else:
-                    batch.append(rec)
-                    lines.append(line)
-                    if len(batch) >= _BATCH_RECORDS:
-                        flush(batch, lines, False)
-                        batch, lines = [], []
-                if summary["error"] is not None:
-                    break
-        except TruncatedFile as e:  # the lines before the break were read: keep them, count the file
-            note("truncated_file", summary["lines"] + 1,
-                 f"{e.detail}; a partial line of {e.lost_bytes} bytes after it dropped")
-        if summary["error"] is None:
-            flush(batch, lines, True)
-    except BaseException:
-        writer.abort()
-        raise
-    if summary["error"] is None:
-        writer.close()
-    else:
-        writer.abort()
-    written = summary["error"] is None and writer.rows > 0
-    summary.update(file=writer.name if written else None, rows=writer.rows, bytes=writer.bytes,
-                   tokens=writer.tokens, dropped_tail_tokens=enc.dropped_tail_tokens, issues=issues)
-    return summary
+def plan_tasks(chunks: List[Chunk], chunk_bytes: int, cpus: int) -> List[List[Chunk]]:
+    """Chunks packed into Ray tasks: consecutive chunks share a task while their bytes stay
+    within ``chunk_bytes`` and within 1/(2 x cpus) of all the bytes (so that every CPU still
+    gets about two tasks to even out unequal ones). Largest task first: the last task to
+    start is a small one. A chunk of ``chunk_bytes`` or more is a task of its own."""
+    target = min(chunk_bytes, math.ceil(sum(c.nbytes for c in chunks) / (_TASKS_PER_CPU * max(1, cpus))))
+    tasks: List[List[Chunk]] = []
+    size = 0
+    for c in chunks:
+        if tasks and size + c.nbytes <= target:
+            tasks[-1].append(c)
+            size += c.nbytes
+        else:
+            tasks.append([c])
+            size = c.nbytes
+    return sorted(tasks, key=lambda t: -sum(c.nbytes for c in t))
 
 
 def merge_summaries(chunks: List[Chunk], results: List[dict], file_issues: List[Tuple[str, str]]) -> dict:
@@ -302,14 +159,51 @@ def _clear(out_dir: str) -> None:
             fs.delete_file(info.path)
 
 
-def _run_chunk(row: dict, tokenizer, data_cfg, out_dir: str) -> dict:
-    c = json.loads(row["chunk"])
-    chunk = Chunk(c["index"], SourceFile(**c["source"]), c["start"], c["end"])
-    try:
-        summary = process_chunk(chunk, tokenizer, data_cfg, out_dir)
-    except DataError as e:  # an unreadable file: returned, because Ray's wrapping would lose the one-line message
-        summary = {"chunk": chunk.index, "unreadable": str(e)}
-    return {"summary": json.dumps(summary)}
+_WORKER_TOKENIZERS: Dict[str, object] = {}  # in each Ray worker process: tokenizer hash -> tokenizer
+
+
+class _TokenizerOnce:
+    """Carries a tokenizer to the prepare tasks as pickled bytes and builds it once per worker
+    process (tasks reuse their worker processes), instead of once per task."""
+
+    def __init__(self, tokenizer):
+        self.key, self.blob = tokenizer.hash(), pickle.dumps(tokenizer)
+
+    def get(self):
+        tok = _WORKER_TOKENIZERS.get(self.key)
+        if tok is None:
+            tok = _WORKER_TOKENIZERS[self.key] = pickle.loads(self.blob)
+        return tok
+
+
+def _run_task(row: dict, tokenizer: _TokenizerOnce, data_cfg, out_dir: str) -> dict:
+    """One Ray Data task: the chunks of one row of the plan, each into its shard."""
+    summaries = []
+    for c in json.loads(row["chunks"]):
+        chunk = Chunk(c["index"], SourceFile(**c["source"]), c["start"], c["end"], c["nbytes"])
+        try:
+            summaries.append(process_chunk(chunk, tokenizer.get(), data_cfg, out_dir))
+        except DataError as e:  # an unreadable file: returned, because Ray's wrapping would lose the one-line message
+            summaries.append({"chunk": chunk.index, "unreadable": str(e)})
+    return {"summaries": json.dumps(summaries)}
+
+
+def _run_job(chunks: List[Chunk], tokenizer, data_cfg, out_dir: str) -> List[dict]:
+    """The Ray Data job: every chunk through process_chunk, packed into tasks; summaries in chunk order."""
+    import ray
+
+    # without a Ray yet, Ray Data starts a local one with every CPU of this machine
+    cpus = int(ray.cluster_resources().get("CPU", 1)) if ray.is_initialized() else (os.cpu_count() or 1)
+    rows = [{"chunks": json.dumps([dataclasses.asdict(c) for c in task])}
+            for task in plan_tasks(chunks, data_cfg.chunk_bytes, cpus)]
+    ds = ray.data.from_items(rows, override_num_blocks=len(rows)).map(
+        _run_task, fn_kwargs={"tokenizer": _TokenizerOnce(tokenizer), "data_cfg": data_cfg, "out_dir": out_dir})
+    # This job is one operator of CPU-bound tasks. Ray Data's per-operator reservation held it
+    # to about one running task out of two CPUs while it ramped up (measured: 8 one-second tasks
+    # took 6.1 s instead of 4.2 s on 2 CPUs; docs/data.md); nothing else runs here to reserve for.
+    ds.context.op_resource_reservation_enabled = False
+    summaries = [s for r in ds.take_all() for s in json.loads(r["summaries"])]
+    return sorted(summaries, key=lambda s: s["chunk"])
 
 
 def prepare(sources: List[str], out_dir: str, tokenizer, data_cfg, digests: Optional[Dict[str, str]] = None) -> str:
@@ -321,8 +215,6 @@ def prepare(sources: List[str], out_dir: str, tokenizer, data_cfg, digests: Opti
     last; ``ensure_prepared`` reuses a directory only if it has one. ``digests``
     (sha256 by source URI, when the caller has them) are recorded in the manifest.
     """
-    import ray
-
     fmt, strict = data_cfg.format, data_cfg.bad_records == "strict"
     if fmt not in formats.FORMATS:
         raise ValueError(f"data.format: unknown format {fmt!r}; one of {formats.FORMATS}")
@@ -338,12 +230,8 @@ def prepare(sources: List[str], out_dir: str, tokenizer, data_cfg, digests: Opti
         raise DataError(f"data.train_path: no data in {list(sources)}")
     _clear(out_dir)
 
-    items = [{"chunk": json.dumps({"index": c.index, "source": dataclasses.asdict(c.source),
-                                   "start": c.start, "end": c.end})} for c in chunks]
     t0 = time.time()
-    rows = ray.data.from_items(items, override_num_blocks=len(items)).map(
-        _run_chunk, fn_kwargs={"tokenizer": tokenizer, "data_cfg": data_cfg, "out_dir": out_dir}).take_all()
-    results = sorted((json.loads(r["summary"]) for r in rows), key=lambda s: s["chunk"])
+    results = _run_job(chunks, tokenizer, data_cfg, out_dir)
     elapsed = time.time() - t0
 
     try:

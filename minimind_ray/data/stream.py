@@ -40,7 +40,8 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from minimind_ray.data import formats
-from minimind_ray.data.prepare import SAMPLE_ID_STRIDE, read_manifest
+from minimind_ray.data.manifest import read_manifest
+from minimind_ray.data.shard import SAMPLE_ID_STRIDE
 from minimind_ray.fsio import filesystem
 
 def _unit_hash(ids: np.ndarray) -> np.ndarray:

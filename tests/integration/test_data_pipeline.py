@@ -230,3 +230,31 @@ def test_uris_and_globs_work_like_paths(env, tmp_path):
     st = TrainStream(PreparedDataset(out), global_batch_size=8, micro_batch_size=8, world_size=1, rank=0, seed=0)
     assert st.steps_per_epoch == 50 and st.next_step()[0]["input_ids"].shape[0] == 8
     st.close()
+
+
+def test_small_files_packed_into_tasks_give_the_shards_of_one_chunk_at_a_time(env, tmp_path):
+    """Packing chunks into tasks changes who writes a shard, never what it holds: the Ray job's
+    output equals process_chunk run here on each chunk alone (ids, rows, counts, line numbers)."""
+    import ray
+
+    from minimind_ray.data.prepare import plan_tasks
+    from tests.unit.test_formats import _run_local
+
+    src = tmp_path / "many"
+    src.mkdir()
+    for k in range(24):
+        lines = [json.dumps({"text": f"File {k} line {i}: the sky is blue."}) for i in range(10)]
+        if k == 5:
+            lines[6] = '{"text": '  # bad_json at many/f05.jsonl:7
+        (src / f"f{k:02d}.jsonl").write_text("\n".join(lines) + "\n")
+    cfg = DataConfig(format="pretrain", max_seq_len=32, block_rows=4)
+    chunks, local = _run_local([str(src)], tmp_path / "local", env["tok"], cfg)
+    tasks = plan_tasks(chunks, cfg.chunk_bytes, int(ray.cluster_resources()["CPU"]))
+    assert len(chunks) == 24 and len(tasks) < len(chunks)  # files really share tasks
+    m = read_manifest(prepare([str(src)], str(tmp_path / "ray"), env["tok"], cfg))
+    assert m["counts"] == local["counts"] and m["counts"]["records"] == 239
+    assert m["skipped"] == local["skipped"] == {"bad_json": {"count": 1, "samples": [f"{src}/f05.jsonl:7"]}}
+    assert [(s["file"], s["index"], s["rows"]) for s in m["shards"]] == \
+        [(s["file"], s["index"], s["rows"]) for s in local["shards"]]
+    for s in m["shards"]:
+        assert pq.read_table(tmp_path / "ray" / s["file"]).equals(pq.read_table(tmp_path / "local" / s["file"]))
