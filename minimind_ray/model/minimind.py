@@ -191,8 +191,7 @@ class MoE(nn.Module):
     Both layouts keep the router as ``mlp.gate.weight`` of shape (E, h). MiniMind2
     stores it as a bare Parameter with kaiming-uniform init, which is exactly what
     ``nn.Linear(h, E, bias=False)`` holds and how it initialises, so one nn.Linear
-    serves both. Training and inference share one dispatch: tokens are grouped by
-    expert index and each expert runs once on its group.
+    serves both. Training and inference share one dispatch (:meth:`experts_forward`).
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -240,26 +239,39 @@ class MoE(nn.Module):
         fi = F.one_hot(idx.view(-1), E).float().mean(0) * E  # (E,)
         return (scores.mean(0) * fi).sum() * self.alpha
 
+    def experts_forward(self, xf: Tensor, weight: Tensor, idx: Tensor) -> Tensor:
+        """sum_j weight[n, j] * experts[idx[n, j]](xf[n]) for every token n: (N, h).
+
+        Slots (token, choice) sorted by expert make one run per expert. In bf16, grouped GEMMs take the
+        run ends on the device: no host sync per layer, no graph break under torch.compile. An expert
+        with no tokens runs on an empty run and keeps a (zero) gradient, as DDP needs. Each token sums
+        its k slots: no scatter-add, so GPUs add in a fixed order."""
+        (N, k), h = idx.shape, xf.shape[1]
+        order = idx.reshape(-1).argsort(stable=True)  # (N*k,) slots by expert; slot s = token s // k
+        ends = torch.searchsorted(idx.reshape(-1)[order], torch.arange(self.E, device=xf.device), right=True)
+        xs = xf.unsqueeze(1).expand(N, k, h).reshape(N * k, h)[order]  # a permutation: no repeated index
+        dtype = torch.get_autocast_dtype(xf.device.type) if torch.is_autocast_enabled(xf.device.type) else xf.dtype
+        # F.grouped_mm: a bf16 kernel (compile traces no other dtype), reading `ends` on the device on CPU and sm 9/10
+        # GPUs; elsewhere torch's fallback copies them to the host in each of 9 calls, so loop and read once instead.
+        sm = torch.cuda.get_device_capability(xf.device)[0] if xf.device.type == "cuda" else None
+        aligned = h % 8 == 0 and self.experts[0].up_proj.out_features % 8 == 0  # 16-byte rows
+        if dtype == torch.bfloat16 and aligned and (xf.device.type == "cpu" or sm in (9, 10)):
+            def grouped(inputs: Tensor, name: str) -> Tensor:  # every expert's `name` Linear on its run
+                w = torch.stack([getattr(e, name).weight for e in self.experts]).to(dtype)  # (E, out, in)
+                return F.grouped_mm(inputs.to(dtype), w.transpose(-2, -1), offs=ends.to(torch.int32))
+            out = grouped(F.silu(grouped(xs, "gate_proj")) * grouped(xs, "up_proj"), "down_proj")
+            out = self.experts[0].dropout(out)  # (N*k, h)
+        else:
+            bounds = [0] + ends.tolist()  # the one host sync of this path
+            out = torch.cat([e(xs[a:b]) for e, a, b in zip(self.experts, bounds[:-1], bounds[1:])])
+        out = (out * weight.reshape(-1, 1)[order]).to(xf.dtype)  # the k slots add up in the residual's dtype
+        return out.new_zeros(out.shape).index_copy(0, order, out).view(N, k, h).sum(dim=1)
+
     def forward(self, x: Tensor) -> Tuple[Tensor, Tensor]:
         B, T, h = x.shape
         xf = x.reshape(-1, h)  # (N, h)
         scores, weight, idx = self.route(xf)
-        flat_idx = idx.reshape(-1)  # (N*k,): slot s belongs to token s // k
-        order = flat_idx.argsort()
-        counts = torch.bincount(flat_idx, minlength=self.E).tolist()  # host sync: group sizes
-        y = torch.zeros_like(xf)  # (N, h)
-        idle = []
-        for expert, slots in zip(self.experts, order.split(counts)):
-            if slots.numel() == 0:
-                idle.append(expert)
-                continue
-            tokens = slots // self.k
-            out = expert(xf[tokens]) * weight.reshape(-1, 1)[slots]  # (n_e, h)
-            y.index_add_(0, tokens, out.to(y.dtype))
-        if idle and torch.is_grad_enabled():
-            # Keep idle experts in the autograd graph (zero gradient), so DDP does not wait for them.
-            y = y + 0 * sum(p.sum() for e in idle for p in e.parameters())
-        y = y.view(B, T, h)
+        y = self.experts_forward(xf, weight, idx).view(B, T, h)
         for shared in getattr(self, "shared_experts", []):
             y = y + shared(x)
         aux = self.aux_loss(scores, idx, B, T) if self.training and self.alpha > 0 else scores.new_zeros(())
