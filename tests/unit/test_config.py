@@ -77,5 +77,5 @@ def test_gpu_recipes_are_valid_once_their_data_exists(recipe, tmp_path):
         t = cfg.train
         assert (cfg.data.max_seq_len, t.global_batch_size, t.lr, t.warmup_steps, cfg.checkpoint.interval,
                 cfg.cluster.max_failures, cfg.cluster.backend, cfg.cluster.num_workers) == \
-            (512, 512, 1e-4, 1000, 100, 3, "nccl", 4)
+            (512, 512, 1e-4, 1000, 100, 3, "auto", 4)
         assert accumulation_steps(cfg.train.global_batch_size, cfg.train.micro_batch_size, 4) == 1  # 128 per GPU
