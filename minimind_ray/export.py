@@ -30,12 +30,16 @@ from minimind_ray.config import ModelConfig
 from minimind_ray.fsio import atomic_write, write_text_atomic
 from minimind_ray.model.minimind import YARN, clean_state_dict, unwrap_model
 from minimind_ray.store.pth import save_pth
+from minimind_ray.store.weights import SAFETENSORS_CONFIG_KEY, model_config_json
 
 # The files of an HF tokenizer folder that travel with the model (the first two are required).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 # MiniMind's tokenizers: <|endoftext|> = 0 (pad), <|im_start|> = 1 (bos), <|im_end|> = 2 (eos).
 DEFAULT_SPECIAL_IDS = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+
+# What `export --format` accepts: MiniMind's fp16 .pth, an HF transformers folder, safetensors with MiniMind's keys.
+FORMATS = ("minimind", "hf", "safetensors")
 
 
 def _has_lora(model: nn.Module) -> bool:
@@ -205,9 +209,10 @@ def _export_model(model: nn.Module, out_dir: Path, stage: str, formats, tokenize
         model = merge_lora(model)
     if "minimind" in formats:
         paths["pth"] = export_minimind_pth(model, out_dir, stage=stage)
-    if "safetensors" in formats:
-        paths["safetensors"] = _write_safetensors(unwrap_model(model), out_dir / "model.safetensors",
-                                                  {"format": "pt", "layout": "minimind"})
+    if "safetensors" in formats:  # the ModelConfig travels in the metadata, so the file loads back as it was
+        raw = unwrap_model(model)
+        paths["safetensors"] = _write_safetensors(raw, out_dir / "model.safetensors", {
+            "format": "pt", "layout": "minimind", SAFETENSORS_CONFIG_KEY: model_config_json(raw.cfg)})
     if "hf" in formats:
         try:
             paths["hf"] = export_hf(model, tokenizer_dir, out_dir / "hf", dtype=torch.float16)
@@ -229,12 +234,16 @@ def export_run_checkpoint(cfg, ckpt_dir: str, out_dir: Path) -> Dict[str, str]:
 
 def export_from_source(source: str, out, formats=("minimind", "hf"), preset: Optional[str] = None,
                        tokenizer: Optional[str] = None, lora: str = "merge") -> Dict[str, str]:
-    """Export any weights (``.pth``, checkpoint dir, Ray Train run dir or storage URI) with no training
-    code running. The tokenizer defaults to the run's own."""
+    """Export any weights (``.pth``, ``.safetensors``, HF export folder, checkpoint dir, Ray Train run dir or
+    storage URI) with no training code running. The tokenizer defaults to the run's own (an HF folder's own)."""
     from minimind_ray.store.weights import build_inference_model
 
+    formats = tuple(formats)
+    unknown = [f for f in formats if f not in FORMATS]
+    if unknown or not formats:  # before any reading: a typo must not export nothing and succeed
+        raise ValueError(f"export format(s) {unknown or list(formats)} unknown; choose from {', '.join(FORMATS)}")
     model, lw = build_inference_model(source, preset, merge_lora=False)
-    tok_dir = tokenizer
+    tok_dir = tokenizer or lw.tokenizer_dir
     stage = "pretrain"
     if lw.run_cfg is not None:
         from minimind_ray.stages import get_stage
@@ -245,4 +254,4 @@ def export_from_source(source: str, out, formats=("minimind", "hf"), preset: Opt
 
             tok_dir = resolve_tokenizer(lw.run_cfg.data.tokenizer, lw.run_cfg.data.cache_dir,
                                         lw.run_cfg.model.generation).path
-    return _export_model(model, Path(out), stage, tuple(formats), tok_dir, lora=lora)
+    return _export_model(model, Path(out), stage, formats, tok_dir, lora=lora)
