@@ -4,32 +4,69 @@ The held-out split is the data pipeline's (sequences whose sample-id hash falls 
 ``data.eval_fraction``), so a run's eval split is never trained on. The loss is the
 same objective and the same sums the training loop's evaluation uses
 (minimind_ray/engine/evaluate.py), on one process, in eval mode.
+
+Data given with ``--data`` gets the tokenizer check training applies
+(:func:`minimind_ray.data.manifest.check_tokenizer`): a loss on ids that mean other tokens
+is no measurement.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Optional
+import logging
+from typing import Dict, Optional, Tuple
 
 import torch
 
 from minimind_ray.engine.evaluate import eval_metrics, eval_sums
 
+log = logging.getLogger(__name__)
+
+
+def _weights_tokenizer_hash(lw, tokenizer: Optional[str]) -> Tuple[Optional[str], str]:
+    """(hash of the tokenizer the weights were trained with, how to name it), or (None, why it is unknown)."""
+    from minimind_ray.data.manifest import DataError, read_manifest
+    from minimind_ray.tokenizer import load_tokenizer, resolve_tokenizer
+    from minimind_ray.tokenizer_fetch import TokenizerFetchError
+
+    run = lw.run_cfg
+    if tokenizer:
+        tok = resolve_tokenizer(tokenizer, run.data.cache_dir if run else "data_cache", lw.model_cfg.generation)
+        return tok.hash(), f"--tokenizer {tokenizer!r}"
+    if lw.tokenizer_dir:
+        return load_tokenizer(lw.tokenizer_dir).hash(), f"the tokenizer of {lw.source}"
+    if lw.meta is None:
+        return None, f"{lw.source} records no tokenizer (pass --tokenizer)"
+    try:  # the data the run trained on records its tokenizer's hash: no tokenizer files needed
+        return read_manifest(lw.meta.prepared_dir)["tokenizer_hash"], f"the tokenizer {lw.source} was trained with"
+    except (OSError, DataError):
+        pass
+    try:
+        tok = resolve_tokenizer(run.data.tokenizer, run.data.cache_dir, run.model.generation)
+    except (OSError, ValueError, TokenizerFetchError) as e:
+        return None, f"the tokenizer of {lw.source} is not at hand ({e}; pass --tokenizer)"
+    return tok.hash(), f"data.tokenizer {run.data.tokenizer!r} of {lw.source}"
+
 
 def evaluate_weights(weights: str, data: Optional[str] = None, preset: Optional[str] = None,
                      batches: int = 0, micro_batch_size: int = 8,
-                     device: Optional[str] = None) -> Dict[str, float]:
-    """Evaluate ``weights`` on ``data`` (a prepared dir), or on the eval split of the run they came from."""
+                     device: Optional[str] = None, tokenizer: Optional[str] = None) -> Dict[str, float]:
+    """Evaluate ``weights`` on ``data`` (a prepared dir, all of it), or on the eval split of the run they
+    came from. ``tokenizer``: the weights' tokenizer, when they do not record it (a bare .pth)."""
     from minimind_ray.config import RunConfig
+    from minimind_ray.data.manifest import DataError, check_tokenizer
     from minimind_ray.data.stream import PreparedDataset, TrainStream
     from minimind_ray.engine.objectives import build_objective
     from minimind_ray.store.weights import build_inference_model
 
+    if micro_batch_size < 1 or batches < 0:
+        raise ValueError(f"eval: micro_batch_size must be >= 1 (got {micro_batch_size}) and batches >= 0 "
+                         f"(got {batches})")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     model, lw = build_inference_model(weights, preset, device=device)
     run_cfg = lw.run_cfg or RunConfig()
     if data is None:
         if lw.meta is None:
-            raise ValueError("--data is needed for a bare .pth")
+            raise ValueError(f"{weights}: --data is needed for weights that are not a run's checkpoint")
         data = lw.meta.prepared_dir
         split, frac = "eval", run_cfg.data.eval_fraction
         if frac <= 0:
@@ -37,10 +74,23 @@ def evaluate_weights(weights: str, data: Optional[str] = None, preset: Optional[
     else:
         split, frac = "train", 0.0  # a separate held-out set: all of it
     ds = PreparedDataset(data, eval_fraction=frac)
+    if split == "train":
+        want, whose = _weights_tokenizer_hash(lw, tokenizer)
+        if want is None:
+            log.warning("eval: cannot check that %s was tokenized with the weights' tokenizer: %s", data, whose)
+        else:
+            check_tokenizer(ds.manifest, data, want, whose, "prepare the data with the weights' tokenizer")
     if ds.format not in ("pretrain", "sft"):
         raise ValueError(f"{data}: eval loss is defined for pretrain/sft data, not {ds.format!r}")
+    n = ds.num_sequences(split)
+    if n == 0:
+        raise DataError(f"{data}: the {'eval split' if split == 'eval' else 'data'} holds no sequences: nothing "
+                        f"to evaluate")
     objective = build_objective(dataclasses.replace(run_cfg, train=dataclasses.replace(run_cfg.train, stage=ds.format)))
-    stream = TrainStream(ds, split=split, global_batch_size=micro_batch_size, micro_batch_size=micro_batch_size,
+    # eval_batches reads micro_batch_size rows at a time, the last batch shorter; the stream only needs its
+    # batch sizes to fit one batch into the split, so a split smaller than a micro-batch is one short batch
+    mb = min(micro_batch_size, n)
+    stream = TrainStream(ds, split=split, global_batch_size=mb, micro_batch_size=mb,
                          world_size=1, rank=0, seed=0, shuffle=False, prefetch_steps=0)
     try:
         loss_sum, weight = eval_sums(model, objective, stream.eval_batches(), limit=batches, device=device)

@@ -92,17 +92,24 @@ def row_settings(data_cfg) -> dict:
             "pack": bool(data_cfg.pack and data_cfg.format == "pretrain")}
 
 
-def check_manifest(manifest: dict, path: str, data_cfg, tokenizer) -> None:
-    """Refuse prepared data that does not match the run: the ids would mean other tokens,
-    or the rows would have another shape than the config asks for."""
+def check_tokenizer(manifest: dict, path: str, tokenizer_hash: str, whose: str, remedy: str) -> None:
+    """Refuse prepared data of another layout version, or tokenized with another tokenizer than
+    ``whose`` (hash ``tokenizer_hash``): its ids would mean other tokens. Training and ``eval --data``
+    both apply it."""
     if manifest.get("version") != PREPARED_VERSION:
         raise DataError(f"prepared data {path} has layout version {manifest.get('version')}, this code reads "
                         f"{PREPARED_VERSION}: prepare it again from the raw files")
-    if manifest["tokenizer_hash"] != tokenizer.hash():
+    if manifest["tokenizer_hash"] != tokenizer_hash:
         raise DataError(
             f"prepared data {path} was tokenized with tokenizer hash {manifest['tokenizer_hash']} "
-            f"({manifest.get('tokenizer_path')}), but data.tokenizer {tokenizer.path!r} has hash {tokenizer.hash()}: "
-            f"prepare the raw data again with this tokenizer, or set data.tokenizer to the one it was made with")
+            f"({manifest.get('tokenizer_path')}), but {whose} has hash {tokenizer_hash}: {remedy}")
+
+
+def check_manifest(manifest: dict, path: str, data_cfg, tokenizer) -> None:
+    """Refuse prepared data that does not match the run: the ids would mean other tokens,
+    or the rows would have another shape than the config asks for."""
+    check_tokenizer(manifest, path, tokenizer.hash(), f"data.tokenizer {tokenizer.path!r}",
+                    "prepare the raw data again with this tokenizer, or set data.tokenizer to the one it was made with")
     for field, want in row_settings(data_cfg).items():
         if manifest[field] != want:
             raise DataError(f"prepared data {path} has {field}={manifest[field]!r} but data.{field}={want!r}")
