@@ -79,8 +79,10 @@ def _tokenizer_for(args, lw):
         return resolve_tokenizer(args.tokenizer, cache_dir, lw.model_cfg.generation)
     if lw.run_cfg is not None:
         return resolve_tokenizer(lw.run_cfg.data.tokenizer, lw.run_cfg.data.cache_dir, lw.run_cfg.model.generation)
-    raise SystemExit("--tokenizer is needed for a bare .pth: minimind2, minimind3, auto (MiniMind's tokenizer of "
-                     "the model's generation) or a tokenizer directory")
+    if lw.tokenizer_dir:  # an HF export folder carries its tokenizer
+        return resolve_tokenizer(lw.tokenizer_dir, "data_cache", lw.model_cfg.generation)
+    raise ValueError(f"{lw.source}: --tokenizer is needed for weights without a tokenizer: minimind2, minimind3, "
+                     f"auto (MiniMind's tokenizer of the model's generation) or a tokenizer directory")
 
 
 def _sampling(args):
@@ -125,7 +127,7 @@ def cmd_eval(args) -> int:
     from minimind_ray.evaluate import evaluate_weights
 
     res = evaluate_weights(args.weights, data=args.data, preset=args.preset, batches=args.batches,
-                           micro_batch_size=args.micro_batch_size)
+                           micro_batch_size=args.micro_batch_size, tokenizer=args.tokenizer)
     print(json.dumps(res, indent=1))
     return 0
 
@@ -133,7 +135,8 @@ def cmd_eval(args) -> int:
 def cmd_export(args) -> int:
     from minimind_ray.export import export_from_source
 
-    paths = export_from_source(args.source, args.out, formats=args.format.split(","), preset=args.preset,
+    formats = [f.strip() for f in args.format.split(",")]
+    paths = export_from_source(args.source, args.out, formats=formats, preset=args.preset,
                                tokenizer=args.tokenizer, lora=args.lora)
     for k, v in paths.items():
         print(f"{k}: {v}")
@@ -141,16 +144,17 @@ def cmd_export(args) -> int:
 
 
 def cmd_merge_lora(args) -> int:
-    import torch
-
     from minimind_ray.config import LoRAConfig
     from minimind_ray.model.lora import apply_lora, load_lora, merge_lora
-    from minimind_ray.store.pth import save_pth
+    from minimind_ray.store.pth import read_pth, save_pth
     from minimind_ray.store.weights import build_inference_model
 
     model, _ = build_inference_model(args.base, args.preset, merge_lora=False)
-    sd = torch.load(args.lora, map_location="cpu", weights_only=True)
-    rank = next(v.shape[0] for k, v in sd.items() if k.endswith("lora.A.weight"))
+    sd = read_pth(args.lora)
+    ranks = [v.shape[0] for k, v in sd.items() if k.endswith("lora.A.weight")]
+    if not ranks:
+        raise ValueError(f"--lora {args.lora}: no '<module>.lora.A.weight' keys; not a LoRA weights file")
+    rank = ranks[0]
     apply_lora(model, LoRAConfig(rank=rank, alpha=args.alpha))
     load_lora(model, sd)
     save_pth(merge_lora(model), args.out)
@@ -166,9 +170,21 @@ def cmd_train_tokenizer(args) -> int:
     return 0
 
 
+def _int_at_least(low: int):
+    """An argparse type: an int >= ``low`` (argparse then names the option and exits 2)."""
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+    parse.__name__ = f"integer >= {low}"
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="minimind-ray", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--debug", action="store_true", help="on an error, show the full traceback (before the verb)")
     sub = p.add_subparsers(dest="verb", required=True)
 
     def with_config(sp):
@@ -217,11 +233,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(fn=cmd_chat)
 
     sp = sub.add_parser("eval", help="eval loss and perplexity on a held-out split")
-    with_weights(sp, tokenizer=False)
+    with_weights(sp)  # --tokenizer: checked against --data's, as training checks it
     sp.add_argument("--data", help="a prepared dir (minimind-ray prepare), all of it held out; "
                                    "default: the eval split of the run the weights come from")
-    sp.add_argument("--batches", type=int, default=0, help="micro-batches to use (0 = all)")
-    sp.add_argument("--micro-batch-size", type=int, default=8)
+    sp.add_argument("--batches", type=_int_at_least(0), default=0, help="micro-batches to use (0 = all)")
+    sp.add_argument("--micro-batch-size", type=_int_at_least(1), default=8)
     sp.set_defaults(fn=cmd_eval)
 
     sp = sub.add_parser("export", help="export weights to MiniMind .pth and/or a Hugging Face folder")
@@ -281,17 +297,32 @@ def cmd_fetch_tokenizer(args) -> int:
     return 0
 
 
+def user_errors() -> tuple:
+    """The library's errors about what a user gave it: bad config (ConfigError, naming the field or
+    file:line), data (DataError), checkpoints (CheckpointError), weights files (WeightsError: truncated,
+    non-float, no matching preset), tokenizers (TokenizerFetchError), and the ValueError/OSError a bad
+    argument, path or URI raises. Each message names the input, so :func:`main` prints it as one line
+    with exit code 2. Anything else is a bug and keeps its traceback."""
+    from minimind_ray.config import ConfigError
+    from minimind_ray.data.manifest import DataError
+    from minimind_ray.store.checkpoint import CheckpointError
+    from minimind_ray.store.pth import WeightsError
+    from minimind_ray.tokenizer_fetch import TokenizerFetchError
+
+    return ConfigError, DataError, CheckpointError, WeightsError, TokenizerFetchError, ValueError, OSError
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     from minimind_ray.config import ConfigError
 
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
-    except (ValueError, FileNotFoundError) as e:  # bad paths or arguments: a message, not a traceback
-        print(f"error: {e}", file=sys.stderr)
+    except Exception as e:
+        if args.debug or not isinstance(e, user_errors()):
+            raise
+        message = " ".join(str(e).split()) or type(e).__name__  # one line, whatever the library wrote
+        print(f"{'config error' if isinstance(e, ConfigError) else 'error'}: {message}", file=sys.stderr)
         return 2
 
 
