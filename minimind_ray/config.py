@@ -170,6 +170,8 @@ class TrainConfig:
     fail_mode: str = _f("raise", "fault injection: 'raise', 'exit' (os._exit) or 'sigkill'")
     fail_rank: int = _f(0, "fault injection: which rank fails", ge=0)
     hang_at_step: Optional[int] = _f(None, "fault injection: this rank sleeps forever before the all-reduce of this step")
+    faults: List[str] = _f([], "fault schedule, each fired once per run: 'step:kind:rank' with kind raise | exit | "
+                               "sigkill | hang | oom, or 'step:slow:rank:seconds' (a straggler that must not fail the run)")
     collective_timeout_s: float = _f(600.0, "a collective that takes longer fails the worker group (hung-rank detection)", gt=0)
     sample_log_dir: Optional[str] = _f(None, "debug: each rank appends the sample ids of every step here (exactly-once checks)")
     threads_per_worker: int = _f(0, "torch/OMP threads per worker; 0 = CPUs per worker rounded up", ge=0)
@@ -292,6 +294,74 @@ def flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
+# Settings that do not change what is trained, only where, how fast, or how it is watched: left out of a
+# run's identity, so a run can be resumed on another cluster, with other logging, or trained further.
+RUNTIME_FIELDS = (
+    "name", "resume", "cluster", "tracking", "checkpoint",
+    "data.cache_dir", "data.prefetch_steps",
+    "train.max_steps", "train.epochs", "train.micro_batch_size", "train.precision", "train.compile",
+    "train.threads_per_worker", "train.log_interval", "train.eval_interval", "train.eval_batches",
+    "train.comm_warn_fraction", "train.collective_timeout_s", "train.sample_log_dir",
+    "train.fail_at_step", "train.fail_mode", "train.fail_rank", "train.hang_at_step", "train.faults",
+)
+
+
+FAULT_KINDS = ("raise", "exit", "sigkill", "hang", "oom", "slow")
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    """One entry of ``train.faults``: at ``step``, ``rank`` does ``kind`` (``slow``: sleeps ``seconds``)."""
+
+    step: int
+    kind: str
+    rank: int
+    seconds: float = 0.0
+
+    @property
+    def key(self) -> str:
+        return f"{self.step}-{self.kind}-{self.rank}"
+
+
+def parse_fault(entry: str) -> FaultSpec:
+    """'step:kind:rank' or 'step:slow:rank:seconds' -> FaultSpec; ValueError saying what is wrong."""
+    parts = str(entry).split(":")
+    try:
+        if len(parts) not in (3, 4) or (parts[1] == "slow") != (len(parts) == 4):
+            raise ValueError
+        spec = FaultSpec(int(parts[0]), parts[1], int(parts[2]), float(parts[3]) if len(parts) == 4 else 0.0)
+    except ValueError:
+        raise ValueError(f"{entry!r} is not 'step:kind:rank' (or 'step:slow:rank:seconds')") from None
+    if spec.kind not in FAULT_KINDS:
+        raise ValueError(f"{entry!r}: unknown kind {spec.kind!r}; one of {FAULT_KINDS}")
+    return spec
+
+
+def fault_schedule(t: "TrainConfig") -> List[FaultSpec]:
+    """``train.faults`` plus the one-entry forms ``fail_at_step``/``fail_mode``/``fail_rank`` and
+    ``hang_at_step`` (on ``fail_rank``)."""
+    faults = [parse_fault(e) for e in t.faults]
+    if t.fail_at_step is not None:
+        faults.append(FaultSpec(t.fail_at_step, t.fail_mode, t.fail_rank))
+    if t.hang_at_step is not None:
+        faults.append(FaultSpec(t.hang_at_step, "hang", t.fail_rank))
+    return faults
+
+
+def run_identity(cfg: "RunConfig") -> str:
+    """``<stage>-<10 hex>``: a hash of the settings that define the training (model, data, stage,
+    optimisation, seed), without the runtime-only ones in :data:`RUNTIME_FIELDS`. The default run name:
+    the same command finds the same run again, whatever the cluster size or tracking server."""
+    import hashlib
+    import json
+
+    flat = flatten(to_dict(cfg))
+    kept = {k: v for k, v in flat.items()
+            if not any(k == f or k.startswith(f + ".") for f in RUNTIME_FIELDS)}
+    digest = hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()
+    return f"{cfg.train.stage}-{digest[:10]}"
+
+
 def field_help(cls=RunConfig, prefix: str = "") -> List[tuple]:
     """[(dotted name, default, help)] for every leaf field: what --help prints."""
     rows = []
@@ -328,30 +398,24 @@ def accumulation_steps(global_batch_size: int, micro_batch_size: int, world_size
     return global_batch_size // per_step
 
 
-# Settings that do not change what is trained, only where, how fast, or how it is watched: left out of a
-# run's identity, so a run can be resumed on another cluster, with other logging, or trained further.
-RUNTIME_FIELDS = (
-    "name", "resume", "cluster", "tracking", "checkpoint",
-    "data.cache_dir", "data.prefetch_steps",
-    "train.max_steps", "train.epochs", "train.micro_batch_size", "train.precision", "train.compile",
-    "train.threads_per_worker", "train.log_interval", "train.eval_interval", "train.eval_batches",
-    "train.comm_warn_fraction", "train.collective_timeout_s", "train.sample_log_dir",
-    "train.fail_at_step", "train.fail_mode", "train.fail_rank", "train.hang_at_step",
-)
-
-
-def run_identity(cfg: "RunConfig") -> str:
-    """``<stage>-<10 hex>``: a hash of the settings that define the training (model, data, stage,
-    optimisation, seed), without the runtime-only ones in :data:`RUNTIME_FIELDS`. The default run name:
-    the same command finds the same run again, whatever the cluster size or tracking server."""
-    import hashlib
-    import json
-
-    flat = flatten(to_dict(cfg))
-    kept = {k: v for k, v in flat.items()
-            if not any(k == f or k.startswith(f + ".") for f in RUNTIME_FIELDS)}
-    digest = hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()
-    return f"{cfg.train.stage}-{digest[:10]}"
+def _validate_faults(cfg: RunConfig) -> None:
+    """The fault schedule fits the run: known kinds, steps in range, ranks below the largest world size,
+    stragglers shorter than the collective timeout (a longer sleep is a hang, not a slow rank)."""
+    t = cfg.train
+    try:
+        faults = fault_schedule(t)
+    except ValueError as e:
+        raise ConfigError(f"train.faults: {e}") from None
+    for f in faults:
+        _need(f.step >= 1 and (t.max_steps is None or f.step <= t.max_steps), "train.faults",
+              f"step {f.step} of {f.key} is outside [1, train.max_steps={t.max_steps}]")
+        _need(f.rank < cfg.cluster.num_workers, "train.faults",
+              f"rank {f.rank} of {f.key} does not exist with cluster.num_workers={cfg.cluster.num_workers}")
+        if f.kind == "slow":
+            _need(0 < f.seconds < t.collective_timeout_s, "train.faults",
+                  f"{f.key}: a straggler's seconds must be in (0, train.collective_timeout_s={t.collective_timeout_s:g})")
+    keys = [f.key for f in faults]
+    _need(len(keys) == len(set(keys)), "train.faults", f"an entry is given twice: {sorted(keys)}")
 
 
 def validate(cfg: RunConfig) -> None:
@@ -384,6 +448,8 @@ def validate(cfg: RunConfig) -> None:
     _need(t.lr_schedule in ("cosine", "minimind"), "train.lr_schedule", "must be 'cosine' or 'minimind'")
     _need(t.precision in ("auto", "bf16", "fp32"), "train.precision", "must be auto, bf16 or fp32")
     _need(t.fail_mode in ("raise", "exit", "sigkill"), "train.fail_mode", "must be raise, exit or sigkill")
+    _validate_faults(cfg)
+    _need(cfg.resume in ("auto", "never", "must"), "resume", "must be auto, never or must")
     _need(cl.backend in ("auto", "nccl", "gloo"), "cluster.backend", "must be auto, nccl or gloo")
     if cl.min_workers is not None:
         _need(cl.min_workers <= cl.num_workers, "cluster.min_workers", "must be in [1, num_workers]")
@@ -397,7 +463,6 @@ def validate(cfg: RunConfig) -> None:
         _need(t.distill.teacher_weights is not None, "train.distill.teacher_weights", "distillation needs teacher weights")
     if t.stage == "grpo":
         _validate_grpo(cfg)
-    _need(cfg.resume in ("auto", "never", "must"), "resume", "must be auto, never or must")
 
 
 def _validate_grpo(cfg: RunConfig) -> None:
