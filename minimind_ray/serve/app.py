@@ -161,28 +161,35 @@ class ChatServer:
         reasoning = bool(think) and prompt.rstrip().endswith("<think>")
         return gen, ReplyText(StreamDecoder(self.tok), req.stop_strings(), reasoning)
 
-    async def _events(self, gen: GenRequest) -> AsyncIterator[List[tuple]]:
-        """The engine's events for ``gen``, in lists of whatever arrived together. Leaving early
-        (client gone, stop string) aborts the request, so its batch row is freed at the next step."""
+    async def _events(self, gen: GenRequest, interval_s: float = 0.0) -> AsyncIterator[List[tuple]]:
+        """The engine's events for ``gen``, in lists of whatever arrived together, at most one list per
+        ``interval_s`` (the first at once). Leaving early (client gone, stop string) aborts the request,
+        so its batch row is freed at the next step."""
         queue: asyncio.Queue = asyncio.Queue()
         gen.on_event, gen.loop = queue.put_nowait, asyncio.get_running_loop()
         self.engine.submit(gen)
-        finished = False
+        finished, last = False, None
         try:
             while not finished:
                 events = [await queue.get()]
+                if last is not None and events[0][0] == "token":  # let tokens gather until the interval is up
+                    wait = last + interval_s - time.monotonic()
+                    if wait > 0:
+                        await asyncio.sleep(wait)
                 while not queue.empty():
                     events.append(queue.get_nowait())
+                last = time.monotonic()
                 finished = any(e[0] in ("end", "error") for e in events)
                 yield events
         finally:
             if not finished:
                 gen.abort("disconnected")
 
-    async def _deltas(self, gen: GenRequest, reply: ReplyText, outcome: _Outcome) -> AsyncIterator[List[tuple]]:
+    async def _deltas(self, gen: GenRequest, reply: ReplyText, outcome: _Outcome,
+                      interval_s: float = 0.0) -> AsyncIterator[List[tuple]]:
         """Text deltas ``[(field, text), ...]`` of the reply; ``outcome`` says how it ended."""
         eos = self.tok.eos_id
-        async for events in self._events(gen):
+        async for events in self._events(gen, interval_s):
             deltas = []
             for kind, value in events:
                 if kind == "token":
@@ -213,7 +220,7 @@ class ChatServer:
         outcome = _Outcome()
         first = True
         try:
-            async for deltas in self._deltas(gen, reply, outcome):
+            async for deltas in self._deltas(gen, reply, outcome, self.opts.stream_interval_ms / 1000):
                 events = []
                 for field, text in _merge(deltas):
                     delta = {"role": "assistant", field: text} if first else {field: text}

@@ -41,6 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tracking-uri", help="MLflow tracking URI for models:/ and runs:/ (default: "
                                           "MLFLOW_TRACKING_URI or sqlite:///<cwd>/mlflow.db)")
     p.add_argument("--model-name", help="model id served in /v1/models (default: from WEIGHTS)")
+    p.add_argument("--stream-interval-ms", type=float, default=d.stream_interval_ms,
+                   help="stream what is new at most this often (default 40; 0 = every token)")
     p.add_argument("--cpus-per-replica", type=float, default=d.cpus_per_replica)
     p.add_argument("--threads", type=int, default=None, help="torch threads per replica (default: its CPUs)")
     p.add_argument("--address", help="Ray address to join (default: RAY_ADDRESS, else a local Ray)")
@@ -116,10 +118,13 @@ def serve_from_args(args: argparse.Namespace) -> int:
         if args.detach and not started_ray:
             print(f"detached: the app keeps running; stop it with `serve shutdown` or serve.delete('{opts.app_name}')")
             return 0
+        if args.detach:
+            print("--detach needs a cluster (--address or RAY_ADDRESS): this local Ray lives as long as this command")
         print("Ctrl-C stops it.", flush=True)
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
-        stop.wait()
+        while not stop.wait(1.0):  # wake up now and then so the signal handlers run promptly
+            pass
     finally:
         _teardown(opts, started_ray, stopping=stop.is_set() or not args.detach)
     return 0

@@ -41,6 +41,8 @@ class ServeOptions:
     max_tokens_cap: int = _f(1024, "requests asking for more max_tokens get a 400")
     context: Optional[int] = _f(None, "most prompt + reply tokens per request; None = the model's "
                                       "max_position_embeddings")
+    stream_interval_ms: float = _f(40.0, "a stream sends what is new at most this often (the first token at "
+                                         "once): fewer, fuller chunks when decoding is fast; 0 = every token")
     temperature: float = _f(0.85, "temperature when a request gives none (0 = greedy)")
     top_p: float = _f(0.85, "top_p when a request gives none")
     top_k: int = _f(50, "top_k when a request gives none (0 = off)")
@@ -76,6 +78,8 @@ class ServeOptions:
                 raise ConfigError(f"{name}: must be >= {low} (got {getattr(self, name)})")
         if self.context is not None and self.context < 2:
             raise ConfigError(f"context: must be >= 2 (got {self.context})")
+        if self.stream_interval_ms < 0:
+            raise ConfigError(f"stream_interval_ms: must be >= 0 (got {self.stream_interval_ms})")
         if self.cpus_per_replica < 0:
             raise ConfigError(f"cpus_per_replica: must be >= 0 (got {self.cpus_per_replica})")
         if not 0 <= self.temperature <= 2 or not 0 < self.top_p <= 1 or self.top_k < 0:
