@@ -23,7 +23,8 @@ from typing import Dict, List, Optional
 import pyarrow.fs as pafs
 import torch
 
-from minimind_ray.config import FaultSpec, RunConfig, fault_schedule
+from minimind_ray.config import RunConfig
+from minimind_ray.fault_schedule import FaultSpec, fault_schedule
 from minimind_ray.fsio import filesystem, join, write_bytes_atomic
 
 MARKERS = ".faults"

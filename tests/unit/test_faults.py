@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minimind_ray.config import ConfigError, FaultSpec, fault_schedule, load_config
+from minimind_ray.config import ConfigError, load_config
+from minimind_ray.fault_schedule import FaultSpec, fault_schedule
 from minimind_ray.raytrain.faults import FaultInjector, fired
 
 
