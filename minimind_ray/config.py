@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import OmegaConf
 
-from minimind_ray.config_checks import ConfigError, check_bounds, read_yaml
+from minimind_ray.config_checks import ConfigError, check_bounds, need, read_yaml
 from minimind_ray.fault_schedule import validate_faults
 from minimind_ray.fsio import is_uri
 from minimind_ray.stages import FORMATS, STAGE_NAMES, STAGES
@@ -336,11 +336,6 @@ def field_help(cls=RunConfig, prefix: str = "") -> List[tuple]:
 
 # --------------------------------------------------------------------------- validation
 
-def _need(cond: bool, field_name: str, msg: str):
-    if not cond:
-        raise ConfigError(f"{field_name}: {msg}")
-
-
 def worker_threads(cfg: RunConfig) -> int:
     """torch/OMP threads of one training worker."""
     return cfg.train.threads_per_worker or max(1, math.ceil(cfg.cluster.cpus_per_worker))
@@ -361,45 +356,45 @@ def validate(cfg: RunConfig) -> None:
     """Fail fast, naming the field, before any Ray work starts."""
     m, d, t, cl = cfg.model, cfg.data, cfg.train, cfg.cluster
     check_bounds(cfg)  # first: the checks below divide by head counts
-    _need(m.generation in ("minimind2", "minimind3"), "model.generation", f"unknown generation {m.generation!r}")
-    _need(m.num_attention_heads % m.num_key_value_heads == 0, "model.num_key_value_heads",
+    need(m.generation in ("minimind2", "minimind3"), "model.generation", f"unknown generation {m.generation!r}")
+    need(m.num_attention_heads % m.num_key_value_heads == 0, "model.num_key_value_heads",
           f"{m.num_key_value_heads} does not divide num_attention_heads {m.num_attention_heads}")
-    _need(m.head_dim is not None or m.hidden_size % m.num_attention_heads == 0, "model.num_attention_heads",
+    need(m.head_dim is not None or m.hidden_size % m.num_attention_heads == 0, "model.num_attention_heads",
           f"does not divide hidden_size {m.hidden_size}")
     if m.use_moe:
-        _need(1 <= m.num_experts_per_tok <= m.num_experts, "model.num_experts_per_tok", "must be in [1, num_experts]")
-    _need(d.format in FORMATS, "data.format", f"unknown format {d.format!r}; one of {FORMATS}")
-    _need(d.bad_records in ("skip", "strict"), "data.bad_records", "must be 'skip' or 'strict'")
-    _need(d.max_seq_len <= m.max_position_embeddings, "data.max_seq_len",
+        need(1 <= m.num_experts_per_tok <= m.num_experts, "model.num_experts_per_tok", "must be in [1, num_experts]")
+    need(d.format in FORMATS, "data.format", f"unknown format {d.format!r}; one of {FORMATS}")
+    need(d.bad_records in ("skip", "strict"), "data.bad_records", "must be 'skip' or 'strict'")
+    need(d.max_seq_len <= m.max_position_embeddings, "data.max_seq_len",
           f"{d.max_seq_len} exceeds model.max_position_embeddings {m.max_position_embeddings} (the RoPE table)")
-    _need(bool(d.train_path), "data.train_path", "no training data given (use 'demo' for the built-in corpus)")
+    need(bool(d.train_path), "data.train_path", "no training data given (use 'demo' for the built-in corpus)")
     from minimind_ray.tokenizer_fetch import PINNED
 
-    _need(d.tokenizer in ("auto", "builtin", *PINNED) or os.path.exists(d.tokenizer), "data.tokenizer",
+    need(d.tokenizer in ("auto", "builtin", *PINNED) or os.path.exists(d.tokenizer), "data.tokenizer",
           f"{d.tokenizer!r} is neither a tokenizer name (auto, builtin, {', '.join(PINNED)}) nor an existing directory")
     for p in d.train_path:
         if p == "demo" or is_uri(p) or any(ch in p for ch in "*?["):
             continue
-        _need(os.path.exists(p), "data.train_path", f"path does not exist: {p}")
-    _need(t.stage in STAGES, "train.stage", f"unknown stage {t.stage!r}; one of {STAGE_NAMES}")
+        need(os.path.exists(p), "data.train_path", f"path does not exist: {p}")
+    need(t.stage in STAGES, "train.stage", f"unknown stage {t.stage!r}; one of {STAGE_NAMES}")
     want_fmt = STAGES[t.stage].formats
-    _need(d.format in want_fmt, "data.format", f"stage {t.stage!r} needs data.format in {want_fmt}, got {d.format!r}")
-    _need(t.lr_schedule in ("cosine", "minimind"), "train.lr_schedule", "must be 'cosine' or 'minimind'")
-    _need(t.precision in ("auto", "bf16", "fp32"), "train.precision", "must be auto, bf16 or fp32")
-    _need(t.fail_mode in ("raise", "exit", "sigkill"), "train.fail_mode", "must be raise, exit or sigkill")
+    need(d.format in want_fmt, "data.format", f"stage {t.stage!r} needs data.format in {want_fmt}, got {d.format!r}")
+    need(t.lr_schedule in ("cosine", "minimind"), "train.lr_schedule", "must be 'cosine' or 'minimind'")
+    need(t.precision in ("auto", "bf16", "fp32"), "train.precision", "must be auto, bf16 or fp32")
+    need(t.fail_mode in ("raise", "exit", "sigkill"), "train.fail_mode", "must be raise, exit or sigkill")
     validate_faults(cfg)
-    _need(cfg.resume in ("auto", "never", "must"), "resume", "must be auto, never or must")
-    _need(cl.backend in ("auto", "nccl", "gloo"), "cluster.backend", "must be auto, nccl or gloo")
+    need(cfg.resume in ("auto", "never", "must"), "resume", "must be auto, never or must")
+    need(cl.backend in ("auto", "nccl", "gloo"), "cluster.backend", "must be auto, nccl or gloo")
     if cl.min_workers is not None:
-        _need(cl.min_workers <= cl.num_workers, "cluster.min_workers", "must be in [1, num_workers]")
+        need(cl.min_workers <= cl.num_workers, "cluster.min_workers", "must be in [1, num_workers]")
     # the global batch must split evenly at every worker count the run may use
     lo = cl.min_workers or cl.num_workers
     for w in range(lo, cl.num_workers + 1):
         accumulation_steps(t.global_batch_size, t.micro_batch_size, w)
     if t.init_from:
-        _need(is_uri(t.init_from) or os.path.exists(t.init_from), "train.init_from", f"not found: {t.init_from}")
+        need(is_uri(t.init_from) or os.path.exists(t.init_from), "train.init_from", f"not found: {t.init_from}")
     if t.stage == "distill":
-        _need(t.distill.teacher_weights is not None, "train.distill.teacher_weights", "distillation needs teacher weights")
+        need(t.distill.teacher_weights is not None, "train.distill.teacher_weights", "distillation needs teacher weights")
     if t.stage == "grpo":
         _validate_grpo(cfg)
 
@@ -408,27 +403,27 @@ def _validate_grpo(cfg: RunConfig) -> None:
     from minimind_ray.rl.rewards import BUILTIN_REWARDS, load_callable
 
     g, d = cfg.train.grpo, cfg.data
-    _need(g.num_generations >= 2, "train.grpo.num_generations", "must be >= 2 (advantages compare a group's completions)")
-    _need(g.max_gen_len >= 1, "train.grpo.max_gen_len", "must be >= 1")
-    _need(d.max_seq_len + g.max_gen_len <= cfg.model.max_position_embeddings, "train.grpo.max_gen_len",
+    need(g.num_generations >= 2, "train.grpo.num_generations", "must be >= 2 (advantages compare a group's completions)")
+    need(g.max_gen_len >= 1, "train.grpo.max_gen_len", "must be >= 1")
+    need(d.max_seq_len + g.max_gen_len <= cfg.model.max_position_embeddings, "train.grpo.max_gen_len",
           f"data.max_seq_len {d.max_seq_len} + max_gen_len {g.max_gen_len} exceed model.max_position_embeddings "
           f"{cfg.model.max_position_embeddings}")
     for name, ok, rule in (("temperature", g.temperature > 0, "> 0"), ("top_p", 0 < g.top_p <= 1, "in (0, 1]"),
                            ("top_k", g.top_k >= 0, ">= 0"), ("epsilon", 0 < g.epsilon < 1, "in (0, 1)"),
                            ("epsilon_high", g.epsilon_high > 0, "> 0"), ("beta", g.beta >= 0, ">= 0")):
-        _need(ok, f"train.grpo.{name}", f"must be {rule}")
-    _need(g.loss_type in ("cispo", "grpo"), "train.grpo.loss_type", f"{g.loss_type!r} is not 'cispo' or 'grpo'")
-    _need(g.rollout == "torch", "train.grpo.rollout", f"unknown rollout engine {g.rollout!r}; one of ('torch',)")
-    _need(d.eval_fraction == 0, "data.eval_fraction", "must be 0 for grpo (there is no held-out loss of sampled "
+        need(ok, f"train.grpo.{name}", f"must be {rule}")
+    need(g.loss_type in ("cispo", "grpo"), "train.grpo.loss_type", f"{g.loss_type!r} is not 'cispo' or 'grpo'")
+    need(g.rollout == "torch", "train.grpo.rollout", f"unknown rollout engine {g.rollout!r}; one of ('torch',)")
+    need(d.eval_fraction == 0, "data.eval_fraction", "must be 0 for grpo (there is no held-out loss of sampled "
                                                       "completions; measure rewards or accuracy instead)")
-    _need(cfg.train.init_from is not None, "train.init_from", "GRPO improves a trained policy: give its weights "
+    need(cfg.train.init_from is not None, "train.init_from", "GRPO improves a trained policy: give its weights "
                                                             "(e.g. a demo SFT run: train.init_from=runs/<demo-sft-run>)")
-    _need(bool(g.rewards), "train.grpo.rewards", "no reward terms")
+    need(bool(g.rewards), "train.grpo.rewards", "no reward terms")
     for i, r in enumerate(g.rewards):
         where = f"train.grpo.rewards[{i}]"
-        _need(math.isfinite(r.weight), f"{where}.weight", "must be a finite number")
+        need(math.isfinite(r.weight), f"{where}.weight", "must be a finite number")
         if r.name == "reward_model":
-            _need(r.path is not None and os.path.isdir(r.path), f"{where}.path", f"not a directory: {r.path}")
+            need(r.path is not None and os.path.isdir(r.path), f"{where}.path", f"not a directory: {r.path}")
         elif r.name not in BUILTIN_REWARDS:
             try:
                 load_callable(r.name)

@@ -18,6 +18,12 @@ class ConfigError(ValueError):
     """An invalid config value; the message names the field (and the file, for a recipe's own errors)."""
 
 
+def need(cond: bool, field_name: str, msg: str) -> None:
+    """Refuse with ``<field>: <msg>`` unless ``cond``."""
+    if not cond:
+        raise ConfigError(f"{field_name}: {msg}")
+
+
 # field metadata key -> (test, how the message writes it); a field carries these through config._f
 BOUNDS = {"gt": (operator.gt, ">"), "ge": (operator.ge, ">="), "lt": (operator.lt, "<"), "le": (operator.le, "<=")}
 

@@ -8,12 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List
 
-from minimind_ray.config_checks import ConfigError
-
-
-def need(cond: bool, field_name: str, msg: str) -> None:
-    if not cond:
-        raise ConfigError(f"{field_name}: {msg}")
+from minimind_ray.config_checks import ConfigError, need
 
 
 FAULT_KINDS = ("raise", "exit", "sigkill", "hang", "oom", "slow")
