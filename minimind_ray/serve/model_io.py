@@ -4,16 +4,16 @@ helpers and MLflow. When those modules move, only the imports at the top of this
 :func:`load_served_model` turns whatever a user points ``minimind-ray serve`` at into a model in
 eval mode plus its tokenizer:
 
-* a run directory, a checkpoint, a MiniMind ``.pth`` or a storage URI of one
-  (``minimind_ray.store.weights``; the tokenizer is the run's own, or ``--tokenizer``);
-* a Hugging Face export folder (``config.json`` + ``model.safetensors`` + tokenizer files);
+* anything ``minimind_ray.store.weights`` loads: a run directory, a checkpoint, a MiniMind ``.pth``,
+  the project's ``.safetensors``, an HF export folder, or a storage URI of one; the tokenizer is the
+  run's own, the HF folder's, or ``--tokenizer``;
 * an MLflow model URI, ``models:/<name>/<version|alias>`` (also ``models:/<name>@<alias>``) or
-  ``runs:/<run_id>/<path>``: the run's ``model/`` files, its ``config/config.yaml`` (the exact
-  architecture) and its ``tokenizer/`` are downloaded from the tracking server.
+  ``runs:/<run_id>/<path>``: the run's model files (the ``.safetensors``, which records its
+  architecture, else the ``.pth`` with the run's ``config/config.yaml``) and its ``tokenizer/`` are
+  downloaded from the tracking server.
 """
 from __future__ import annotations
 
-import json
 import re
 import shutil
 import tempfile
@@ -23,16 +23,19 @@ from typing import Optional, Tuple
 
 import torch
 
-from minimind_ray.config import LoRAConfig, ModelConfig, TrackingConfig, from_dict
+from minimind_ray.config import LoRAConfig, TrackingConfig, from_dict
 from minimind_ray.fsio import is_uri
-from minimind_ray.serve.options import is_mlflow_uri
-from minimind_ray.generate import SamplingConfig, StreamDecoder, render_prompt  # noqa: F401 (re-exported)
-from minimind_ray.generate import generate_tokens, sample_filter  # noqa: F401 (re-exported)
+from minimind_ray.generate import StreamDecoder, generate_tokens, render_prompt, sample_filter  # noqa: F401
 from minimind_ray.model.lora import apply_lora, load_lora, merge_lora
-from minimind_ray.model.minimind import apply_rope, build_model, clean_state_dict
+from minimind_ray.model.minimind import apply_rope, build_model
+from minimind_ray.serve.options import is_mlflow_uri
+from minimind_ray.store.pth import read_pth
+from minimind_ray.store.weights import LoadedWeights, apply_weights, build_inference_model, load_weights
 from minimind_ray.tokenizer import Tokenizer, load_tokenizer, resolve_tokenizer
 from minimind_ray.tracking.runs import resolve_tracking_uri
-from minimind_ray.store.weights import LoadedWeights, apply_weights, build_inference_model, load_weights
+
+# Re-exported for the rest of the package: StreamDecoder, render_prompt (app), sample_filter (engine),
+# generate_tokens (bench).
 
 
 
@@ -42,11 +45,6 @@ class ServedModel:
     tokenizer: Tokenizer
     name: str  # the id /v1/models lists
     context: int  # the model's position limit (max_position_embeddings)
-
-
-def is_hf_export(path: str) -> bool:
-    p = Path(path)
-    return p.is_dir() and (p / "config.json").is_file() and (p / "model.safetensors").is_file()
 
 
 def default_name(source: str) -> str:
@@ -78,15 +76,13 @@ def load_served_model(source: str, tokenizer: Optional[str] = None, preset: Opti
     file (MiniMind's ``lora_*.pth``) on top of the weights and merges it."""
     if is_mlflow_uri(source):
         model, tok = _from_mlflow(source, resolve_tracking_uri(TrackingConfig(uri=tracking_uri)), preset)
-    elif is_hf_export(source):
-        model, tok = _from_hf_export(Path(source))
     else:
         model, lw = build_inference_model(source, preset, merge_lora=True, device="cpu")
         tok = _tokenizer_of(lw)
     if tokenizer:  # an explicit tokenizer wins over the one that came with the weights
         tok = resolve_tokenizer(tokenizer, "data_cache", model.cfg.generation)
     if tok is None:
-        raise ValueError(f"{source}: a bare .pth carries no tokenizer; pass --tokenizer "
+        raise ValueError(f"{source}: these weights carry no tokenizer; pass --tokenizer "
                          f"(minimind2, minimind3, auto or a tokenizer directory)")
     if lora:
         model = _add_lora(model, lora, lora_alpha)
@@ -95,14 +91,17 @@ def load_served_model(source: str, tokenizer: Optional[str] = None, preset: Opti
 
 
 def _tokenizer_of(lw: LoadedWeights) -> Optional[Tokenizer]:
-    if lw.run_cfg is None:
-        return None
-    data = lw.run_cfg.data
-    return resolve_tokenizer(data.tokenizer, data.cache_dir, lw.run_cfg.model.generation)
+    """The run's tokenizer, or an HF export folder's own; None for bare weight files."""
+    if lw.run_cfg is not None:
+        data = lw.run_cfg.data
+        return resolve_tokenizer(data.tokenizer, data.cache_dir, lw.run_cfg.model.generation)
+    if lw.tokenizer_dir:
+        return load_tokenizer(lw.tokenizer_dir)
+    return None
 
 
 def _add_lora(model, path: str, alpha: Optional[float]):
-    sd = clean_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+    sd = read_pth(path)
     ranks = [v.shape[0] for k, v in sd.items() if k.endswith("lora.A.weight")]
     if not ranks:
         raise ValueError(f"--lora {path}: no '<module>.lora.A.weight' keys; not a LoRA weights file")
@@ -164,50 +163,25 @@ def _build_from_download(source: str, uri: str, run_id: str, model_path: str, ds
             return None
 
     model_dir = fetch(model_path)
-    pths = sorted(p for p in (model_dir.rglob("*.pth") if model_dir else []) if not p.name.startswith("lora"))
-    if not pths:
-        raise FileNotFoundError(f"{source}: run {run_id} has no MiniMind .pth under its '{model_path}' artifacts")
+    files = sorted(model_dir.rglob("*")) if model_dir else []
+    tensors = [p for p in files if p.suffix == ".safetensors"]
+    pths = [p for p in files if p.suffix == ".pth" and not p.name.startswith("lora")]
     config_file = fetch("config/config.yaml")
-    tok_dir = fetch("tokenizer")
-    if config_file is not None and not preset:
+    if tensors:  # the project's safetensors record the exact architecture (and keep fp32)
+        model, _ = build_inference_model(str(tensors[0]), preset)
+    elif pths and config_file is not None and not preset:  # MiniMind's fp16 .pth + the run's config
         from omegaconf import OmegaConf
 
         run_cfg = from_dict(OmegaConf.to_container(OmegaConf.load(config_file)))
-        sd = clean_state_dict(torch.load(pths[0], map_location="cpu", weights_only=True))
-        model = apply_weights(build_model(run_cfg.model), LoadedWeights(sd, run_cfg.model, None, None))
+        lw = LoadedWeights(load_weights(str(pths[0]), run_cfg.model.preset).state_dict, run_cfg.model, None, None)
+        model = apply_weights(build_model(run_cfg.model), lw)
+    elif pths:
+        model, _ = build_inference_model(str(pths[0]), preset)
     else:
-        lw = load_weights(str(pths[0]), preset)
-        model = apply_weights(build_model(lw.model_cfg), lw)
+        raise FileNotFoundError(f"{source}: run {run_id} has no model weights (.safetensors or .pth) under its "
+                                f"'{model_path}' artifacts")
+    tok_dir = fetch("tokenizer")
     tok = load_tokenizer(str(tok_dir)) if tok_dir is not None and (tok_dir / "tokenizer.json").exists() else None
-    return model.eval(), tok
-
-
-# --------------------------------------------------------------------------- HF export folder
-
-
-def _from_hf_export(folder: Path):
-    """The model of an ``export --format hf`` folder: MiniMind's keys in model.safetensors (a tied
-    lm_head stored once), the architecture from config.json, the tokenizer beside them."""
-    from safetensors.torch import load_file
-
-    hf = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-            "vocab_size", "intermediate_size", "rms_norm_eps", "rope_theta", "max_position_embeddings",
-            "tie_word_embeddings")
-    values = {k: hf[k] for k in keys if k in hf}
-    moe = hf.get("model_type") == "qwen3_moe"
-    qk_norm = hf.get("model_type") in ("qwen3", "qwen3_moe")
-    mc = ModelConfig(preset="custom", generation="minimind3" if qk_norm else "minimind2", qk_norm=qk_norm,
-                     inference_rope_scaling=bool(hf.get("rope_scaling")), use_moe=moe, **values)
-    if moe:
-        mc.num_experts, mc.num_experts_per_tok = hf["num_experts"], hf["num_experts_per_tok"]
-        mc.moe_intermediate_size, mc.norm_topk_prob = hf["moe_intermediate_size"], hf["norm_topk_prob"]
-        mc.n_shared_experts = 0
-    sd = load_file(str(folder / "model.safetensors"))
-    if mc.tie_word_embeddings:
-        sd.setdefault("lm_head.weight", sd["model.embed_tokens.weight"])
-    model = apply_weights(build_model(mc), LoadedWeights(sd, mc, None, None))
-    tok = load_tokenizer(str(folder)) if (folder / "tokenizer.json").exists() else None
     return model.eval(), tok
 
 

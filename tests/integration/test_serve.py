@@ -40,7 +40,7 @@ def trained(ray_session, mlflow_server, tmp_path_factory):
     # A few small steps: the model stays near its random init, whose greedy replies vary with the prompt.
     # (Trained further, a tiny model first learns to answer every prompt with newlines, which would
     # make equal replies prove little.)
-    res = run_tiny(shared, "serve-sft", "train.stage=sft", "data.format=sft", "train.lr=1e-4",
+    res = run_tiny(shared, "serve-sft", "train.stage=sft", "data.format=sft", "train.lr=1e-4", "cluster.num_workers=1",
                    f"tracking.uri={mlflow_server.uri}", f"tracking.registered_model={REGISTERED}", steps=4)
     assert res.metrics.get("model_version") == "1", res.metrics
     return res
@@ -238,21 +238,32 @@ def test_a_client_that_disconnects_mid_stream_stops_its_generation(served):
     assert after["requests_finished"] == before["requests_finished"]
 
 
-def test_a_registered_model_version_serves_from_models_uri(served, trained, reference):
-    """models:/serve-tiny/1 -> the run's model/ files, config and tokenizer, downloaded from the server;
-    its greedy reply equals generate on the exported .pth the version points at."""
-    from minimind_ray.generate import SamplingConfig, render_prompt, stream_reply
-    from minimind_ray.store.weights import build_inference_model
-
+def test_a_registered_model_version_serves_from_models_uri(served, reference):
+    """models:/serve-tiny/1 -> the run's model/ files and tokenizer, downloaded from the server: the same
+    model as the run directory, so the same greedy reply."""
     client = openai.OpenAI(base_url=f"{served['base']}/registry/v1", api_key="unused", max_retries=0)
     assert [m.id for m in client.models.list().data] == [f"{REGISTERED}/1"]
     msgs = [{"role": "user", "content": PROMPT}]
-    model, _ = build_inference_model(trained.exports["pth"])
-    tok = reference[1]
-    want = "".join(stream_reply(model, tok, render_prompt(tok, msgs), SamplingConfig(max_new_tokens=24,
-                                                                                        temperature=0.0)))
+    want = greedy_text(reference, msgs, 24)
     got = client.chat.completions.create(model=f"{REGISTERED}/1", messages=msgs, temperature=0, max_tokens=24)
     assert got.choices[0].message.content == want
+
+
+def test_registry_aliases_resolve_and_unknown_versions_are_refused_before_ray(reference, mlflow_server):
+    """models:/NAME/ALIAS and models:/NAME@ALIAS load the version the alias points at: the run's own
+    weights (its fp32 safetensors); a version that does not exist is a one-line error."""
+    from mlflow.tracking import MlflowClient
+
+    from minimind_ray.serve.model_io import check_source, load_served_model
+
+    MlflowClient(mlflow_server.uri).set_registered_model_alias(REGISTERED, "champion", "1")
+    run_model = reference[0].state_dict()
+    for uri in (f"models:/{REGISTERED}/champion", f"models:/{REGISTERED}@champion"):
+        served = load_served_model(uri, tracking_uri=mlflow_server.uri)
+        got = served.model.state_dict()
+        assert got.keys() == run_model.keys() and all(torch.equal(got[k], run_model[k]) for k in got), uri
+    with pytest.raises(ValueError, match=f"models:/{REGISTERED}/7: not found in the MLflow registry"):
+        check_source(f"models:/{REGISTERED}/7", mlflow_server.uri)
 
 
 # --------------------------------------------------------------------------- the chat page in a browser

@@ -1,0 +1,65 @@
+"""What `minimind-ray serve` loads, without Ray: the weight kinds that need more than a run directory
+(an HF export folder with its own tokenizer, a separate LoRA file merged in, a bare .pth that needs a
+tokenizer), and the one-line refusals before Ray starts."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minimind_ray.config import LoRAConfig, ModelConfig
+from minimind_ray.model.minimind import build_model
+from minimind_ray.model.presets import preset_values
+from minimind_ray.serve.model_io import check_source, load_served_model
+
+
+@pytest.fixture(scope="module")
+def tok_dir():
+    from tests.conftest import minimind_tokenizer_dir
+
+    return str(minimind_tokenizer_dir("minimind2"))
+
+
+def same_weights(a, b, atol=0.0):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert torch.allclose(sa[k].float(), sb[k].float(), atol=atol, rtol=0), k
+
+
+def test_an_hf_export_folder_serves_with_its_own_tokenizer(tmp_path, tok_dir):
+    from minimind_ray.export import export_hf
+
+    model = build_model(ModelConfig(**preset_values("tiny3")), seed=2)
+    folder = export_hf(model, tok_dir, tmp_path / "hf", dtype=torch.float32)
+    served = load_served_model(folder)
+    same_weights(served.model, model)
+    assert served.model.cfg.qk_norm and served.model.cfg.generation == "minimind3"
+    assert served.tokenizer.path == str(tmp_path / "hf") and served.name == "hf"
+
+
+def test_a_separate_lora_file_is_merged_into_the_weights(tmp_path, tok_dir):
+    from minimind_ray.model.lora import apply_lora, merge_lora, save_lora
+    from minimind_ray.store.pth import save_pth
+
+    base = build_model(ModelConfig(**preset_values("tiny")), seed=3)
+    save_pth(base, str(tmp_path / "base.pth"), dtype=torch.float32)
+    apply_lora(base, LoRAConfig(rank=4))
+    with torch.no_grad():
+        for name, p in base.named_parameters():
+            if ".lora.B." in name:
+                p.normal_(std=0.05)  # a trained adapter: B is zero only at init
+    save_lora(base, str(tmp_path / "lora_tiny.pth"), dtype=torch.float32)
+    want = merge_lora(base)
+    served = load_served_model(str(tmp_path / "base.pth"), tokenizer=tok_dir, lora=str(tmp_path / "lora_tiny.pth"))
+    same_weights(served.model, want, atol=1e-6)
+    assert not any(".lora." in k for k in served.model.state_dict())
+
+
+def test_weights_without_a_tokenizer_and_missing_sources_are_one_line_errors(tmp_path):
+    from minimind_ray.store.pth import save_pth
+
+    save_pth(build_model(ModelConfig(**preset_values("tiny")), seed=1), str(tmp_path / "bare.pth"))
+    with pytest.raises(ValueError, match="bare.pth: these weights carry no tokenizer; pass --tokenizer"):
+        load_served_model(str(tmp_path / "bare.pth"))
+    with pytest.raises(FileNotFoundError, match="nope: no such file or directory"):
+        check_source(str(tmp_path / "nope"))
