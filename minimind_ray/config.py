@@ -111,8 +111,9 @@ class DistillConfig:
 class RewardConfig:
     """One term of the GRPO reward; a completion's reward is the sum of weight * term (minimind_ray/rl/rewards.py)."""
 
-    name: str = _f("length", "length | think_format | repetition | exact_answer | reward_model (MiniMind's rules, a known "
-                             "answer, a model), or 'module:function' called as fn(prompts, completions, answers, **args)")
+    name: str = _f("length", "length | think_format | repetition | exact_answer | close_answer | reward_model (MiniMind's "
+                             "rules, a known answer, a near miss, a model), or 'module:function' called as "
+                             "fn(prompts, completions, answers, **args)")
     weight: float = _f(1.0, "multiplier of this term in the total reward")
     path: Optional[str] = _f(None, "reward_model: a directory with an HF AutoModelForSequenceClassification, or a model "
                                    "with get_score as MiniMind uses (internlm2-1_8b-reward; args.trust_remote_code=true)")

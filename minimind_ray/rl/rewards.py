@@ -15,6 +15,7 @@ Built in (MiniMind's rules from ``trainer/train_grpo.py``, d65ef2c, written anew
 ``repetition``    minus MiniMind's repetition penalty of the answer (the text after ``</think>``):
                   the share of repeated word 3-grams, times 2 * cap, at most cap = 0.5
 ``exact_answer``  1.0 when the answer is right, else 0.0 (:func:`is_correct`)
+``close_answer``  partial credit for a numeric answer: 1 - |last number - answer| / tolerance, at least 0
 ``reward_model``  a model's score, clipped to [-3, 3] (minimind_ray/rl/reward_model.py)
 ``module:function``  any importable callable with the signature above
 
@@ -28,7 +29,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-BUILTIN_REWARDS = ("length", "think_format", "repetition", "exact_answer", "reward_model")
+BUILTIN_REWARDS = ("length", "think_format", "repetition", "exact_answer", "close_answer", "reward_model")
 RewardFn = Callable[..., Sequence[float]]
 
 
@@ -85,6 +86,11 @@ def _normalise(text: str) -> str:
     return " ".join(text.casefold().split()).rstrip(".。!！")
 
 
+def _last_number(text: str) -> Optional[float]:
+    numbers = _NUMBER.findall(split_think(text)[1].replace(",", ""))
+    return float(numbers[-1]) if numbers else None
+
+
 def is_correct(completion: str, answer: str) -> bool:
     """Whether ``completion`` gives ``answer``. A numeric answer must equal the completion's *last*
     number ("12 plus 7 equals 19." gives 19; thousands commas ignored); any other answer must equal
@@ -92,20 +98,29 @@ def is_correct(completion: str, answer: str) -> bool:
     answer = answer.strip()
     if not answer:
         return False
-    reply = split_think(completion)[1]
     ref = _as_number(answer)
     if ref is not None:
-        numbers = _NUMBER.findall(reply.replace(",", ""))
-        return bool(numbers) and float(numbers[-1]) == ref
-    return _normalise(reply) == _normalise(answer)
+        return _last_number(completion) == ref
+    return _normalise(split_think(completion)[1]) == _normalise(answer)
 
 
 def exact_answer_reward(prompts, completions, answers, correct: float = 1.0, wrong: float = 0.0) -> List[float]:
     return [correct if is_correct(c, a) else wrong for c, a in zip(completions, answers)]
 
 
+def close_answer_reward(prompts, completions, answers, tolerance: float = 10.0) -> List[float]:
+    """A dense companion of exact_answer for numeric answers: a near miss earns part of the credit, so a
+    group of wrong replies still tells the closer ones apart. 0 for a reply without a number or a text answer."""
+    out = []
+    for c, a in zip(completions, answers):
+        ref, got = _as_number(a.strip()) if a.strip() else None, _last_number(c)
+        out.append(0.0 if ref is None or got is None else max(0.0, 1.0 - abs(got - ref) / tolerance))
+    return out
+
+
 RULES: Dict[str, RewardFn] = {"length": length_reward, "think_format": think_format_reward,
-                              "repetition": repetition_reward, "exact_answer": exact_answer_reward}
+                              "repetition": repetition_reward, "exact_answer": exact_answer_reward,
+                              "close_answer": close_answer_reward}
 
 
 def load_callable(spec: str) -> RewardFn:

@@ -11,8 +11,9 @@ import torch
 
 from minimind_ray.config import RewardConfig
 from minimind_ray.rl.reward_model import GetScoreReward, load_reward_model, prompt_messages
-from minimind_ray.rl.rewards import (build_rewards, exact_answer_reward, is_correct, length_reward,
-                                     repetition_penalty, repetition_reward, score, think_format_reward)
+from minimind_ray.rl.rewards import (build_rewards, close_answer_reward, exact_answer_reward, is_correct,
+                                     length_reward, repetition_penalty, repetition_reward, score,
+                                     think_format_reward)
 from tests.conftest import minimind_tokenizer_dir
 
 PROMPT = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 12 plus 7?<|im_end|>\n<|im_start|>assistant\n"
@@ -58,6 +59,14 @@ def test_repetition_penalty_is_minimind_rule():
 def test_exact_answer(completion, answer, right):
     assert is_correct(completion, answer) is right
     assert exact_answer_reward(None, [completion], [answer]) == [1.0 if right else 0.0]
+
+
+def test_close_answer_gives_partial_credit_for_a_near_miss():
+    completions = ["12 plus 7 equals 19.", "12 plus 7 equals 16.", "12 plus 7 equals 40.", "no number",
+                   "<think>19</think>It is 25."]
+    assert close_answer_reward(None, completions, ["19"] * 5) == pytest.approx([1.0, 0.7, 0.0, 0.0, 0.4])
+    assert close_answer_reward(None, ["16"], ["19"], tolerance=3) == pytest.approx([0.0])
+    assert close_answer_reward(None, ["Paris"], ["Paris"]) == [0.0]  # text answers: exact_answer's job
 
 
 def double_length(prompts, completions, answers, factor=2.0):
