@@ -2,7 +2,7 @@
 
 At the engine level (no Ray), on the fixture's 33k-parameter model and prepared data
 (tests/fixtures/checkpoint_v1), 8 optimizer steps, against fp32 eager. Tolerances are the measured
-differences times 4-5 (figures in docs/training.md, "Precision and compile"):
+differences times 4-5 (figures in docs/training.md, "bf16, torch.compile and the MoE dispatch without a GPU"):
 
 * bf16 autocast: per-step loss within 2e-3 of fp32 (measured 4.0e-4 on a loss of ~5.9);
 * torch.compile (inductor, fp32): per-step loss within 1e-6 (measured 2.4e-7), weights within 5e-7
@@ -11,9 +11,9 @@ differences times 4-5 (figures in docs/training.md, "Precision and compile"):
 Compiling costs a cold inductor build (gcc, 31 C++ kernels) per distinct graph: the compiled runs share
 one module fixture and one graph (fp32), so only the first builds; the others load it from inductor's
 cache. Inductor's pool of compile workers is switched off here: on 2 shared cores it doubled the CPU cost
-of the build (118 s against 64 s of CPU, measured). That CPU time is the floor; on a machine shared with
-other work the wall time grows with the load (over 600 s was seen at a load average of 25), hence the
-longer timeout of the compiled tests.
+of the build (118 s against 64 s of CPU, measured). This file took 97 s of CPU cold, 22 s with inductor's
+cache warm; on a machine shared with other work the wall time grows with the load (the compiled fixture
+took 607 s at a load average of 12-20), hence the compiled tests' longer timeout.
 """
 from __future__ import annotations
 
