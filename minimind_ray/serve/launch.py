@@ -101,10 +101,11 @@ def _as_args(opts: ServeOptions) -> dict:
 
 
 def serve_from_args(args: argparse.Namespace) -> int:
-    from minimind_ray.serve.model_io import check_source
+    from minimind_ray.serve.model_io import check_source, pin_tokenizer
 
     opts = options_from_args(args)
     check_source(opts.weights, opts.tracking_uri)  # a one-line error before Ray starts
+    opts.tokenizer = pin_tokenizer(opts.weights, opts.tokenizer)
     started_ray = connect(opts)
     stop = threading.Event()
     try:

@@ -14,6 +14,7 @@ eval mode plus its tokenizer:
 """
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import tempfile
@@ -30,7 +31,8 @@ from minimind_ray.model.lora import apply_lora, load_lora, merge_lora
 from minimind_ray.model.minimind import apply_rope, build_model
 from minimind_ray.serve.options import is_mlflow_uri
 from minimind_ray.store.pth import read_pth
-from minimind_ray.store.weights import LoadedWeights, apply_weights, build_inference_model, load_weights
+from minimind_ray.store.weights import (LoadedWeights, apply_weights, build_inference_model, load_weights,
+                                        resolve_checkpoint)
 from minimind_ray.tokenizer import Tokenizer, load_tokenizer, resolve_tokenizer
 from minimind_ray.tracking.runs import resolve_tracking_uri
 
@@ -67,6 +69,21 @@ def check_source(source: str, tracking_uri: Optional[str] = None) -> None:
     if not is_uri(source) and not Path(source).exists():
         raise FileNotFoundError(f"{source}: no such file or directory (a run dir, checkpoint, .pth, HF export "
                                 f"folder, storage URI, models:/NAME/VERSION or runs:/RUN_ID/model)")
+
+
+def pin_tokenizer(source: str, tokenizer: Optional[str]) -> Optional[str]:
+    """In the driver: the tokenizer replicas should load, as something that means the same on every
+    process. A run records ``data.tokenizer`` and ``data.cache_dir`` as given, often relative to where it
+    was trained (``builtin`` lives in ``data_cache/``); replicas run in another directory, so the driver
+    resolves it here, in the user's directory as ``chat`` would, and passes the absolute folder on.
+    Weights that bring no tokenizer of their own (a .pth, an HF folder, MLflow URIs) are left as they are."""
+    if tokenizer:
+        return os.path.abspath(tokenizer) if os.path.exists(tokenizer) else tokenizer  # a dir, or a name
+    if is_mlflow_uri(source) or is_uri(source) or not Path(source).is_dir() or (Path(source) / "config.json").exists():
+        return None
+    ck = resolve_checkpoint(source)
+    run_cfg = ck.meta().run_config()
+    return resolve_tokenizer(run_cfg.data.tokenizer, run_cfg.data.cache_dir, run_cfg.model.generation).path
 
 
 def load_served_model(source: str, tokenizer: Optional[str] = None, preset: Optional[str] = None,

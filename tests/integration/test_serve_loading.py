@@ -1,7 +1,9 @@
 """What `minimind-ray serve` loads, without Ray: the weight kinds that need more than a run directory
 (an HF export folder with its own tokenizer, a separate LoRA file merged in, a bare .pth that needs a
-tokenizer), and the one-line refusals before Ray starts."""
+tokenizer), a run's relative tokenizer pinned by the driver, and the one-line refusals before Ray starts."""
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +12,8 @@ from minimind_ray.config import LoRAConfig, ModelConfig
 from minimind_ray.model.minimind import build_model
 from minimind_ray.model.presets import preset_values
 from minimind_ray.serve.model_io import check_source, load_served_model
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -63,3 +67,28 @@ def test_weights_without_a_tokenizer_and_missing_sources_are_one_line_errors(tmp
         load_served_model(str(tmp_path / "bare.pth"))
     with pytest.raises(FileNotFoundError, match="nope: no such file or directory"):
         check_source(str(tmp_path / "nope"))
+
+
+def test_a_runs_relative_tokenizer_is_pinned_to_an_absolute_folder_in_the_driver(tmp_path, tok_dir, monkeypatch):
+    """A run trained with data.tokenizer / data.cache_dir relative to its working directory: replicas run
+    elsewhere, so the driver hands them the folder resolved where the user runs the command."""
+    import shutil
+
+    from minimind_ray.config import load_config, to_dict
+    from minimind_ray.engine.state import RNGState
+    from minimind_ray.serve.model_io import pin_tokenizer
+    from minimind_ray.store import checkpoint as ckpt_io
+
+    shutil.copytree(tok_dir, tmp_path / "tok")
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(str(REPO / "pipelines" / "configs" / "tiny.yaml"), ["data.tokenizer=tok", "data.cache_dir=cache"])
+    model = build_model(cfg.model, seed=5)
+    ck = tmp_path / "runs" / "r" / "checkpoint_000001"
+    ckpt_io.write_rank_files(ck, 0, RNGState().state_dict())
+    ckpt_io.write_shared_files(ck, model_state=model.state_dict(), train_state={},
+                               meta=ckpt_io.CheckpointMeta(step=1, epoch=0, data_state={}, world_size=1,
+                                                           stage="pretrain", total_steps=1, config=to_dict(cfg),
+                                                           prepared_dir=None))
+    assert pin_tokenizer("runs/r", None) == str(tmp_path / "tok")
+    assert pin_tokenizer("runs/r", "tok") == str(tmp_path / "tok")  # a relative --tokenizer too
+    assert pin_tokenizer("runs/r", "minimind3") == "minimind3"  # a name means the same everywhere
