@@ -4,9 +4,11 @@ Both use cluster/local/start.sh (what users run), on free ports, and stop exactl
 """
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
@@ -50,31 +52,76 @@ def test_ray_job_submit_runs_the_tiny_pretrain(cluster_env, tmp_path):
     print(f"\nray job submit, tiny pretrain, end to end: {elapsed:.0f}s")
 
 
-@pytest.mark.timeout(600)
+def _wait_for(what: str, cond, driver: subprocess.Popen, log: Path, timeout: float = 300) -> None:
+    """Poll ``cond`` until true; fail naming ``what`` (with the driver's last output) when the driver ends first."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert driver.poll() is None, f"the driver ended before {what}: {log.read_text()[-4000:]}"
+        assert time.monotonic() < deadline, f"no {what} after {timeout:.0f}s: {log.read_text()[-4000:]}"
+        time.sleep(0.2)
+
+
+def _start(*args: str, env: dict, tries: int = 3) -> None:
+    """cluster/local/start.sh, tried again when a node does not come up: on a machine at load average 20-30,
+    `ray start` failed now and then (its raylet has 30 s to register, its dashboard modules 30 s to start);
+    start.sh stops what it started before it exits, so a retry starts clean."""
+    for _ in range(tries):
+        r = _sh("start.sh", *args, env=env, timeout=240)
+        if r.returncode == 0:
+            return
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+def _rank0_lines(samples: Path):
+    """Rank 0's sample-log lines so far, in the order written (a line being written is left out)."""
+    f, out = samples / "rank0.jsonl", []
+    for line in f.read_text().splitlines() if f.exists() else []:
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return out
+
+
+@pytest.mark.timeout(900)
 def test_training_continues_after_losing_a_worker_node(cluster_env, tmp_path):
-    """One training worker per node (trainslot); node 2 is killed mid-run. The run restarts from its
-    last checkpoint on the node that is left (elastic 1..2 workers) and trains every sample once."""
+    """One training worker per node (trainslot), elastic 1..2 workers. Node 2 is killed mid-run: the run
+    restarts from its last checkpoint on the node that is left. Node 2 is started again: Ray Train's
+    elastic policy sees its trainslot come back and restarts the group with 2 workers from the newest
+    checkpoint (docs/training.md, "Elastic scale-up"). The world goes 2 -> 1 -> 2 workers, every sample
+    is trained once and every step trains one global batch of 16 samples, whatever the world size."""
     state, env = cluster_env
     base = _free_base(2)
-    r = _sh("start.sh", "2", "--state-dir", state, "--port", str(base), "--head-cpus", "2", "--worker-cpus", "1",
-            env=env, timeout=240)
-    assert r.returncode == 0, r.stderr
-    steps, name = 60, "node-loss"
-    driver = subprocess.Popen(
-        [sys.executable, "-m", "pipelines.pretrain", *common_args(tmp_path, name), f"cluster.address=127.0.0.1:{base}",
-         "cluster.num_workers=2", "cluster.min_workers=1", "cluster.worker_resource=trainslot",
-         "cluster.resource_timeout_s=20", f"train.max_steps={steps}", "checkpoint.interval=5", "tracking.enabled=false"],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    log = tmp_path / "samples" / name / "rank1.jsonl"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and driver.poll() is None:
-        if log.exists() and sum(1 for _ in log.open()) >= 8:
-            break
-        time.sleep(0.2)
-    assert driver.poll() is None, driver.stdout.read()[-4000:]
-    assert _sh("kill_node.sh", "2", "--state-dir", state, env=env, timeout=30).returncode == 0
-    out, _ = driver.communicate(timeout=420)
-    assert driver.returncode == 0, out[-5000:]
+    _start("2", "--state-dir", state, "--port", str(base), "--head-cpus", "2", "--worker-cpus", "1", env=env)
+    steps, name = 40, "node-loss"
+    samples, log = tmp_path / "samples" / name, tmp_path / "driver.log"
+    # Rank 0 stalls up to 300 s at step 14, which the run reaches on 1 worker: room for node 2 to come
+    # back and for the group to grow. A resize ends the stall early: the new group restores from the
+    # step-10 checkpoint and the fault, fired once per run, does not fire again.
+    with open(log, "w") as out:
+        driver = subprocess.Popen(
+            [sys.executable, "-m", "pipelines.pretrain", *common_args(tmp_path, name), f"cluster.address=127.0.0.1:{base}",
+             "cluster.num_workers=2", "cluster.min_workers=1", "cluster.worker_resource=trainslot",
+             "cluster.resource_timeout_s=20", f"train.max_steps={steps}", "checkpoint.interval=5", "tracking.enabled=false",
+             "train.faults=[14:slow:0:300]"],
+            cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        _wait_for("step 8 on 2 workers", lambda: any(r["step"] >= 8 for r in _rank0_lines(samples)), driver, log)
+        assert _sh("kill_node.sh", "2", "--state-dir", state, env=env, timeout=30).returncode == 0
+        _wait_for("step on 1 worker", lambda: any(r["world"] == 1 for r in _rank0_lines(samples)), driver, log)
+        _start("--node", "2", "--state-dir", state, env=env)
+        assert driver.wait(timeout=600) == 0, log.read_text()[-5000:]
+    finally:
+        if driver.poll() is None:
+            driver.kill()
     per_step, attempts = sample_record({"base": tmp_path}, name)
     assert_exactly_once(per_step, steps=steps)
-    assert len(attempts) >= 2, "no restart seen after the node was killed"
+    worlds = [r["world"] for r in _rank0_lines(samples)]
+    assert [w for i, w in enumerate(worlds) if i == 0 or w != worlds[i - 1]] == [2, 1, 2], worlds
+    # every step a worker group completed trained 16 samples, split over its ranks (8 + 8, or 16 on one)
+    lines = defaultdict(list)
+    for f in samples.glob("rank*.jsonl"):
+        for r in map(json.loads, f.read_text().splitlines()):
+            lines[r["attempt"], r["world"], r["step"]].append(len(r["ids"]))
+    complete = {k: v for k, v in lines.items() if len(v) == k[1]}
+    assert {k[1] for k in complete} == {1, 2} and all(sum(v) == 16 for v in complete.values()), complete
