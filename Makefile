@@ -21,7 +21,7 @@ demo: $(STAMP)
 
 ## the test suite (what .ci/run calls)
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=30 tests
 
 ## the MLflow UI over the default local store, on 127.0.0.1 only
 ui: $(STAMP)

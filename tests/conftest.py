@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import re
 import shutil
 import tempfile
 import uuid
@@ -40,6 +41,17 @@ def minimind_tokenizer_dir(generation: str) -> Path:
     if not (d / "tokenizer.json").exists():
         pytest.skip(f"MiniMind's {generation} tokenizer not found at {d} (set MINIMIND_SHARED)")
     return d
+
+
+# Ray forwards its actors' log lines to the driver's stderr ("(Name pid=N) ..."), in colour or not,
+# at any moment: a test that asserts the CLI printed exactly one line must not count them.
+_RAY_FORWARDED = re.compile(r"^(\x1b\[[0-9;]*m)?\((\w+ )?pid=\d+(, ip=[\d.]+)?\)")
+
+
+def cli_stderr(capsys) -> str:
+    """What the code under test wrote to stderr since the last read, without Ray's forwarded log lines."""
+    err = capsys.readouterr().err
+    return "\n".join(line for line in err.splitlines() if not _RAY_FORWARDED.match(line)).strip()
 
 
 @pytest.fixture(scope="session")

@@ -20,6 +20,7 @@ from minimind_ray.model.presets import preset_values
 from minimind_ray.config import ModelConfig
 from minimind_ray.store.checkpoint import open_checkpoint
 from minimind_ray.store.pth import save_pth
+from tests.conftest import cli_stderr
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
@@ -102,7 +103,7 @@ def test_gpu_settings_on_a_cluster_without_gpus_stop_before_any_worker(ray_sessi
     for bad, field in (("cluster.backend=nccl", "cluster.backend"), ("cluster.use_gpu=true", "cluster.use_gpu")):
         extra = [bad] + (["cluster.use_gpu=false"] if "backend" in bad else [])
         assert main(["pretrain", "--config", recipe, *common, *extra]) == 2
-        err = capsys.readouterr().err.strip().splitlines()
+        err = cli_stderr(capsys).splitlines()
         assert len(err) == 1 and err[0].startswith(f"config error: {field}:"), err
     assert not (workdir / "gpu-runs").exists() or not any((workdir / "gpu-runs").rglob("checkpoint_*"))
     with pytest.raises(ConfigError):

@@ -12,7 +12,7 @@ import pytest
 from minimind_ray.cli import main
 from minimind_ray.tokenizer import load_tokenizer
 from minimind_ray.tokenizer_fetch import FILES, PINNED
-from tests.conftest import minimind_tokenizer_dir
+from tests.conftest import cli_stderr, minimind_tokenizer_dir
 
 pytestmark = pytest.mark.integration
 
@@ -51,7 +51,7 @@ def test_prepare_with_a_named_tokenizer_from_any_directory(ray_session, elsewher
     original = bad.read_bytes()
     bad.write_bytes(original.replace(b'"<|im_end|>"', b'"<|im_stop|>"', 1))
     assert main(["prepare", f"data.train_path=[{data}]", "data.tokenizer=minimind3", *common]) == 2
-    err = capsys.readouterr().err.strip()
+    err = cli_stderr(capsys)
     assert "\n" not in err and "sha256 mismatch" in err and str(bad) in err and "'minimind3'" in err
     assert not (tmp_path / "cache" / "tokenizers" / "minimind3").exists()
 
@@ -59,6 +59,6 @@ def test_prepare_with_a_named_tokenizer_from_any_directory(ray_session, elsewher
     bad.write_bytes(original)
     prepared = manifests[0].parent
     assert main(["prepare", f"data.train_path=[{prepared}]", "data.tokenizer=minimind3", *common]) == 2
-    err = capsys.readouterr().err.strip()
+    err = cli_stderr(capsys)
     minimind3 = load_tokenizer(str(minimind_tokenizer_dir("minimind3"))).hash()
     assert "\n" not in err and f"tokenizer hash {minimind2}" in err and f"has hash {minimind3}" in err

@@ -14,13 +14,14 @@ from minimind_ray.config import ModelConfig
 from minimind_ray.model.minimind import build_model
 from minimind_ray.model.presets import preset_values
 from minimind_ray.store.pth import save_pth
+from tests.conftest import cli_stderr
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "checkpoint_v1"
 
 
 def refused(capsys, *args) -> str:
     code = main([str(a) for a in args])
-    lines = capsys.readouterr().err.strip().splitlines()
+    lines = cli_stderr(capsys).splitlines()
     assert code == 2 and len(lines) == 1, (code, lines)
     return lines[0]
 

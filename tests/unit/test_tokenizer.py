@@ -8,7 +8,7 @@ import pickle
 import pytest
 
 from minimind_ray.tokenizer import CHATML_TEMPLATE, Tokenizer, load_tokenizer, resolve_tokenizer, train_tokenizer
-from tests.conftest import minimind_tokenizer_dir
+from tests.conftest import cli_stderr, minimind_tokenizer_dir
 
 TEXTS = ["The capital of France is Paris.", "法国的首都是巴黎。", "Mixed 混合 text, 123 + 456 = 579!\n  indented"]
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "天气",
@@ -128,7 +128,7 @@ def test_train_tokenizer_refuses_a_directory_holding_a_users_files(small_corpus,
         monkeypatch.chdir(out)
     assert main(["train-tokenizer", "--data", small_corpus, "--out", "." if out_is_cwd else str(out),
                  "--vocab-size", "400"]) == 2
-    err = capsys.readouterr().err.strip()
+    err = cli_stderr(capsys)
     assert "\n" not in err and f"{out} is not empty and not a tokenizer directory (it holds notes.txt)" in err
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt", "tokenizer.json"]
     assert (out / "notes.txt").read_text() == "a user's file"

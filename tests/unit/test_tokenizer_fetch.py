@@ -18,7 +18,7 @@ from minimind_ray.cli import main
 from minimind_ray.config import ConfigError, load_config
 from minimind_ray.tokenizer import load_tokenizer, resolve_tokenizer
 from minimind_ray.tokenizer_fetch import FILES, PINNED, TokenizerFetchError, fetch_to, fetch_tokenizer
-from tests.conftest import TEST_CACHE_DIR, minimind_tokenizer_dir
+from tests.conftest import cli_stderr, TEST_CACHE_DIR, minimind_tokenizer_dir
 
 
 @pytest.fixture
@@ -158,7 +158,7 @@ def test_fetch_tokenizer_verb_writes_a_mirror_and_keeps_other_files(mirror, tmp_
     (out / "minimind2" / "tokenizer.json").write_text("mine")
     capsys.readouterr()
     assert main(["fetch-tokenizer", "minimind2", "--out", str(out)]) == 2
-    err = capsys.readouterr().err.strip()
+    err = cli_stderr(capsys)
     assert "\n" not in err and str(out / "minimind2" / "tokenizer.json") in err and "refusing to overwrite" in err
     assert (out / "minimind2" / "tokenizer.json").read_text() == "mine"
 
