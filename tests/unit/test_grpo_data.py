@@ -13,7 +13,7 @@ from minimind_ray.data.formats import Encoder, collate
 from minimind_ray.data.prepare import DataError, merge_summaries, plan_chunks, process_chunk
 from minimind_ray.data.sources import resolve_sources
 from minimind_ray.tokenizer import load_tokenizer
-from tests.conftest import minimind_tokenizer_dir
+from tests.conftest import REPO, minimind_tokenizer_dir
 
 
 @pytest.fixture(scope="module")
@@ -156,3 +156,21 @@ def test_grpo_defaults_are_minimind_and_other_stages_refuse_rl_data(grpo_cfg):
 def test_bad_grpo_settings_fail_naming_the_field(grpo_cfg, override, message):
     with pytest.raises(ConfigError, match=message):
         grpo_cfg(override)
+
+
+def test_grpo_recipes_load(base_pth, tmp_path):
+    cfg = load_config(str(REPO / "pipelines/configs/demo_grpo.yaml"), [f"train.init_from={base_pth}"])
+    assert cfg.train.stage == "grpo" and [r.name for r in cfg.train.grpo.rewards][0] == "exact_answer"
+    # the 26M recipe names MiniMind's files: stand-ins for its prompts and its reward model's directory
+    data, rm = tmp_path / "rlaif.jsonl", tmp_path / "internlm2-1_8b-reward"
+    data.write_text("{}\n")
+    rm.mkdir()
+    recipe = tmp_path / "grpo_26m.yaml"
+    with open(REPO / "pipelines/configs/grpo_26m.yaml", encoding="utf-8") as f:
+        recipe.write_text(f.read().replace("/mnt/shared/models/internlm2-1_8b-reward", str(rm)))
+    cfg = load_config(str(recipe), [f"data.train_path=[{data}]", "data.tokenizer=builtin", f"train.init_from={base_pth}"])
+    g = cfg.train.grpo
+    assert (g.num_generations, g.beta, g.loss_type, g.epsilon, g.epsilon_high, g.temperature, g.max_gen_len,
+            cfg.train.lr) == (6, 0.1, "cispo", 0.2, 5.0, 0.8, 1024, 3e-7)  # MiniMind's train_grpo.py
+    assert [r.name for r in g.rewards] == ["length", "think_format", "repetition", "reward_model"]
+    assert g.rewards[3].args["trust_remote_code"] is True and cfg.cluster.use_gpu is True
