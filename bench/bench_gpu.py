@@ -1,4 +1,5 @@
-"""GPU run of the 26M recipe (prepared for a machine with GPUs; not yet run: no GPU has been lent).
+"""GPU run of the 26M recipe through Ray Train (for a machine with GPUs and Ray; not yet run: the one GPU lent
+so far had no Ray, so `bench/gpu_check.py` checked the engine there; docs/training.md has its figures).
 
 Runs the minimind2-small pretrain on the built-in corpus for a few hundred steps with NCCL and bf16
 autocast, once without and once with torch.compile, one worker per GPU, and prints one table:
