@@ -28,13 +28,13 @@ def model(preset: str = "tiny", seed: int = 1, **overrides):
     return build_model(ModelConfig(**{**preset_values(preset), **overrides}), seed=seed).eval()
 
 
-def write_checkpoint(ck: Path, overrides=()) -> Path:
+def write_checkpoint(ck: Path, overrides=(), step: int = 1) -> Path:
     """A checkpoint as the training loop writes it, of a tiny model with the config ``overrides``."""
     cfg = load_config(None, ["data.train_path=[demo]", "model.preset=tiny", *overrides])
     m = build_model(cfg.model, seed=2)
     ckpt_io.write_rank_files(ck, 0, RNGState().state_dict())
     ckpt_io.write_shared_files(ck, model_state=m.state_dict(), train_state={}, meta=ckpt_io.CheckpointMeta(
-        step=1, epoch=0, data_state={}, world_size=1, stage="pretrain", total_steps=1, config=to_dict(cfg),
+        step=step, epoch=0, data_state={}, world_size=1, stage="pretrain", total_steps=step, config=to_dict(cfg),
         prepared_dir=str(ck / "no-data")))
     return ck
 
@@ -176,3 +176,28 @@ def test_item18_training_keeps_its_own_config_and_warns_naming_the_fields(tmp_pa
     assert "model.rope_theta=1000000.0 (the weights were trained with 10000.0)" in caplog.text
     assert target.cfg.rope_theta == 1e6 and torch.equal(target.model.freqs_cos, table)
     assert torch.equal(target.lm_head.weight, ckpt_io.open_checkpoint(ck).model_state()["lm_head.weight"])
+
+
+def test_item4_weights_from_a_uri_are_read_in_place_and_only_the_used_checkpoint(tmp_path, monkeypatch):
+    """Issue 11, item 4: weights named by a URI (here file://) of a run directory were copied whole, every
+    checkpoint, into /tmp/mmr-weights-* and never removed. Now the newest complete checkpoint's model file
+    is read through the URI's filesystem: nothing is written to the temp directory, and no other file of
+    the run (older checkpoints, training state, RNG) is read."""
+    import tempfile
+
+    run = tmp_path / "run"
+    older = write_checkpoint(run / "checkpoint_2026-01-01_00-00-01.000000")
+    newer = write_checkpoint(run / "checkpoint_2026-01-01_00-00-02.000000", step=2)
+    read = []
+    real = ckpt_io._torch_load
+    monkeypatch.setattr(ckpt_io, "_torch_load", lambda fs, path, where: read.append(where) or real(fs, path, where))
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+
+    m, lw = build_inference_model(f"file://{run}")
+    assert read == [f"file://{newer}/model.pth"], read
+    assert list(scratch.iterdir()) == []
+    assert lw.checkpoint.step == 2 and older.exists()
+    want = torch.load(newer / "model.pth", weights_only=True)
+    assert all(torch.equal(v, want[k]) for k, v in m.state_dict().items() if k in want)
