@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
+import io
 import json
 import logging
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -287,6 +289,11 @@ def _truncate_error(error: str) -> str:
     return error[:head] + marker + error[-(ERROR_TAG_MAX - len(marker) - head):]
 
 
+def redact_printed(text: str) -> str:
+    """``text`` with every URL in it redacted (``fsio.redact``), the rest unchanged."""
+    return re.sub(r"[a-z][a-z0-9+.-]*://\S+", lambda m: redact(m.group(0)), text)
+
+
 def finish_run(uri: str, run_id: str, status: str, error: Optional[str] = None,
                timeout_s: float = 10.0) -> None:
     """End the run as FINISHED, FAILED or KILLED; a FAILED run gets the error as tag ``error``.
@@ -299,6 +306,10 @@ def finish_run(uri: str, run_id: str, status: str, error: Optional[str] = None,
             client = _client(uri)
             if error and status == "FAILED":
                 client.set_tag(run_id, ERROR_TAG, _truncate_error(redact(error)))
-            client.set_terminated(run_id, status=status)
+            # MLflow prints "View run ... at: <tracking URI>/#/..." here, credentials and all: print it redacted
+            printed = io.StringIO()
+            with contextlib.redirect_stdout(printed):
+                client.set_terminated(run_id, status=status)
+            sys.stdout.write(redact_printed(printed.getvalue()))
     except Exception as e:  # noqa: BLE001 - see docstring
         log.error("could not mark MLflow run %s %s: %s", run_id, status, _short(e))
