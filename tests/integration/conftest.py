@@ -91,3 +91,16 @@ def mlflow_server(tmp_path_factory):
         server.stop()
 
 from .local_cluster import cluster_env  # noqa: E402,F401  (a fixture for the tests that start their own cluster)
+
+
+@pytest.fixture(scope="session")
+def tiny_baseline(ray_session, tmp_path_factory):
+    """The uninterrupted 2-worker tiny run that recovery tests compare with, trained once per session:
+    (its shared dirs, the result, its final weights, its per-step losses). A run's weights do not depend
+    on its name, storage, tracking or fault settings, so any run of helpers.run_tiny's training settings
+    must end bit-identical to it."""
+    from .helpers import final_weights, loss_history, new_shared, run_tiny
+
+    shared = new_shared(tmp_path_factory, "baseline")
+    res = run_tiny(shared, "baseline-2w")
+    return shared, res, final_weights(res), loss_history(shared, res.mlflow_run_id)

@@ -18,7 +18,7 @@ from .helpers import final_weights, loss_history, new_shared, run_tiny, sample_r
 
 pytestmark = pytest.mark.integration
 
-STEPS = 8
+STEPS = 6
 GRPO = ("train.stage=grpo", "data.format=prompt", "data.max_seq_len=48", "train.lr=3e-3", "train.warmup_steps=1",
         "train.log_interval=1", "train.grpo.num_generations=4", "train.grpo.max_gen_len=8",
         "train.grpo.temperature=1.0", "train.grpo.beta=0.1",

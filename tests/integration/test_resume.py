@@ -4,7 +4,8 @@ uninterrupted run, in one MLflow run.
 
 The first driver is stopped at a known place: its rank 1 hangs at step 10 (after the step-8 checkpoint;
 fault hooks are runtime settings, outside the run's identity), and the test kills the driver then.
-The second run passes step 10: the hang fires once per run (a marker in the run directory)."""
+The second run passes step 10: the hang fires once per run (a marker in the run directory). The run has
+the training settings of helpers.run_tiny, so the session's uninterrupted ``tiny_baseline`` is its twin."""
 from __future__ import annotations
 
 import os
@@ -20,16 +21,16 @@ import torch
 from minimind_ray.config import load_config, run_identity
 from minimind_ray.store.checkpoint import MODEL, checkpoints_in
 
-from .helpers import assert_exactly_once, sample_record
+from .helpers import CKPT_EVERY, GLOBAL_BATCH, STEPS, assert_exactly_once, sample_record
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
-STEPS, EVERY = 16, 4
 
 
 def _overrides(base: Path, address: str):
-    return ["--config", "pipelines/configs/tiny.yaml", f"train.max_steps={STEPS}", f"checkpoint.interval={EVERY}",
-            "train.log_interval=2", f"data.cache_dir={base / 'cache'}", f"checkpoint.storage_path={base / 'runs'}",
+    return ["--config", "pipelines/configs/tiny.yaml", f"train.max_steps={STEPS}", f"checkpoint.interval={CKPT_EVERY}",
+            "train.log_interval=2", f"train.global_batch_size={GLOBAL_BATCH}", "train.micro_batch_size=4",
+            f"data.cache_dir={base / 'cache'}", f"checkpoint.storage_path={base / 'runs'}",
             f"tracking.uri=sqlite:///{base}/mlflow.db", f"cluster.address={address}",
             f"train.sample_log_dir={base / 'samples'}", "train.collective_timeout_s=600"]
 
@@ -39,10 +40,8 @@ def _driver(args, log: Path) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def test_the_same_command_resumes_after_the_driver_is_killed(ray_session, tmp_path):
+def test_the_same_command_resumes_after_the_driver_is_killed(ray_session, tiny_baseline, tmp_path):
     from mlflow.tracking import MlflowClient
-
-    from minimind_ray.raytrain.driver import run
 
     address = ray_session.get_runtime_context().gcs_address
     base = tmp_path / "killed"
@@ -66,11 +65,9 @@ def test_the_same_command_resumes_after_the_driver_is_killed(ray_session, tmp_pa
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert f"resuming run {name} from step 8 of {STEPS}" in second.stdout
 
-    straight = run(load_config("pipelines/configs/tiny.yaml",
-                               _overrides(tmp_path / "straight", address)[2:] + ["name=straight"]))
     ckpts = {s: p for s, p in checkpoints_in(run_dir)}
     w = torch.load(Path(ckpts[STEPS]) / MODEL, weights_only=True)
-    w_ref = torch.load(Path(straight.checkpoint_dir) / MODEL, weights_only=True)
+    w_ref = tiny_baseline[2]  # the same training settings, never interrupted
     assert all(torch.equal(w[k], w_ref[k]) for k in w_ref), "the resumed run differs from the uninterrupted one"
 
     per_step, attempts = sample_record({"base": base}, "")
