@@ -1,0 +1,215 @@
+"""The Ray pipeline against plain PyTorch on the model users train (issue 17). One run, one table.
+
+  (a) 1 process x 2 threads: the pipeline (Ray Train, 1 worker, cpus_per_worker=2) against the engine's
+      own loop in a bare process (no Ray): same model, data, batch, seed and threads.
+  (b) 2 processes x 1 thread, gloo, global batch 8: the pipeline (2 workers) against
+      ``torchrun --nproc_per_node 2 bench/torchrun_engine.py`` (the engine under plain DDP, no Ray).
+
+For each: steady-state tokens/s (steps after the warm-up), the ratio, and the global mean loss of the last
+log interval, what both sides report (they must agree: the same steps, the same data order). While the pipeline trains, the CPU
+time of Ray's own processes (raylet, GCS, dashboard, agents, monitors; not the training workers) is
+sampled with psutil: on a 2-core machine that share is taken from training, and it is reported.
+
+The plain sides run first, with no Ray process on the machine; then Ray starts for the pipeline sides.
+
+Usage:  .venv/bin/python bench/bench_vs_torchrun.py [--preset minimind2-small] [--steps 30] [--warmup 8]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RAY_DAEMONS = ("raylet", "gcs_server", "dashboard", "log_monitor", "monitor.py", "runtime_env", "agent",
+               "ray::IDLE", "ray::TrainController", "ray::SynchronizationActor", "ray::ProgressSink",
+               "ray::PlacementGroupCleaner")
+
+
+def overrides(args, tmp: Path, workers: int, threads: int, global_batch: int):
+    return [f"model.preset={args.preset}", "data.train_path=[demo]", "data.tokenizer=builtin",
+            f"data.max_seq_len={args.seq}", "data.eval_fraction=0", f"data.cache_dir={tmp}/cache",
+            f"train.global_batch_size={global_batch}", f"train.micro_batch_size={args.micro}",
+            f"train.max_steps={args.steps}", "train.warmup_steps=2", "train.log_interval=10",
+            f"train.threads_per_worker={threads}", f"cluster.num_workers={workers}",
+            f"cluster.cpus_per_worker={threads}", "checkpoint.interval=1000000", "tracking.enabled=false",
+            f"checkpoint.storage_path={tmp}/runs"]
+
+
+def tokens_per_s(times: dict, steps: int, warmup: int, tokens_per_step: int) -> float:
+    """Steady state: steps warmup+1 .. steps, timed from their start times (the next step's start, or the end)."""
+    t = {int(k): v for k, v in times.items()}
+    return (steps - warmup) * tokens_per_step / (t[steps + 1] - t[warmup + 1])
+
+
+def sample_log_times(d: Path) -> dict:
+    """Rank 0's per-step times from a run's sample log (written when the step's data arrived)."""
+    rows = [json.loads(line) for line in (d / "rank0.jsonl").read_text().splitlines()]
+    return {r["step"]: r["t"] for r in rows}
+
+
+class DaemonMeter(threading.Thread):
+    """CPU seconds used by Ray's own processes (not the training workers) while a run trains."""
+
+    def __init__(self):
+        super().__init__(daemon=True)
+        self.stop, self.cpu, self.wall, self.driver_cpu = threading.Event(), 0.0, 0.0, 0.0
+
+    def run(self):
+        import psutil
+
+        def snapshot():
+            out = {}
+            for p in psutil.process_iter(["name", "cmdline"]):
+                try:
+                    label = " ".join(p.info["cmdline"] or [p.info["name"] or ""])
+                    if any(d in label for d in RAY_DAEMONS) and "RayTrainWorker" not in label:
+                        c = p.cpu_times()
+                        out[p.pid] = c.user + c.system
+                except (psutil.NoSuchProcess, psutil.AccessDenied):
+                    continue
+            return out
+
+        me = psutil.Process()
+        t0, first, d0 = time.time(), snapshot(), sum(me.cpu_times()[:2])
+        while not self.stop.wait(1.0):
+            pass
+        last = snapshot()
+        self.driver_cpu = sum(me.cpu_times()[:2]) - d0  # this process: Ray Train's driver side (or nothing)
+        self.wall = time.time() - t0
+        self.cpu = sum(v - first.get(pid, 0.0) for pid, v in last.items())
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="minimind2-small")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--micro", type=int, default=4)
+    ap.add_argument("--decompose", action="store_true",
+                    help="(a) also: the plain loop beside an idle Ray, and the engine in a plain Ray task (no Ray Train)")
+    args = ap.parse_args()
+    assert args.steps > args.warmup + 2 and args.steps % 10 == 0, "--steps: a multiple of 10 (the log interval)"
+
+    import ray
+
+    from minimind_ray.config import load_config
+    from minimind_ray.data.prepare import ensure_prepared
+    from minimind_ray.tokenizer import resolve_tokenizer
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench-torchrun-"))
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)}
+    # the prepared data both sides read (Ray Data prepares it once; Ray is stopped before the plain sides)
+    cfg_a = load_config(None, overrides(args, tmp, 1, 2, args.micro))
+    ray.init(num_cpus=4, include_dashboard=False)
+    prepared = ensure_prepared(cfg_a.data, resolve_tokenizer("builtin", cfg_a.data.cache_dir))
+    ray.shutdown()
+
+    def plain(nproc: int, threads: int, global_batch: int, name: str) -> dict:
+        out = tmp / f"{name}.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               str(REPO / "bench" / "torchrun_engine.py"), "--prepared", prepared, "--out", str(out),
+               *overrides(args, tmp, nproc, threads, global_batch)]
+        subprocess.run(cmd, check=True, env={**env, "OMP_NUM_THREADS": str(threads)}, cwd=REPO)
+        return json.loads(out.read_text())
+
+    bare_a = plain(1, 2, args.micro, "bare-a")  # torchrun with one process is a bare loop
+    torchrun_b = plain(2, 1, 2 * args.micro, "torchrun-b")
+
+    from minimind_ray.raytrain.driver import run
+
+    ray.init(num_cpus=4, include_dashboard=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}})
+
+    extra = []
+    if args.decompose:
+        # where (a)'s gap goes: Ray's daemons beside the same plain process, then the same loop inside a
+        # Ray worker process (a task with 2 CPUs) without Ray Train's controller, workers group and report
+        meter = DaemonMeter()
+        meter.start()
+        beside = plain(1, 2, args.micro, "bare-a-beside-ray")
+        meter.stop.set()
+        meter.join()
+        extra.append(("(a) plain loop, an idle Ray beside it", beside["t"], beside["interval_loss"][str(args.steps)], meter))
+
+    def pipeline(workers: int, threads: int, global_batch: int, name: str):
+        cfg = load_config(None, overrides(args, tmp, workers, threads, global_batch)
+                          + [f"name={name}", f"train.sample_log_dir={tmp}/samples/{name}"])
+        meter = DaemonMeter()
+        meter.start()
+        res = run(cfg)
+        meter.stop.set()
+        meter.join()
+        times = sample_log_times(tmp / "samples" / name)
+        times[args.steps + 1] = times[args.steps] + statistics.median(
+            times[s + 1] - times[s] for s in range(args.warmup + 1, args.steps))
+        return res.metrics["loss"], times, meter
+
+    loss_pa, times_pa, meter_a = pipeline(1, 2, args.micro, "pipeline-a")
+    loss_pb, times_pb, meter_b = pipeline(2, 1, 2 * args.micro, "pipeline-b")
+    if args.decompose:
+        cfg_task = load_config(None, overrides(args, tmp, 1, 2, args.micro))
+
+        @ray.remote(num_cpus=2)
+        def engine_in_a_ray_task(cfg, prepared_dir):
+            import time as _time
+
+            from minimind_ray.engine import Hooks, TrainState, run as run_engine
+
+            class Clock(Hooks):
+                def __init__(self):
+                    self.t, self.loss = {}, {}
+
+                def before_step(self, step):
+                    self.t[step] = _time.time()
+
+                def on_metrics(self, step, metrics, per_step_loss, is_checkpoint):
+                    self.loss[step] = metrics["loss"]
+
+            state = TrainState.build(cfg, prepared_dir)
+            clock = Clock()
+            run_engine(state, clock)
+            clock.t[state.total_steps + 1] = _time.time()
+            return clock.t, clock.loss
+
+        # last: the task's worker process stays behind as an idle Ray worker; its CPU is not measured
+        t_task, loss_task = ray.get(engine_in_a_ray_task.remote(cfg_task, prepared))
+        extra.append(("(a) the engine in a plain Ray task (no Ray Train)", t_task, loss_task[args.steps], None))
+
+    ray.shutdown()
+
+    tok_a, tok_b = args.micro * args.seq, 2 * args.micro * args.seq
+    rows = [("(a) 1 proc x 2 threads", tokens_per_s(times_pa, args.steps, args.warmup, tok_a),
+             tokens_per_s(bare_a["t"], args.steps, args.warmup, tok_a), loss_pa,
+             bare_a["interval_loss"][str(args.steps)], meter_a),
+            ("(b) 2 proc x 1 thread, gloo", tokens_per_s(times_pb, args.steps, args.warmup, tok_b),
+             tokens_per_s(torchrun_b["t"], args.steps, args.warmup, tok_b), loss_pb,
+             torchrun_b["interval_loss"][str(args.steps)], meter_b)]
+    print(f"\n{args.preset}, seq {args.seq}, micro-batch {args.micro}, {args.steps} steps "
+          f"({args.warmup} warm-up), fp32, {os.cpu_count()} cores")
+    print("| case | pipeline tok/s | plain tok/s | pipeline / plain | mean loss of the last log interval (pipeline / plain) "
+          "| Ray daemons' CPU during the run | the driver's CPU |")
+    print("|---|---|---|---|---|---|---|")
+    for name, t, loss, m in extra:  # decomposition rows: "pipeline" is the variant, "plain" the bare loop
+        rows.append((name, tokens_per_s(t, args.steps, args.warmup, tok_a), rows[0][2], loss, rows[0][4], m))
+    for name, p, b, lp, lb, m in rows:
+        if m is None:
+            cpu = "not measured | not measured"
+        else:
+            share, drv = m.cpu / max(m.wall, 1e-9), m.driver_cpu / max(m.wall, 1e-9)
+            cpu = (f"{share:.2f} cores ({share / (os.cpu_count() or 1):.1%} of the machine) | "
+                   f"{drv:.2f} cores")
+        print(f"| {name} | {p:,.0f} | {b:,.0f} | {p / b:.3f} | {lp:.6f} / {lb:.6f} | {cpu} |")
+    print(f"\nplain sides: torchrun running bench/torchrun_engine.py (the engine's own loop); {tmp}")
+
+
+if __name__ == "__main__":
+    main()
