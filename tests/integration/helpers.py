@@ -18,6 +18,19 @@ def new_shared(tmp_path_factory, name):
     return {"base": base, "cache": base / "data_cache", "mlflow": f"sqlite:///{base}/mlflow.db"}
 
 
+def new_shared_with_base_weights(tmp_path_factory, name):
+    """new_shared plus ``base_pth``: the "earlier weights" a stage starts from, a MiniMind-style .pth of the
+    tiny model (fp32, so base weights compare bitwise)."""
+    from minimind_ray.model.minimind import build_model
+    from minimind_ray.store.pth import save_pth
+
+    s = new_shared(tmp_path_factory, name)
+    base = build_model(load_config("pipelines/configs/tiny.yaml").model, seed=11)
+    s["base_pth"] = s["base"] / "base.pth"
+    save_pth(base, str(s["base_pth"]), dtype=torch.float32)
+    return s
+
+
 def run_tiny(shared, name, *overrides, steps=STEPS, ckpt_every=CKPT_EVERY):
     from minimind_ray.raytrain.driver import run
 

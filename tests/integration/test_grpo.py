@@ -12,9 +12,8 @@ import torch
 
 from minimind_ray.config import load_config
 from minimind_ray.model.minimind import build_model
-from minimind_ray.store.pth import save_pth
 
-from .helpers import final_weights, loss_history, new_shared, run_tiny, sample_record
+from .helpers import final_weights, loss_history, new_shared_with_base_weights, run_tiny, sample_record
 
 pytestmark = pytest.mark.integration
 
@@ -31,11 +30,7 @@ METRICS = ("reward", "reward_std", "reward_exact_answer", "reward_double_length"
 
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory):
-    s = new_shared(tmp_path_factory, "grpo")
-    base = build_model(load_config("pipelines/configs/tiny.yaml").model, seed=11)
-    s["base_pth"] = s["base"] / "base.pth"
-    save_pth(base, str(s["base_pth"]), dtype=torch.float32)
-    return s
+    return new_shared_with_base_weights(tmp_path_factory, "grpo")
 
 
 def run_grpo(shared, name, *overrides):

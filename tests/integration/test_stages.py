@@ -13,9 +13,8 @@ import torch
 
 from minimind_ray.config import load_config
 from minimind_ray.model.minimind import build_model
-from minimind_ray.store.pth import save_pth
 
-from .helpers import final_weights, loss_history, new_shared, run_tiny, sample_record
+from .helpers import final_weights, loss_history, new_shared_with_base_weights, run_tiny, sample_record
 
 pytestmark = pytest.mark.integration
 
@@ -25,12 +24,7 @@ CRASH = ("train.fail_at_step=5", "train.fail_mode=raise", "train.fail_rank=1")
 
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory):
-    s = new_shared(tmp_path_factory, "stages")
-    # the "earlier weights" every stage starts from: a MiniMind-style .pth (fp32 so base weights compare bitwise)
-    base = build_model(load_config("pipelines/configs/tiny.yaml").model, seed=11)
-    s["base_pth"] = s["base"] / "base.pth"
-    save_pth(base, str(s["base_pth"]), dtype=torch.float32)
-    return s
+    return new_shared_with_base_weights(tmp_path_factory, "stages")
 
 
 def run_stage(shared, name, *overrides, crash=True):
