@@ -115,3 +115,10 @@ def redact_obj(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return type(obj)(redact_obj(v) for v in obj)
     return obj
+
+
+def redact_text(text: str) -> str:
+    """``text`` (a library's printed line, a message) with every URL in it redacted by :func:`redact`."""
+    import re
+
+    return re.sub(r"[a-z][a-z0-9+.-]*://\S+", lambda m: redact(m.group(0)), text)

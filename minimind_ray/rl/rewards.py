@@ -113,7 +113,7 @@ def close_answer_reward(prompts, completions, answers, tolerance: float = 10.0) 
     group of wrong replies still tells the closer ones apart. 0 for a reply without a number or a text answer."""
     out = []
     for c, a in zip(completions, answers):
-        ref, got = _as_number(a.strip()) if a.strip() else None, _last_number(c)
+        ref, got = _as_number(a), _last_number(c)  # a blank answer is no number
         out.append(0.0 if ref is None or got is None else max(0.0, 1.0 - abs(got - ref) / tolerance))
     return out
 

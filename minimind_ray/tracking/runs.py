@@ -19,7 +19,6 @@ import json
 import logging
 import math
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -27,7 +26,7 @@ from typing import Dict, Iterator, Optional
 from urllib.parse import unquote
 
 from minimind_ray.config import RunConfig, TrackingConfig, flatten, to_dict, to_yaml
-from minimind_ray.fsio import redact, redact_obj
+from minimind_ray.fsio import redact, redact_obj, redact_text
 
 log = logging.getLogger(__name__)
 
@@ -289,11 +288,6 @@ def _truncate_error(error: str) -> str:
     return error[:head] + marker + error[-(ERROR_TAG_MAX - len(marker) - head):]
 
 
-def redact_printed(text: str) -> str:
-    """``text`` with every URL in it redacted (``fsio.redact``), the rest unchanged."""
-    return re.sub(r"[a-z][a-z0-9+.-]*://\S+", lambda m: redact(m.group(0)), text)
-
-
 def finish_run(uri: str, run_id: str, status: str, error: Optional[str] = None,
                timeout_s: float = 10.0) -> None:
     """End the run as FINISHED, FAILED or KILLED; a FAILED run gets the error as tag ``error``.
@@ -310,6 +304,6 @@ def finish_run(uri: str, run_id: str, status: str, error: Optional[str] = None,
             printed = io.StringIO()
             with contextlib.redirect_stdout(printed):
                 client.set_terminated(run_id, status=status)
-            sys.stdout.write(redact_printed(printed.getvalue()))
+            sys.stdout.write(redact_text(printed.getvalue()))
     except Exception as e:  # noqa: BLE001 - see docstring
         log.error("could not mark MLflow run %s %s: %s", run_id, status, _short(e))

@@ -31,8 +31,8 @@ def test_redact_obj_walks_configs_and_keeps_types():
 
 def test_urls_in_printed_text_are_redacted():
     """MLflow's own 'View run ... at: <tracking URI>' line, printed when a run ends, goes out redacted."""
-    from minimind_ray.tracking.runs import redact_printed
+    from minimind_ray.fsio import redact_text
 
     line = "🏃 View run r at: http://alice:pw@127.0.0.1:5000/#/experiments/1/runs/ab\n"
-    assert redact_printed(line) == "🏃 View run r at: http://***@127.0.0.1:5000/#/experiments/1/runs/ab\n"
-    assert redact_printed("no url here\n") == "no url here\n"
+    assert redact_text(line) == "🏃 View run r at: http://***@127.0.0.1:5000/#/experiments/1/runs/ab\n"
+    assert redact_text("no url here\n") == "no url here\n"
