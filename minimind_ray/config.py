@@ -65,7 +65,7 @@ class DataConfig:
     """Where the data is and how records become token sequences."""
 
     format: str = _f("pretrain", "record format: pretrain {text} | sft {conversations} | dpo {chosen, rejected} | rlaif {conversations ending with the assistant turn to generate} | prompt {prompt, answer}")
-    train_path: List[str] = _f([], "jsonl(.gz)/parquet files, directories, globs or URIs; or a prepared directory with manifest.json; 'demo' = the built-in corpus")
+    train_path: List[str] = _f([], "jsonl(.gz)/parquet files, directories, globs or URIs; or a prepared directory with manifest.json; 'demo' = the built-in corpus (its file of data.format), 'demo:<name>' = one of its files (tool_sft, mc_eval, ...)")
     tokenizer: str = _f("auto", "'auto' = MiniMind's tokenizer of model.generation; 'minimind2' | 'minimind3' (fetched by name, sha256-checked; offline: MINIMIND_RAY_TOKENIZER_MIRROR); 'builtin' = trained on the demo corpus; or a directory with tokenizer.json")
     max_seq_len: int = _f(512, "tokens per training sequence", ge=8)
     pack: bool = _f(True, "pretrain: pack documents into full windows (False = MiniMind pad mode)")
@@ -375,6 +375,12 @@ def validate(cfg: RunConfig) -> None:
           f"{d.tokenizer!r} is neither a tokenizer name (auto, builtin, {', '.join(PINNED)}) nor an existing directory")
     for p in d.train_path:
         if p == "demo" or is_uri(p) or any(ch in p for ch in "*?["):
+            continue
+        if p.startswith("demo:"):
+            from minimind_ray.data.demo import DEMO_FILES
+
+            need(p[len("demo:"):] in DEMO_FILES, "data.train_path",
+                 f"{p}: no such demo file; one of {', '.join('demo:' + n for n in DEMO_FILES)}")
             continue
         need(os.path.exists(p), "data.train_path", f"path does not exist: {p}")
     need(t.stage in STAGES, "train.stage", f"unknown stage {t.stage!r}; one of {STAGE_NAMES}")

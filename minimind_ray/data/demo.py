@@ -9,6 +9,12 @@ visibly learns it within minutes on 2 CPU cores. Measured with the ``demo`` pres
 (about 3 minutes on 2 busy cores), when greedy decoding already completes
 "The capital of France is" with " Paris. The capital of Peru is Lima.".
 
+The SFT mix also holds digit-sorting tasks ("Sort: 7 2 9" -> "2 7 9", the RL demo's skill). Beside
+the training files lie ``tool_sft.jsonl`` (chats that call a calculator tool, ``CALCULATOR_TOOL``: about
+600 tokens each with the builtin tokenizer, too long for the demo SFT's 128, so apart) and two evaluation sets that no training
+file holds: held-out sorting prompts (other multisets, and a longer length) and a multiple-choice set
+about the demo world's facts. A recipe or the eval verb names any of them as ``demo:<name>``.
+
 The written-out numbers also give the builtin tokenizer enough distinct Chinese words
 to fill its 6400-token vocabulary. Output is a pure function of (seed, sizes); files are
 reused when a stamp says they were written with the same arguments, so their mtimes,
@@ -19,10 +25,10 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
+import zlib
 from typing import Dict, List
 
-_VERSION = 1
+_VERSION = 2  # 2: sorting in the SFT mix, sorting RL prompts, tool-call chats, eval sets
 
 COUNTRIES = [  # (English, Chinese, capital, 首都)
     ("France", "法国", "Paris", "巴黎"), ("China", "中国", "Beijing", "北京"), ("Japan", "日本", "Tokyo", "东京"),
@@ -150,7 +156,15 @@ def _pretrain_record(rng: random.Random) -> dict:
     return {"text": sep.join(_fact(rng, lang) for _ in range(rng.randint(3, 6)))}
 
 
+SFT_SORT_SHARE = 0.15  # of the SFT records: sorting tasks
+
+
 def _sft_record(rng: random.Random) -> dict:
+    kind = rng.random()
+    if kind < SFT_SORT_SHARE:
+        digits = _trained_digits(rng)
+        return {"conversations": [{"role": "user", "content": sort_prompt(digits)},
+                                  {"role": "assistant", "content": sort_answer(digits)}]}
     conv: List[dict] = []
     if rng.random() < 0.1:
         conv.append({"role": "system", "content": "You are MiniMind, a helpful assistant."})
@@ -170,49 +184,138 @@ def _dpo_record(rng: random.Random) -> dict:
             "rejected": [{"role": "user", "content": q}, {"role": "assistant", "content": bad}]}
 
 
-ARITHMETIC_HELDOUT = "arithmetic_heldout.jsonl"  # beside the corpus: the RL demo's held-out questions
+# ---- the RL demo task: sorting single digits. One token per digit in the builtin tokenizer, so the skill
+# (compare and place digits) is shared by every prompt, unlike sums, which it spells as whole-number tokens.
+SORT_LENGTHS = (3, 4, 5, 6)  # lengths in the SFT data and the GRPO prompts
+SORT_HELDOUT_LENGTH = 7  # a length no training data has: the length-generalisation probe
+SORT_HELDOUT = "sort_heldout.jsonl"  # beside the corpus: multisets no training file holds
+MC_EVAL = "mc_eval.jsonl"  # beside the corpus: the demo's multiple-choice benchmark, never trained on
 
 
-def addition_pairs_used(paths: List[str]) -> set:
-    """Every (a, b) that the files write as "a plus b" or "a加b" (facts, questions, wrong answers)."""
-    used = set()
-    for p in paths:
-        with open(p, encoding="utf-8") as f:
-            for m in re.finditer(r"(\d+) plus (\d+)|(\d+)加(\d+)", f.read()):
-                a, b = (m.group(1), m.group(2)) if m.group(1) else (m.group(3), m.group(4))
-                used.add((int(a), int(b)))
-    return used
+def sort_prompt(digits: List[int]) -> str:
+    return "Sort: " + " ".join(map(str, digits))
 
 
-def _write_arithmetic_tasks(paths: Dict[str, str], seed: int, n: int) -> None:
-    """The RL demo's ``prompt`` records ("What is a plus b?" with the sum as answer): ``n`` training
-    questions in ``paths["prompt"]``, and every pair of 0..99 that the corpus never adds, in either
-    order, as the held-out set (``ARITHMETIC_HELDOUT``): a model can only answer those by adding."""
-    used = addition_pairs_used([paths[k] for k in ("pretrain", "sft", "dpo")])
-    pairs = [(a, b) for a in range(100) for b in range(100)]
-    unseen = {(a, b) for a, b in pairs if (a, b) not in used and (b, a) not in used}
-    seen = [p for p in pairs if p not in unseen]
+def sort_answer(digits: List[int]) -> str:
+    return " ".join(map(str, sorted(digits)))
+
+
+def is_heldout_multiset(digits: List[int]) -> bool:
+    """One multiset in eight (by a hash of its sorted digits) is held out, and every one of the held-out
+    length: no SFT record and no GRPO prompt holds them, in any order."""
+    if len(digits) >= SORT_HELDOUT_LENGTH:
+        return True
+    return zlib.crc32(sort_answer(digits).encode()) % 8 == 0
+
+
+def _trained_digits(rng: random.Random) -> List[int]:
+    while True:
+        digits = [rng.randrange(10) for _ in range(rng.choice(SORT_LENGTHS))]
+        if not is_heldout_multiset(digits):
+            return digits
+
+
+# ---- tool calls: a calculator the assistant calls when the conversation offers it (the chat template renders
+# the system turn's tools; tests/serving and the agent stage use the same schema)
+CALCULATOR_TOOL = {"type": "function", "function": {
+    "name": "calculate", "description": "Evaluate an arithmetic expression such as 12 + 7",
+    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
+
+
+N_TOOL_SFT = 1000
+
+
+def _tool_record(rng: random.Random) -> dict:
+    a, b = rng.randint(0, 99), rng.randint(0, 99)
+    return {"conversations": [
+        {"role": "system", "content": "You are MiniMind, a helpful assistant.", "tools": [CALCULATOR_TOOL]},
+        {"role": "user", "content": f"What is {a} plus {b}?"},
+        {"role": "assistant", "content": "",
+         "tool_calls": [{"name": "calculate", "arguments": {"expression": f"{a} + {b}"}}]},
+        {"role": "tool", "content": json.dumps({"result": a + b})},
+        {"role": "assistant", "content": f"{a} plus {b} equals {a + b}."}]}
+
+
+def _write_sort_tasks(paths: Dict[str, str], seed: int, n: int) -> None:
+    """The RL demo's ``prompt`` records ("Sort: 7 2 9" with "2 7 9" as answer): ``n`` training prompts of
+    trained multisets in ``paths["prompt"]``, and the held-out set beside it (``SORT_HELDOUT``): 300 held-out
+    multisets of the trained lengths and 100 of the held-out length, each in a random order."""
     rng = random.Random(f"{seed}-prompt")
-    train = [rng.choice(seen) for _ in range(n)]
-    heldout_path = os.path.join(os.path.dirname(paths["prompt"]), ARITHMETIC_HELDOUT)
-    for path, chosen in ((paths["prompt"], train), (heldout_path, sorted(unseen))):
-        tmp = path + f".tmp{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as f:
-            for a, b in chosen:
-                f.write(json.dumps({"prompt": f"What is {a} plus {b}?", "answer": a + b}) + "\n")
-        os.replace(tmp, path)
+    train = [_trained_digits(rng) for _ in range(n)]
+    held, seen = [], set()
+    while len(held) < 400:
+        length = SORT_HELDOUT_LENGTH if len(held) >= 300 else rng.choice(SORT_LENGTHS)
+        digits = [rng.randrange(10) for _ in range(length)]
+        if is_heldout_multiset(digits) and sort_answer(digits) not in seen:
+            seen.add(sort_answer(digits))
+            held.append(digits)
+    heldout_path = os.path.join(os.path.dirname(paths["prompt"]), SORT_HELDOUT)
+    for path, chosen in ((paths["prompt"], train), (heldout_path, held)):
+        _write_jsonl(path, ({"prompt": sort_prompt(d), "answer": sort_answer(d)} for d in chosen))
+
+
+def _mc_questions() -> List[dict]:
+    """The demo's multiple-choice set: every capital, animal sound, leg count and colour of the demo world,
+    asked in English in words the SFT data does not use, with four answer sentences (one true, three drawn
+    from the same kind of fact) in a fixed order. Scored on the choice texts (``minimind-ray eval --task mc``)."""
+    rng = random.Random("demo-mc")
+    out = []
+
+    def add(question: str, right: str, wrong: List[str]) -> None:
+        choices = [right] + rng.sample(sorted(set(wrong) - {right}), 3)
+        rng.shuffle(choices)
+        out.append({"question": question, "choices": choices, "answer": choices.index(right)})
+
+    for c, _, cap, _ in COUNTRIES:
+        add(f"Which city is the capital of {c}?", f"The capital of {c} is {cap}.",
+            [f"The capital of {c} is {x[2]}." for x in COUNTRIES])
+    for a, _, s, _, legs in ANIMALS:
+        add(f"What sound does a {a} make?", f"A {a} says {s}.", [f"A {a} says {x[2]}." for x in ANIMALS])
+        add(f"How many legs does a {a} have?", f"A {a} has {legs} legs.",
+            [f"A {a} has {n} legs." for n in (0, 1, 2, 3, 4, 6, 8)])
+    for t, _, col, _ in COLOURS:
+        add(f"Which colour is the {t}?", f"The {t} is {col}.", [f"The {t} is {x[2]}." for x in COLOURS])
+    return out
+
+
+def _write_jsonl(path: str, records) -> None:
+    tmp = path + f".tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)
+
+
+DEMO_FILES = ("pretrain", "sft", "dpo", "prompt", "tool_sft", "sort_heldout", "mc_eval")  # demo:<name>
+
+
+def resolve_demo_path(path: str, data_format: str, cache_dir: str) -> str:
+    """``demo`` (the corpus file of ``data_format``) or ``demo:<name>`` -> that file, written on first use into
+    ``cache_dir/demo``; any other path as it is."""
+    if path != "demo" and not path.startswith("demo:"):
+        return path
+    name = data_format if path == "demo" else path[len("demo:"):]
+    if name not in DEMO_FILES:
+        raise ValueError(f"{path}: no such demo file; one of {', '.join('demo:' + n for n in DEMO_FILES)}")
+    return write_demo_corpus(os.path.join(cache_dir, "demo"))[name]
 
 
 def write_demo_corpus(out_dir: str, seed: int = 0, n_pretrain: int = 40000, n_sft: int = 10000,
                       n_dpo: int = 2000, n_prompt: int = 2000) -> Dict[str, str]:
-    """Write pretrain.jsonl, sft.jsonl, dpo.jsonl and prompt.jsonl (RL questions with known answers,
-    plus their held-out set ``ARITHMETIC_HELDOUT``) into ``out_dir``; return their paths.
+    """Write pretrain.jsonl, sft.jsonl, dpo.jsonl and prompt.jsonl (the RL demo's sorting prompts) into
+    ``out_dir``, beside them tool_sft.jsonl (calculator tool calls, SFT format) and the two evaluation sets no
+    training file holds: ``SORT_HELDOUT`` (held-out sorting prompts, a ``gen`` task) and ``MC_EVAL``
+    (multiple choice); return their paths by name (pretrain, sft, dpo, prompt, tool_sft, sort_heldout,
+    mc_eval): a recipe's ``demo:<name>``.
 
     The defaults give about 1M pretrain tokens with the builtin tokenizer (5 MB),
     enough that a small model learns the facts rather than memorising documents.
     """
     out_dir = os.path.abspath(out_dir)
     paths = {name: os.path.join(out_dir, f"{name}.jsonl") for name in ("pretrain", "sft", "dpo", "prompt")}
+    paths["tool_sft"] = os.path.join(out_dir, "tool_sft.jsonl")
+    paths["sort_heldout"] = os.path.join(out_dir, SORT_HELDOUT)
+    paths["mc_eval"] = os.path.join(out_dir, MC_EVAL)
     stamp_path = os.path.join(out_dir, "demo.json")
     stamp = {"version": _VERSION, "seed": seed, "n_pretrain": n_pretrain, "n_sft": n_sft, "n_dpo": n_dpo,
              "n_prompt": n_prompt}
@@ -224,12 +327,11 @@ def write_demo_corpus(out_dir: str, seed: int = 0, n_pretrain: int = 40000, n_sf
     for (name, make), n in zip((("pretrain", _pretrain_record), ("sft", _sft_record), ("dpo", _dpo_record)),
                                (n_pretrain, n_sft, n_dpo)):
         rng = random.Random(f"{seed}-{name}")
-        tmp = paths[name] + f".tmp{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as f:
-            for _ in range(n):
-                f.write(json.dumps(make(rng), ensure_ascii=False) + "\n")
-        os.replace(tmp, paths[name])
-    _write_arithmetic_tasks(paths, seed, n_prompt)
+        _write_jsonl(paths[name], (make(rng) for _ in range(n)))
+    _write_sort_tasks(paths, seed, n_prompt)
+    rng = random.Random(f"{seed}-tool")
+    _write_jsonl(paths["tool_sft"], (_tool_record(rng) for _ in range(N_TOOL_SFT)))
+    _write_jsonl(paths["mc_eval"], _mc_questions())
     tmp = stamp_path + f".tmp{os.getpid()}"
     with open(tmp, "w") as f:
         json.dump(stamp, f)

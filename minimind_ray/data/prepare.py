@@ -294,18 +294,17 @@ def ensure_prepared(data_cfg, tokenizer) -> str:
     Returns an absolute path (Ray workers run in another cwd).
     """
     paths = list(data_cfg.train_path)
-    if len(paths) == 1 and paths[0] != "demo" and is_prepared(paths[0]):
+    if len(paths) == 1 and not paths[0].startswith("demo") and is_prepared(paths[0]):
         path = paths[0] if is_uri(paths[0]) else os.path.abspath(paths[0])
         manifest = read_manifest(path)
         check_manifest(manifest, path, data_cfg, tokenizer)
         verify_shards(path, manifest)
         return path
     cache = data_cfg.cache_dir if is_uri(data_cfg.cache_dir) else os.path.abspath(data_cfg.cache_dir)
-    if "demo" in paths:
-        from minimind_ray.data.demo import write_demo_corpus
+    if any(p == "demo" or p.startswith("demo:") for p in paths):
+        from minimind_ray.data.demo import resolve_demo_path
 
-        demo = write_demo_corpus(join(cache, "demo"))
-        paths = [demo[data_cfg.format] if p == "demo" else p for p in paths]
+        paths = [resolve_demo_path(p, data_cfg.format, cache) for p in paths]
     files, missing = resolve_sources(paths)
     digests = content_digests(files)
     out = join(cache, f"{data_cfg.format}-{_cache_key(files, missing, digests, tokenizer, data_cfg)[:16]}")
