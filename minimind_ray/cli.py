@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
+from minimind_ray.config_checks import int_at_least as _int_at_least
 from minimind_ray.stages import STAGES
 
 
@@ -72,17 +73,9 @@ def cmd_prepare(args) -> int:
 
 
 def _tokenizer_for(args, lw):
-    from minimind_ray.tokenizer import resolve_tokenizer
+    from minimind_ray.generate import tokenizer_for_weights
 
-    if args.tokenizer:  # a name (auto = MiniMind's tokenizer of the weights' generation) or a directory
-        cache_dir = lw.run_cfg.data.cache_dir if lw.run_cfg is not None else "data_cache"
-        return resolve_tokenizer(args.tokenizer, cache_dir, lw.model_cfg.generation)
-    if lw.run_cfg is not None:
-        return resolve_tokenizer(lw.run_cfg.data.tokenizer, lw.run_cfg.data.cache_dir, lw.run_cfg.model.generation)
-    if lw.tokenizer_dir:  # an HF export folder carries its tokenizer
-        return resolve_tokenizer(lw.tokenizer_dir, "data_cache", lw.model_cfg.generation)
-    raise ValueError(f"{lw.source}: --tokenizer is needed for weights without a tokenizer: minimind2, minimind3, "
-                     f"auto (MiniMind's tokenizer of the model's generation) or a tokenizer directory")
+    return tokenizer_for_weights(lw, args.tokenizer)
 
 
 def _sampling(args):
@@ -124,12 +117,9 @@ def cmd_chat(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from minimind_ray.evaluate import evaluate_weights
+    from minimind_ray.evals.verb import run_from_args
 
-    res = evaluate_weights(args.weights, data=args.data, preset=args.preset, batches=args.batches,
-                           micro_batch_size=args.micro_batch_size, tokenizer=args.tokenizer)
-    print(json.dumps(res, indent=1))
-    return 0
+    return run_from_args(args)
 
 
 def cmd_export(args) -> int:
@@ -168,17 +158,6 @@ def cmd_train_tokenizer(args) -> int:
     tok = train_tokenizer(args.data, args.out, vocab_size=args.vocab_size)
     print(f"tokenizer: {args.out} (vocab {tok.vocab_size}, hash {tok.hash()[:12]})")
     return 0
-
-
-def _int_at_least(low: int):
-    """An argparse type: an int >= ``low`` (argparse then names the option and exits 2)."""
-    def parse(text: str) -> int:
-        value = int(text)
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
-        return value
-    parse.__name__ = f"integer >= {low}"
-    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -232,12 +211,12 @@ def build_parser() -> argparse.ArgumentParser:
     with_sampling(sp)
     sp.set_defaults(fn=cmd_chat)
 
-    sp = sub.add_parser("eval", help="eval loss and perplexity on a held-out split")
-    with_weights(sp)  # --tokenizer: checked against --data's, as training checks it
-    sp.add_argument("--data", help="a prepared dir (minimind-ray prepare), all of it held out; "
-                                   "default: the eval split of the run the weights come from")
-    sp.add_argument("--batches", type=_int_at_least(0), default=0, help="micro-batches to use (0 = all)")
-    sp.add_argument("--micro-batch-size", type=_int_at_least(1), default=8)
+    from minimind_ray.evals.verb import __doc__ as eval_doc, add_arguments as add_eval_arguments
+
+    sp = sub.add_parser("eval", help="benchmark scores (ceval, cmmlu, mc, gen) or the loss of any weights "
+                                     "(docs/evaluation.md)", description=eval_doc,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_eval_arguments(sp)
     sp.set_defaults(fn=cmd_eval)
 
     sp = sub.add_parser("export", help="export weights to MiniMind .pth and/or a Hugging Face folder")

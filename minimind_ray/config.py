@@ -16,18 +16,13 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import OmegaConf
 
-from minimind_ray.config_checks import ConfigError, check_bounds, need, read_yaml
+from minimind_ray.config_checks import ConfigError, check_bounds, config_field, need, read_yaml
 from minimind_ray.fault_schedule import validate_faults
 from minimind_ray.fsio import is_uri
 from minimind_ray.stages import FORMATS, STAGE_NAMES, STAGES
 
 
-def _f(default: Any, help: str, **bounds):
-    """A dataclass field with a one-line help text and its range, if any (gt/ge/lt/le; see check_bounds)."""
-    meta = {"help": help, **bounds}
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
-    return field(default=default, metadata=meta)
+_f = config_field  # a field with its help line and bounds: every section below uses it
 
 
 @dataclass

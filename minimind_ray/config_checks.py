@@ -5,6 +5,7 @@ refusal is a :class:`ConfigError` whose one line names the file (and line) or th
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import operator
 import os
@@ -16,6 +17,25 @@ from omegaconf import DictConfig, OmegaConf
 
 class ConfigError(ValueError):
     """An invalid config value; the message names the field (and the file, for a recipe's own errors)."""
+
+
+def config_field(default: Any, help: str, **bounds):
+    """A dataclass field with a one-line help text and its range, if any (gt/ge/lt/le; see check_bounds)."""
+    meta = {"help": help, **bounds}
+    if isinstance(default, (list, dict)):
+        return dataclasses.field(default_factory=lambda d=default: type(d)(d), metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def int_at_least(low: int):
+    """An argparse type: an int >= ``low`` (argparse then names the option and exits 2)."""
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+    parse.__name__ = f"integer >= {low}"
+    return parse
 
 
 def need(cond: bool, field_name: str, msg: str) -> None:

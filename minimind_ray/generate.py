@@ -77,6 +77,23 @@ def generate_tokens(model, input_ids: Tensor, max_new_tokens: int, temperature: 
         model.train(was_training)
 
 
+def tokenizer_for_weights(lw, spec: Optional[str] = None):
+    """The tokenizer of loaded weights (a store.weights.LoadedWeights): ``spec`` when given (a name, auto = MiniMind's
+    tokenizer of the weights' generation, or a directory), else the run's (its data.tokenizer), else an HF export
+    folder's own; a ValueError naming what to pass when the weights record none."""
+    from minimind_ray.tokenizer import resolve_tokenizer
+
+    if spec:
+        cache_dir = lw.run_cfg.data.cache_dir if lw.run_cfg is not None else "data_cache"
+        return resolve_tokenizer(spec, cache_dir, lw.model_cfg.generation)
+    if lw.run_cfg is not None:
+        return resolve_tokenizer(lw.run_cfg.data.tokenizer, lw.run_cfg.data.cache_dir, lw.run_cfg.model.generation)
+    if lw.tokenizer_dir:  # an HF export folder carries its tokenizer
+        return resolve_tokenizer(lw.tokenizer_dir, "data_cache", lw.model_cfg.generation)
+    raise ValueError(f"{lw.source}: --tokenizer is needed for weights without a tokenizer: minimind2, minimind3, "
+                     f"auto (MiniMind's tokenizer of the model's generation) or a tokenizer directory")
+
+
 def render_prompt(tokenizer, messages: List[dict], think: Optional[bool] = None) -> str:
     """The chat template with the generation prompt; ``think`` drives minimind-3's thinking switch.
 

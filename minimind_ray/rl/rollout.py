@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -46,8 +47,10 @@ class RolloutEngine:
         """The weights to sample from for optimizer step ``step`` (called before its rollouts)."""
         raise NotImplementedError
 
-    def generate(self, prompt_ids: Tensor, prompt_mask: Tensor, params: SamplingParams) -> Rollout:
-        """Sample one completion for each row of ``prompt_ids`` (N, P), left-padded."""
+    def generate(self, prompt_ids: Tensor, prompt_mask: Tensor, params: SamplingParams,
+                 generator: Optional[torch.Generator] = None) -> Rollout:
+        """Sample one completion for each row of ``prompt_ids`` (N, P), left-padded; from ``generator`` when
+        given (else the engine's own random source)."""
         raise NotImplementedError
 
 
@@ -62,7 +65,10 @@ def sample_tokens(logits: Tensor, temperature: float, top_p: float = 1.0, top_k:
                   generator: torch.Generator = None) -> Tensor:
     """One token per row of ``logits`` (N, V): temperature, then top-k, then the top-p nucleus (the
     token that crosses ``top_p`` is kept, as in minimind_ray/generate.py); draws from ``generator``
-    (None = the global RNG, which checkpoints save and restore)."""
+    (None = the global RNG, which checkpoints save and restore). ``temperature == 0`` is greedy (argmax,
+    no draw)."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
     logits = logits / temperature
     if 0 < top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
@@ -91,7 +97,8 @@ class TorchRollout(RolloutEngine):
         self.model = model  # the training module itself: no copy, always the current weights
 
     @torch.no_grad()
-    def generate(self, prompt_ids: Tensor, prompt_mask: Tensor, params: SamplingParams) -> Rollout:
+    def generate(self, prompt_ids: Tensor, prompt_mask: Tensor, params: SamplingParams,
+                 generator: Optional[torch.Generator] = None) -> Rollout:
         model = self.model
         n, p_len = prompt_ids.shape
         budget = min(params.max_new_tokens, model.cfg.max_position_embeddings - p_len)
@@ -108,7 +115,7 @@ class TorchRollout(RolloutEngine):
                 tokens, logps, masks = [], [], []
                 for t in range(budget):
                     logits = out.logits[:, -1].float()  # (N, V)
-                    nxt = sample_tokens(logits, params.temperature, params.top_p, params.top_k)
+                    nxt = sample_tokens(logits, params.temperature, params.top_p, params.top_k, generator)
                     logp = token_logprobs(logits, nxt)
                     nxt = torch.where(alive, nxt, torch.full_like(nxt, params.pad_id))
                     tokens.append(nxt)

@@ -10,7 +10,8 @@ PKG = Path(__file__).resolve().parents[2] / "minimind_ray"
 MAX_LINES = 450
 # Ray Train is used by the Ray layer only; Ray itself (actors, Ray Data, Serve) also by these.
 RAY_TRAIN_ROOMS = {"raytrain"}
-RAY_ROOMS = {"raytrain", "serve", "data", "rl"}  # rl: a reward model on a shared actor (placement: actor)
+# rl: a reward model on a shared actor (placement: actor); evals: `eval --workers N` shards a task over Ray tasks
+RAY_ROOMS = {"raytrain", "serve", "data", "rl", "evals"}
 
 
 def _modules():

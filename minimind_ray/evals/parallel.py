@@ -1,0 +1,63 @@
+"""``eval --workers N``: a task's batches shared out over N Ray tasks, each loading the weights itself.
+
+The batches are made before they are shared out (evals/run.py:make_batches) and each keeps its index, which
+also seeds its sampling, so every batch is computed as it would be with any other N: the result does not
+depend on N. Worker w takes batches w, w + N, w + 2N, ... (the longest first, so the load evens out), runs
+with one torch thread per CPU it holds, and returns its batches' results to be put back in order.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import List, Optional
+
+from minimind_ray.evals.config import EvalTaskConfig
+
+
+def _connect(workers: int):
+    import ray
+
+    if not ray.is_initialized():
+        from pathlib import Path
+
+        repo = str(Path(__file__).resolve().parents[2])
+        env = {"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p),
+                            "TOKENIZERS_PARALLELISM": "false"}}
+        if os.environ.get("RAY_ADDRESS"):
+            ray.init(runtime_env=env)
+        else:
+            ray.init(num_cpus=max(os.cpu_count() or 1, workers), include_dashboard=False, runtime_env=env)
+    return ray
+
+
+def _score_share(weights: str, preset: Optional[str], task: dict, jobs: List[tuple], eos_id: int, pad_id: int,
+                 threads: int) -> List[tuple]:
+    import torch
+
+    from minimind_ray.engine.step import autocast_for
+    from minimind_ray.evals.scoring import score_batch
+    from minimind_ray.store.weights import build_inference_model
+
+    torch.set_num_threads(threads)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model, _ = build_inference_model(weights, preset, device=device)
+    cfg = EvalTaskConfig(**task)
+    autocast = autocast_for("auto", torch.device(device))
+    return [(i, score_batch(model, cfg, job, i, eos_id, pad_id, device, autocast)) for i, job in jobs]
+
+
+def score_on_ray(weights: str, preset: Optional[str], task: EvalTaskConfig, jobs: list, eos_id: int, pad_id: int,
+                 workers: int, cpus_per_worker: float = 1.0, gpus_per_worker: float = 0.0) -> list:
+    """The results of ``jobs`` (one per batch, in order), computed by ``workers`` Ray tasks."""
+    ray = _connect(workers)
+    if os.path.exists(weights):
+        weights = os.path.abspath(weights)  # the tasks run in another working directory
+    remote = ray.remote(_score_share).options(num_cpus=cpus_per_worker, num_gpus=gpus_per_worker)
+    shares = [[(i, jobs[i]) for i in range(w, len(jobs), workers)] for w in range(workers)]
+    refs = [remote.remote(weights, preset, dataclasses.asdict(task), share, eos_id, pad_id,
+                          max(1, int(cpus_per_worker))) for share in shares if share]
+    results = [None] * len(jobs)
+    for share in ray.get(refs):
+        for i, r in share:
+            results[i] = r
+    return results

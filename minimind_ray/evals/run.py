@@ -1,0 +1,170 @@
+"""One benchmark task on one model: read the files, score in batches (in this process or on Ray workers),
+aggregate to accuracies. What the ``eval`` verb, validation during training, the pipeline and the benchmarks
+call (docs/evaluation.md).
+
+    items  = tasks.load_items(task, tokenizer)            (prompts as lm-eval builds them; bad rows counted)
+    batches of batch_size items, in order of context length (fixed for a task: the same whatever the workers)
+    each batch -> scoring.choice_logprobs (mc) / scoring.generate_batch (gen)   here, or parallel.score_on_ray
+    per question: pred = argmax(sum log p), pred_norm = argmax(sum log p / len(choice)) -> acc, acc_norm, stderr
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict
+from typing import Dict, List, Optional
+
+import torch
+
+from minimind_ray.evals.config import EvalTaskConfig, task_name, validate_task
+from minimind_ray.evals.scoring import encode_question, score_batch
+from minimind_ray.evals.tasks import GenItem, MCItem, load_items
+
+
+def resolve_data(task: EvalTaskConfig, cache_dir: str = "data_cache") -> EvalTaskConfig:
+    """The task with ``demo:<name>`` paths made real files of the built-in corpus."""
+    import dataclasses
+    import os
+
+    from minimind_ray.data.demo import resolve_demo_path
+
+    def real(p):
+        return resolve_demo_path(p, "", os.path.abspath(cache_dir)) if p and p.startswith("demo:") else p
+
+    return dataclasses.replace(task, data=real(task.data), fewshot_data=real(task.fewshot_data))
+
+
+def encode_items(items: list, tokenizer, kind: str) -> list:
+    if kind == "gen":
+        return [tokenizer.encode(it.context) for it in items]
+    return [encode_question(tokenizer, it.context, it.continuations) for it in items]
+
+
+def make_batches(encoded: list, kind: str, batch_size: int) -> List[List[int]]:
+    """Item indices in batches, longest contexts first (less padding, and the slowest batches start first)."""
+    length = (lambda i: len(encoded[i])) if kind == "gen" else (lambda i: len(encoded[i][0]))
+    order = sorted(range(len(encoded)), key=lambda i: (-length(i), i))
+    return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+
+
+def _stderr(values: List[float]) -> Optional[float]:
+    """lm-eval's ``mean_stderr``: the sample standard deviation (n - 1) over sqrt(n)."""
+    n = len(values)
+    if n < 2:
+        return None
+    mean = sum(values) / n
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n)
+
+
+def _argmax(xs: List[float]) -> int:
+    return max(range(len(xs)), key=lambda i: (xs[i], -i))  # the first of equal maxima, as numpy's argmax
+
+
+def aggregate_mc(items: List[MCItem], logprobs: List[List[float]]) -> dict:
+    per_subject: Dict[str, List[tuple]] = {}
+    details = []
+    for it, lls in zip(items, logprobs):
+        pred = _argmax(lls)
+        pred_norm = _argmax([ll / len(c) for ll, c in zip(lls, it.choices)])
+        per_subject.setdefault(it.subject, []).append((pred == it.gold, pred_norm == it.gold))
+        details.append({"where": it.where, "subject": it.subject, "gold": it.gold, "pred": pred,
+                        "pred_norm": pred_norm, "logprobs": lls})
+    hits = [h for rows in per_subject.values() for h in rows]
+    acc, acc_norm = [float(a) for a, _ in hits], [float(b) for _, b in hits]
+    n = len(hits)
+    return {"acc": sum(acc) / n if n else None, "acc_norm": sum(acc_norm) / n if n else None,
+            "acc_stderr": _stderr(acc), "acc_norm_stderr": _stderr(acc_norm), "n": n,
+            "subjects": {s: {"acc": sum(a for a, _ in r) / len(r), "acc_norm": sum(b for _, b in r) / len(r),
+                             "n": len(r)} for s, r in sorted(per_subject.items())},
+            "details": details}
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased pass@k of Chen et al. (2021): 1 - C(n - c, k) / C(n, k)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def aggregate_gen(items: List[GenItem], greedy: List[str], sampled: List[List[str]], task: EvalTaskConfig) -> dict:
+    from minimind_ray.rl.rewards import is_correct
+
+    k = task.k or task.samples
+    details, g_hits, p1, pk = [], [], [], []
+    for it, g, s in zip(items, greedy, sampled):
+        ok = is_correct(g, it.answer)
+        c = sum(is_correct(x, it.answer) for x in s)
+        g_hits.append(float(ok))
+        if task.samples:
+            p1.append(c / len(s))
+            pk.append(pass_at_k(len(s), c, k))
+        details.append({"where": it.where, "subject": it.subject, "answer": it.answer, "greedy": g,
+                        "greedy_correct": ok, "samples": s, "samples_correct": c})
+    n = len(items)
+    out = {"greedy_acc": sum(g_hits) / n if n else None, "greedy_acc_stderr": _stderr(g_hits), "n": n,
+           "details": details}
+    if task.samples:
+        out.update({"pass@1": sum(p1) / n if n else None, "pass@k": sum(pk) / n if n else None, "k": k,
+                    "samples": task.samples})
+    return out
+
+
+def evaluate_task(weights: str, task: EvalTaskConfig, *, preset: Optional[str] = None,
+                  tokenizer: Optional[str] = None, device: Optional[str] = None, workers: int = 0,
+                  cache_dir: str = "data_cache", model=None, tok=None) -> dict:
+    """Score ``weights`` (anything store/weights loads) on ``task``; the result as the ``eval`` verb prints and
+    ``--out`` writes it. ``workers`` > 0 shards the batches over that many Ray tasks (one CPU each). ``model``
+    and ``tok``: an already loaded model and tokenizer (validation during training passes them)."""
+    from minimind_ray.engine.step import autocast_for
+    from minimind_ray.generate import tokenizer_for_weights
+    from minimind_ray.store.weights import build_inference_model
+
+    task = resolve_data(task, cache_dir)
+    validate_task(task)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if model is None:
+        model, lw = build_inference_model(weights, preset, device=device)
+        tok = tok or tokenizer_for_weights(lw, tokenizer)
+    t0 = time.perf_counter()
+    items, bad = load_items(task, tok)
+    encoded = encode_items(items, tok, task.task)
+    batches = make_batches(encoded, task.task, task.batch_size)
+    jobs = [[encoded[i] for i in b] for b in batches]
+    if workers:
+        from minimind_ray.evals.parallel import score_on_ray
+
+        results = score_on_ray(weights, preset, task, jobs, tok.eos_id, tok.pad_id, workers)
+    else:
+        autocast = autocast_for("auto", torch.device(device))
+        results = [score_batch(model, task, job, i, tok.eos_id, tok.pad_id, device, autocast)
+                   for i, job in enumerate(jobs)]
+    seconds = time.perf_counter() - t0
+    out = {"task": task_name(task), "kind": task.task}
+    if task.task == "gen":
+        greedy, sampled = [None] * len(items), [None] * len(items)
+        for b, (g, s) in zip(batches, results):
+            for i, gi, si in zip(b, g, s):
+                greedy[i] = tok.decode(gi, skip_special_tokens=True)
+                sampled[i] = [tok.decode(x, skip_special_tokens=True) for x in si]
+        out.update(aggregate_gen(items, greedy, sampled, task))
+    else:
+        logprobs = [None] * len(items)
+        for b, rows in zip(batches, results):
+            for i, row in zip(b, rows):
+                logprobs[i] = row
+        out.update(aggregate_mc(items, logprobs))
+    out.update({"bad_records": bad.report(), "bad_samples": dict(bad.samples), "seconds": seconds,
+                "questions_per_s": len(items) / seconds if seconds > 0 else None, "config": asdict(task)})
+    return out
+
+
+def metric_items(result: dict) -> Dict[str, float]:
+    """The result's headline scores as MLflow metrics: ``eval/<name>/acc`` etc. (MLflow allows no '@' in a
+    name: pass@k is ``pass_at_<k>``)."""
+    name = result["task"]
+    if result["kind"] == "gen":
+        keys = {"greedy_acc": result.get("greedy_acc"), "pass_at_1": result.get("pass@1"),
+                f"pass_at_{result.get('k')}": result.get("pass@k")}
+    else:
+        keys = {"acc": result.get("acc"), "acc_norm": result.get("acc_norm")}
+    return {f"eval/{name}/{k}": float(v) for k, v in keys.items() if v is not None}

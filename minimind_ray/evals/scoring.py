@@ -1,0 +1,131 @@
+"""Scoring a model on prepared items: log-likelihoods of choices, and exact match of generated completions.
+
+Multiple choice (lm-eval's method): a choice's score is the sum of log p over its continuation tokens given
+the context. Tokens are split as lm-eval's ``_encode_pair`` splits them: trailing whitespace of the context
+moves to the continuation, the context is ``encode(context)`` and the continuation is
+``encode(context + continuation)`` after that many tokens. The context of a question is computed once: one
+forward over a batch of left-padded contexts fills the KV cache, each question's cache is repeated for its
+choices, and one more forward over the right-padded continuations gives every choice's log-probs.
+
+Generation: greedy and sampled completions of a batch of left-padded prompts with the KV cache
+(:class:`minimind_ray.rl.rollout.TorchRollout`), each batch sampling from its own seeded generator, so what a
+prompt gets does not depend on how the prompts are spread over workers.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import List, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from minimind_ray.evals.config import EvalTaskConfig
+
+Encoded = Tuple[List[int], List[List[int]]]  # (context ids, each choice's continuation ids)
+
+
+def encode_pair(tokenizer, context: str, continuation: str) -> Tuple[List[int], List[int]]:
+    """(context ids, continuation ids) exactly as lm-eval's HF model splits a request."""
+    n_spaces = len(context) - len(context.rstrip())
+    if n_spaces:
+        continuation, context = context[-n_spaces:] + continuation, context[:-n_spaces]
+    whole = tokenizer.encode(context + continuation)
+    ctx = tokenizer.encode(context)
+    return ctx, whole[len(ctx):]
+
+
+def encode_question(tokenizer, context: str, continuations: Sequence[str]) -> Encoded:
+    """One question's context ids and its choices' continuation ids. lm-eval encodes the context once per
+    pair; it is the same string, so the ids are the same for every choice."""
+    pairs = [encode_pair(tokenizer, context, c) for c in continuations]
+    return pairs[0][0], [cont for _, cont in pairs]
+
+
+def _left_pad(rows: List[List[int]], pad_id: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long)
+        mask[i, width - len(r):] = 1
+    return ids.to(device), mask.to(device)
+
+
+@torch.no_grad()
+def choice_logprobs(model, batch: List[Encoded], pad_id: int = 0, device="cpu", autocast=None) -> List[List[float]]:
+    """For each question of ``batch``, the summed log p of each choice's continuation given its context."""
+    limit = model.cfg.max_position_embeddings
+    longest = max(len(c) for _, conts in batch for c in conts)
+    if any(len(c) == 0 for _, conts in batch for c in conts):
+        raise ValueError("a choice has no continuation tokens (an empty choice text)")
+    contexts = [ctx[-(limit - longest):] for ctx, _ in batch]  # lm-eval also cuts from the left
+    was_training = model.training
+    model.eval()
+    try:
+        with (autocast or contextlib.nullcontext)():
+            ids, mask = _left_pad(contexts, pad_id, device)  # (Q, P)
+            out = model(ids, use_cache=True, attention_mask=mask)
+            first = F.log_softmax(out.logits[:, -1].float(), dim=-1)  # (Q, V): predicts each continuation's 1st token
+            owner = torch.tensor([q for q, (_, conts) in enumerate(batch) for _ in conts], device=ids.device)  # (N,)
+            conts = [c for _, cs in batch for c in cs]
+            width = max(len(c) for c in conts)
+            cont_ids = torch.full((len(conts), width), pad_id, dtype=torch.long, device=ids.device)  # (N, L)
+            cont_mask = torch.zeros_like(cont_ids)
+            for i, c in enumerate(conts):
+                cont_ids[i, :len(c)] = torch.tensor(c, dtype=torch.long)
+                cont_mask[i, :len(c)] = 1
+            past = [(k.index_select(0, owner), v.index_select(0, owner)) for k, v in out.past_key_values]
+            full_mask = torch.cat([mask.index_select(0, owner), cont_mask], dim=1)  # (N, P + L)
+            rest = model(cont_ids, past_key_values=past, attention_mask=full_mask).logits.float()  # (N, L, V)
+        logp = torch.cat([first.index_select(0, owner).unsqueeze(1), F.log_softmax(rest[:, :-1], dim=-1)], dim=1)
+        token_logp = logp.gather(-1, cont_ids.unsqueeze(-1)).squeeze(-1) * cont_mask  # (N, L)
+        sums = token_logp.sum(dim=1).double().tolist()
+    finally:
+        model.train(was_training)
+    out_rows, i = [], 0
+    for _, cs in batch:
+        out_rows.append(sums[i:i + len(cs)])
+        i += len(cs)
+    return out_rows
+
+
+@torch.no_grad()
+def generate_batch(model, prompts: List[List[int]], *, max_new_tokens: int, samples: int, temperature: float,
+                   top_p: float, top_k: int, eos_id: int, pad_id: int, seed: int, device="cpu",
+                   autocast=None) -> Tuple[List[List[int]], List[List[List[int]]]]:
+    """(the greedy completion of each prompt, ``samples`` sampled completions of each), as token ids without
+    their EOS. The sampled ones draw from a generator seeded with ``seed``."""
+    from minimind_ray.rl.rollout import SamplingParams, TorchRollout
+
+    engine = TorchRollout(autocast)
+    engine.update_policy(model, 0)
+    ids, mask = _left_pad(prompts, pad_id, device)
+
+    def completions(rows_ids, rows_mask, params, generator=None) -> List[List[int]]:
+        roll = engine.generate(rows_ids, rows_mask, params, generator=generator)
+        out = []
+        for row, keep in zip(roll.completion_ids.tolist(), roll.completion_mask.tolist()):
+            toks = [t for t, k in zip(row, keep) if k]
+            out.append(toks[:-1] if toks and toks[-1] == eos_id else toks)
+        return out
+
+    greedy = completions(ids, mask, SamplingParams(max_new_tokens, 0.0, eos_id=eos_id, pad_id=pad_id))
+    sampled: List[List[List[int]]] = [[] for _ in prompts]
+    if samples:
+        gen = torch.Generator(device=ids.device).manual_seed(seed)
+        params = SamplingParams(max_new_tokens, temperature, top_p, top_k, eos_id, pad_id)
+        flat = completions(ids.repeat_interleave(samples, 0), mask.repeat_interleave(samples, 0), params, gen)
+        sampled = [flat[i * samples:(i + 1) * samples] for i in range(len(prompts))]
+    return greedy, sampled
+
+
+def score_batch(model, task: EvalTaskConfig, encoded_batch: list, batch_index: int, eos_id: int, pad_id: int,
+                device, autocast=None):
+    """What one batch returns: each question's choice log-probs (mc), or the greedy and sampled completions
+    (gen). The batch's sampling seed is derived from the task's seed and the batch's index alone."""
+    if task.task == "gen":
+        return generate_batch(model, encoded_batch, max_new_tokens=task.max_new_tokens, samples=task.samples,
+                              temperature=task.temperature, top_p=task.top_p, top_k=task.top_k, eos_id=eos_id,
+                              pad_id=pad_id, seed=task.seed * 1_000_003 + batch_index, device=device,
+                              autocast=autocast)
+    return choice_logprobs(model, encoded_batch, pad_id=pad_id, device=device, autocast=autocast)
