@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Optional
 from omegaconf import OmegaConf
 
 from minimind_ray.config_checks import ConfigError, check_bounds, config_field, need, read_yaml
+from minimind_ray.evals.config import EvalConfig, validate_eval
 from minimind_ray.fault_schedule import validate_faults
 from minimind_ray.fsio import is_uri
 from minimind_ray.stages import FORMATS, STAGE_NAMES, STAGES
@@ -183,7 +184,10 @@ class CheckpointConfig:
     """Ray Train checkpoints."""
 
     interval: int = _f(100, "optimizer steps between checkpoints (and one at the end)", ge=1)
-    num_to_keep: int = _f(3, "checkpoints kept by Ray Train", ge=1)
+    num_to_keep: int = _f(3, "checkpoints kept by Ray Train (the newest always; the rest by score_metric when set)", ge=1)
+    score_metric: Optional[str] = _f(None, "keep the num_to_keep best checkpoints by this metric, e.g. "
+                                           "eval/<task>/acc (eval.tasks) or loss; None = the newest")
+    score_order: str = _f("max", "max | min: which end of score_metric is best")
     storage_path: str = _f("runs", "local directory or URI (s3://, gs://) of run storage; shared by all nodes on a cluster")
 
 
@@ -229,6 +233,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
 
 # --------------------------------------------------------------------------- loading
@@ -294,7 +299,7 @@ def flatten(d: dict, prefix: str = "") -> dict:
 # Settings that do not change what is trained, only where, how fast, or how it is watched: left out of a
 # run's identity, so a run can be resumed on another cluster, with other logging, or trained further.
 RUNTIME_FIELDS = (
-    "name", "resume", "cluster", "tracking", "checkpoint",
+    "name", "resume", "cluster", "tracking", "checkpoint", "eval",
     "data.cache_dir", "data.prefetch_steps",
     "train.max_steps", "train.epochs", "train.micro_batch_size", "train.precision", "train.compile",
     "train.threads_per_worker", "train.log_interval", "train.eval_interval", "train.eval_batches",
@@ -387,6 +392,8 @@ def validate(cfg: RunConfig) -> None:
     validate_faults(cfg)
     need(cfg.resume in ("auto", "never", "must"), "resume", "must be auto, never or must")
     need(cl.backend in ("auto", "nccl", "gloo"), "cluster.backend", "must be auto, nccl or gloo")
+    validate_eval(cfg.eval)
+    need(cfg.checkpoint.score_order in ("max", "min"), "checkpoint.score_order", "must be max or min")
     if cl.min_workers is not None:
         need(cl.min_workers <= cl.num_workers, "cluster.min_workers", "must be in [1, num_workers]")
     # the global batch must split evenly at every worker count the run may use

@@ -87,12 +87,18 @@ def connect_ray(cfg: RunConfig):
         ray.init(address=address, runtime_env=env)
     else:
         # Logical CPUs: the workers plus room for Ray Data (it starves when workers take every CPU).
-        need = math.ceil(cfg.cluster.num_workers * cfg.cluster.cpus_per_worker) + 1
+        # (and the evaluation task of eval.tasks, which runs beside the workers)
+        need = math.ceil(cfg.cluster.num_workers * cfg.cluster.cpus_per_worker + eval_cpus(cfg)) + 1
         # The dashboard (127.0.0.1 only) also serves the state API that Ray Train's placement-group
         # cleaner polls; without it the cleaner logs a warning every few seconds.
         ray.init(num_cpus=max(os.cpu_count() or 1, need), include_dashboard=True, dashboard_host="127.0.0.1",
                  runtime_env=env)
     return ray
+
+
+def eval_cpus(cfg: RunConfig) -> float:
+    """CPUs the evaluation task of ``eval.tasks`` reserves beside the workers (0 without tasks)."""
+    return cfg.eval.num_cpus if cfg.eval.tasks else 0.0
 
 
 def worker_resources(cfg: RunConfig, use_gpu: bool) -> Dict[str, float]:
@@ -264,6 +270,7 @@ def run(cfg: RunConfig) -> RunResult:
     from minimind_ray.data.prepare import ensure_prepared
     from minimind_ray.raytrain.faults import failure_callback
     from minimind_ray.raytrain.progress import ProgressPrinter, make_progress_sink
+    from minimind_ray.raytrain.validation import validation_config
     from minimind_ray.raytrain.worker import train_loop_per_worker
     from minimind_ray.tokenizer import resolve_tokenizer
     from minimind_ray.tracking.runs import finish_run, resolve_tracking_uri, start_run
@@ -308,15 +315,21 @@ def run(cfg: RunConfig) -> RunResult:
                       mlflow_run_id=run_id, progress_sink=sink)
     threads = worker_threads(cfg)
     num_workers = (cfg.cluster.min_workers, cfg.cluster.num_workers) if cfg.cluster.min_workers else cfg.cluster.num_workers
+    validation = validation_config(cfg.eval, run_dir=run_dir, tracking_uri=uri if run_id else None,
+                                   cache_dir=str(Path(cfg.data.cache_dir).resolve()) if not is_uri(cfg.data.cache_dir)
+                                   else cfg.data.cache_dir, tracking_timeout_s=cfg.tracking.timeout_s)
     trainer = TorchTrainer(
         functools.partial(train_loop_per_worker, spec),
+        validation_config=validation,
         torch_config=TorchConfig(backend=backend, timeout_s=int(cfg.train.collective_timeout_s)),
         scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=use_gpu,
                                      resources_per_worker=worker_resources(cfg, use_gpu),
                                      **({"elastic_resize_monitor_interval_s": 10.0} if cfg.cluster.min_workers else {})),
         run_config=RayRunConfig(
             name=name, storage_path=storage,
-            checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.num_to_keep),
+            checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.num_to_keep,
+                                               checkpoint_score_attribute=cfg.checkpoint.score_metric,
+                                               checkpoint_score_order=cfg.checkpoint.score_order),
             failure_config=FailureConfig(max_failures=cfg.cluster.max_failures),
             callbacks=[failure_callback(sink, run_dir)],
             logging_config=LoggingConfig(log_level="WARNING"),  # progress comes from ProgressPrinter

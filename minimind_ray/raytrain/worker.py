@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from minimind_ray.engine import Hooks, TrainState, run
+from minimind_ray.engine.loop import validation_due
 from minimind_ray.fsio import filesystem
 from minimind_ray.raytrain.faults import FaultInjector, SampleLog
 from minimind_ray.raytrain.spec import WorkerSpec
@@ -90,7 +91,9 @@ class RayHooks(Hooks):
             # the only ray.train.report of the loop: it is a barrier, so it comes with a checkpoint
             # (a few keys: every metric already went to MLflow, and Ray logs what it is given)
             brief = {k: metrics[k] for k in ("step", "epoch", "loss", "eval_loss", "tracking_summary") if k in metrics}
-            ray.train.report(brief, checkpoint=Checkpoint.from_directory(tmp))
+            # eval.tasks: Ray Train runs raytrain/validation.py on this checkpoint in a task of its own
+            validate = validation_due(self.spec.cfg, step, self.state.total_steps)
+            ray.train.report(brief, checkpoint=Checkpoint.from_directory(tmp), validation=validate)
 
     def close(self):
         if self.logger is not None:

@@ -279,6 +279,15 @@ def _log_tags(client, run_id: str, tags: Dict[str, str]) -> None:
         client.log_batch(run_id, tags=items[i:i + _MAX_PARAMS_PER_BATCH])
 
 
+def set_tags(uri: str, run_id: str, tags: Dict[str, str], timeout_s: float = 10.0) -> None:
+    """Tag a run from outside its rank 0 (an evaluation task); never raises, a failure is logged."""
+    try:
+        with _short_http(timeout_s):
+            _log_tags(_client(uri), run_id, {k: redact(v) for k, v in tags.items()})
+    except Exception as e:  # noqa: BLE001 - tracking must not fail the caller
+        log.error("could not tag MLflow run %s: %s", run_id, _short(e))
+
+
 def _truncate_error(error: str) -> str:
     """Keep the head (what failed) and the tail (the innermost exception) of a long error."""
     if len(error) <= ERROR_TAG_MAX:

@@ -102,5 +102,9 @@ def tiny_baseline(ray_session, tmp_path_factory):
     from .helpers import final_weights, loss_history, new_shared, run_tiny
 
     shared = new_shared(tmp_path_factory, "baseline")
-    res = run_tiny(shared, "baseline-2w")
+    # It also evaluates its checkpoints on the side (eval.tasks never change what is trained): the demo's
+    # multiple-choice set at every checkpoint, and a task whose file is missing, which must fail alone
+    # (tests/integration/test_evals.py reads what they left).
+    res = run_tiny(shared, "baseline-2w", "eval.interval=4", "eval.tasks=[{task: mc, data: 'demo:mc_eval', limit: 24}, "
+                   "{task: gen, data: /nonexistent/prompts.jsonl, name: missing}]")
     return shared, res, final_weights(res), loss_history(shared, res.mlflow_run_id)

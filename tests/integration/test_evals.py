@@ -130,3 +130,39 @@ def test_workers_give_the_result_of_one_process(ray_session, export, files):
     assert [d["greedy"] for d in g1["details"]] == [d["greedy"] for d in g2["details"]]
     assert [d["samples"] for d in g1["details"]] == [d["samples"] for d in g2["details"]]
     assert (g1["pass@1"], g1["pass@k"]) == (g2["pass@1"], g2["pass@k"])
+
+
+def test_checkpoints_are_scored_beside_training_once_each_and_a_failed_task_does_not_stop_it(tiny_baseline):
+    """tiny_baseline's run has eval.tasks (tests/integration/conftest.py): the demo's multiple-choice set and a task
+    whose file is missing. Its scores are at every checkpoint step in MLflow, logged by a Ray task that is not a
+    training worker; the failure is a tag with its reason and the run finished; a second validation of the same
+    checkpoint (a replayed report) logs nothing, also when its marker is gone (the logger skips logged steps)."""
+    from mlflow.tracking import MlflowClient
+
+    from minimind_ray.raytrain.validation import validate_checkpoint
+    from ray.train import Checkpoint
+
+    from .helpers import loss_history
+
+    shared, res, _, _ = tiny_baseline
+    client = MlflowClient(shared["mlflow"])
+    for key in ("eval/mc_eval/acc", "eval/mc_eval/acc_norm"):
+        assert [s for s, _ in loss_history(shared, res.mlflow_run_id, key)] == [4, 8, 12]
+    run = client.get_run(res.mlflow_run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["eval/missing/error"].startswith("step 12: DataError: /nonexistent/prompts.jsonl: no such file")
+    markers = sorted((Path(res.run_dir) / "eval").glob("step-*.json"))
+    assert [m.name for m in markers] == ["step-12.json", "step-4.json", "step-8.json"]
+    for m in markers:
+        record = json.loads(m.read_text())
+        assert record["task_id"] and record["actor_id"] is None  # a Ray task, not a Train worker (an actor)
+        assert set(record["scores"]) == {"eval/mc_eval/acc", "eval/mc_eval/acc_norm"} and "missing" in record["errors"]
+    assert res.metrics["eval/mc_eval/acc"] == json.loads(markers[0].read_text())["scores"]["eval/mc_eval/acc"]
+    kwargs = dict(run_dir=res.run_dir, tracking_uri=shared["mlflow"], cache_dir=str(shared["cache"]), threads=1,
+                  tasks=[{"task": "mc", "data": "demo:mc_eval", "limit": 24}], tracking_timeout_s=10.0)
+    ckpt = Checkpoint.from_directory(res.checkpoint_dir)
+    before = loss_history(shared, res.mlflow_run_id, "eval/mc_eval/acc")
+    assert validate_checkpoint(ckpt, **kwargs) == json.loads(markers[0].read_text())["scores"]
+    markers[0].unlink()
+    validate_checkpoint(ckpt, **kwargs)  # scored again, but step 12 is in MLflow already: nothing is sent
+    assert loss_history(shared, res.mlflow_run_id, "eval/mc_eval/acc") == before
