@@ -4,7 +4,11 @@ MiniMind's tokenizer fetched by name (through the test mirror), to step 2, with 
 
 The chain is the user's: pretrain -> its exported ``pretrain_512.pth`` starts SFT -> SFT's
 ``full_sft_512.pth`` starts LoRA, DPO and distillation (whose teacher, ``full_sft_768.pth``, is a
-freshly initialised 104M minimind2 here). Sequences are cut to 64 tokens so a 26M step costs seconds."""
+freshly initialised 104M minimind2 here). Sequences are cut to 64 tokens so a 26M step costs seconds.
+
+The minimind-3 recipes (MiniMind @ d65ef2c) chain the same way under MiniMind's current file names, with the
+MoE SFT as distillation's teacher; they train on the engine in-process (see MINIMIND3_CHAIN for why), and
+their numbers are checked against MiniMind's trainer defaults."""
 from __future__ import annotations
 
 import json
@@ -19,7 +23,7 @@ from minimind_ray.model.minimind import build_model
 from minimind_ray.model.presets import preset_values
 from minimind_ray.config import ModelConfig
 from minimind_ray.store.checkpoint import open_checkpoint
-from minimind_ray.store.pth import save_pth
+from minimind_ray.store.pth import read_pth, save_pth
 from tests.conftest import cli_stderr
 
 pytestmark = pytest.mark.integration
@@ -89,6 +93,121 @@ def test_every_26m_recipe_runs_from_a_user_directory(ray_session, workdir, monke
         res, ck = _run(workdir, recipe, monkeypatch)
         if recipe == "lora_26m":
             assert any(".lora." in k for k in ck.model_state())
+
+
+# The minimind-3 chain (MiniMind @ d65ef2c): its data files' names, its weights' names, the MoE SFT as the
+# distillation teacher. Each recipe trains 2 steps of its stage on one in-process engine (TrainState + the
+# engine's loop, the code every Ray Train worker runs), not through Ray Train: the Ray layer does not depend
+# on the recipe and the 26M chain above runs it; starting a Ray Train worker group costs 10-60 s on 2 cores,
+# eight times over. The data is prepared by the real Ray Data job, the exports are MiniMind's .pth files.
+MINIMIND3_CHAIN = (("pretrain_minimind3", "pretrain_768.pth"), ("sft_minimind3", "full_sft_768.pth"),
+                   ("pretrain_minimind3_moe", "pretrain_768_moe.pth"), ("sft_minimind3_moe", "full_sft_768_moe.pth"),
+                   ("lora_minimind3", "lora_768.pth"), ("dpo_minimind3", "dpo_768.pth"),
+                   ("grpo_minimind3", "grpo_768.pth"), ("distill_minimind3", "full_dist_768.pth"))
+# Runtime-only overrides (train.max_steps, micro_batch_size, the cluster), plus what a 64M/198M CPU step must
+# cut: one sequence per step instead of up to 1024, 64 tokens each.
+CPU3 = ["cluster.use_gpu=false", "cluster.num_workers=1", "train.max_steps=2", "train.global_batch_size=1",
+        "train.micro_batch_size=1", "data.max_seq_len=64", "train.log_interval=1", "tracking.enabled=false"]
+# GRPO: 8 new tokens per completion instead of 1024; the recipe's fourth reward term is MiniMind's
+# internlm2-1_8b-reward (1.8B parameters, remote code), which no CI machine has: its three rule terms stay.
+GRPO_CPU = ["train.grpo.max_gen_len=8",
+            "train.grpo.rewards=[{name: length}, {name: think_format}, {name: repetition}]"]
+
+
+def _write_minimind3_data(d: Path) -> None:
+    """Small samples under the file names of MiniMind's minimind-3 trainers (pretrain_t2t_mini, sft_t2t_mini,
+    lora_medical, dpo, rlaif)."""
+    _write_minimind_data(d)
+    (d / "pretrain_hq.jsonl").rename(d / "pretrain_t2t_mini.jsonl")
+    (d / "sft_mini_512.jsonl").rename(d / "sft_t2t_mini.jsonl")
+    (d / "lora_identity.jsonl").rename(d / "lora_medical.jsonl")
+    rlaif = [{"conversations": [{"role": "user", "content": f"What is {i} plus {i}?"},
+                                {"role": "assistant", "content": ""}]} for i in range(8)]
+    (d / "rlaif.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rlaif))
+
+
+def _train_in_process(workdir: Path, recipe: str, *extra):
+    """2 steps of ``recipe`` from ``workdir`` on one in-process engine; (config, state, its MiniMind .pth)."""
+    import random
+
+    from minimind_ray.data.prepare import ensure_prepared
+    from minimind_ray.engine import TrainState, run
+    from minimind_ray.export import export_minimind_pth
+    from minimind_ray.stages import get_stage
+    from minimind_ray.tokenizer import resolve_tokenizer
+
+    cfg = load_config(str(REPO / "pipelines" / "configs" / f"{recipe}.yaml"),
+                      CPU3 + [f"data.cache_dir={workdir / 'cache'}", *extra])
+    tok = resolve_tokenizer(cfg.data.tokenizer, cfg.data.cache_dir, cfg.model.generation)
+    prepared = ensure_prepared(cfg.data, tok)  # the SFT-format recipes share one prepared directory
+    threads, py_rng = torch.get_num_threads(), random.getstate()
+    try:
+        with torch.random.fork_rng(devices=[]):  # the engine seeds and sizes this process as its own
+            state = TrainState.build(cfg, prepared)
+            run(state)
+    finally:
+        torch.set_num_threads(threads)
+        random.setstate(py_rng)
+    # as the driver's export names it: a LoRA run's adapters are MiniMind's lora_<hidden>.pth
+    prefix = "lora" if cfg.train.stage == "lora" else get_stage(cfg.train.stage).export_prefix
+    return cfg, state, Path(export_minimind_pth(state.model, workdir / "export" / recipe, stage=prefix))
+
+
+# MiniMind's trainer defaults at d65ef2c (trainer/train_*.py argparse): epochs, batch_size (per GPU),
+# accumulation_steps, learning_rate, max_seq_len, data_path, from_weight; and each stage's own numbers.
+MINIMIND3_DEFAULTS = {
+    "pretrain_minimind3": (2, 32, 8, 5e-4, 340, "pretrain_t2t_mini.jsonl", None),
+    "pretrain_minimind3_moe": (2, 32, 8, 5e-4, 340, "pretrain_t2t_mini.jsonl", None),
+    "sft_minimind3": (2, 16, 1, 1e-5, 768, "sft_t2t_mini.jsonl", "pretrain_768.pth"),
+    "sft_minimind3_moe": (2, 16, 1, 1e-5, 768, "sft_t2t_mini.jsonl", "pretrain_768_moe.pth"),
+    "lora_minimind3": (10, 32, 1, 1e-4, 340, "lora_medical.jsonl", "full_sft_768.pth"),
+    "dpo_minimind3": (1, 4, 1, 4e-8, 1024, "dpo.jsonl", "full_sft_768.pth"),
+    "grpo_minimind3": (1, 2, 1, 3e-7, 768, "rlaif.jsonl", "full_sft_768.pth"),
+    "distill_minimind3": (6, 32, 1, 5e-6, 340, "sft_t2t_mini.jsonl", "full_sft_768.pth"),
+}
+
+
+def test_minimind3_recipes_hold_minimind_defaults():
+    """The numbers a MiniMind user knows, as MiniMind's trainers run under torchrun on 4 GPUs (the recipes'
+    cluster): global batch = 4 x batch_size x accumulation_steps; torch AdamW's defaults (MiniMind passes lr only)."""
+    from omegaconf import OmegaConf
+
+    for recipe, (epochs, batch, accum, lr, seq, data, init) in MINIMIND3_DEFAULTS.items():
+        r = OmegaConf.to_container(OmegaConf.load(REPO / "pipelines" / "configs" / f"{recipe}.yaml"))
+        t, d = r["train"], r["data"]
+        assert (t["epochs"], t["micro_batch_size"], t["global_batch_size"], t["lr"], d["max_seq_len"]) == (
+            epochs, batch, 4 * batch * accum, lr, seq) and r["cluster"]["num_workers"] == 4, recipe
+        assert d["train_path"] == [f"data/{data}"] and t.get("init_from") == (init and f"out/{init}"), recipe
+        assert (t["beta2"], t["weight_decay"], t["grad_clip"], d["tokenizer"]) == (0.999, 0.01, 1.0, "minimind3")
+        assert r["model"]["preset"] == ("minimind3-moe" if recipe.endswith("_moe") else "minimind3"), recipe
+        if recipe != "grpo_minimind3":  # GRPO: a cosine to lr/10 over optimizer steps (CosineAnnealingLR)
+            assert (t["lr_schedule"], t["warmup_steps"]) == ("minimind", 0), recipe
+    for name in ("dpo_26m", "dpo_minimind3"):  # MiniMind's DPO beta since d65ef2c, in both generations' recipes
+        assert OmegaConf.load(REPO / "pipelines" / "configs" / f"{name}.yaml").train.dpo.beta == 0.15
+    g = OmegaConf.load(REPO / "pipelines" / "configs" / "grpo_minimind3.yaml").train
+    assert (g.grpo.num_generations, g.grpo.max_gen_len, g.grpo.beta, g.grpo.loss_type, g.grpo.epsilon,
+            g.grpo.epsilon_high, g.min_lr_ratio) == (6, 1024, 0.1, "cispo", 0.2, 5.0, 0.1)
+    dist = OmegaConf.load(REPO / "pipelines" / "configs" / "distill_minimind3.yaml").train.distill
+    assert (dist.teacher_preset, dist.teacher_weights, dist.alpha, dist.temperature) == (
+        "minimind3-moe", "out/full_sft_768_moe.pth", 0.5, 1.5)
+    assert OmegaConf.load(REPO / "pipelines" / "configs" / "pretrain_minimind3.yaml").data.pack is False  # pad mode
+
+
+def test_every_minimind3_recipe_trains_from_a_user_directory(ray_session, tmp_path, monkeypatch):
+    _write_minimind3_data(tmp_path / "data")
+    (tmp_path / "out").mkdir()
+    monkeypatch.chdir(tmp_path)  # the recipes' relative data/ and out/ paths are the user's
+    for recipe, export_as in MINIMIND3_CHAIN:
+        cfg, state, pth = _train_in_process(tmp_path, recipe, *(GRPO_CPU if recipe.startswith("grpo") else ()))
+        assert state.step == 2 and cfg.data.tokenizer == "minimind3", recipe
+        assert state.model.cfg.preset == ("minimind3-moe" if recipe.endswith("_moe") else "minimind3"), recipe
+        assert pth.name == export_as, recipe  # MiniMind's name for what this stage writes
+        shutil.copy(pth, tmp_path / "out" / export_as)  # what the next recipe starts from
+        if recipe == "lora_minimind3":  # MiniMind's LoRA file: the adapters alone
+            assert read_pth(str(pth)) and all(".lora." in k for k in read_pth(str(pth)))
+        if recipe == "distill_minimind3":  # the teacher is the MoE SFT's export, frozen
+            teacher = state.objective.teacher
+            assert teacher.cfg.use_moe and not any(p.requires_grad for p in teacher.parameters())
 
 
 def test_gpu_settings_on_a_cluster_without_gpus_stop_before_any_worker(ray_session, workdir, monkeypatch, capsys):
