@@ -91,12 +91,34 @@ def _device(args) -> str:
     return args.device or ("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def add_rope_scaling_arguments(sp) -> None:
+    """The inference verbs' RoPE switch (generate, chat, serve): MiniMind's ``--inference_rope_scaling`` (YaRN),
+    with its ``rope_scaling`` numbers named as MiniMind names them. Read back with :func:`rope_scaling_of`."""
+    g = sp.add_argument_group("long context", "YaRN at inference, as MiniMind's --inference_rope_scaling "
+                                               "(docs/training.md)")
+    g.add_argument("--rope-scaling", metavar="{yarn,none}", default=None,
+                   help="yarn: stretch RoPE past the trained context (MiniMind's YaRN); none: plain RoPE even "
+                        "where the weights recorded YaRN (default: as the weights record)")
+    g.add_argument("--factor", type=float, default=None,
+                   help="YaRN: how far the context stretches (MiniMind's rope_scaling.factor, default 16)")
+    g.add_argument("--original-max-position-embeddings", type=int, default=None,
+                   help="YaRN: the context the model was trained for (MiniMind's "
+                        "rope_scaling.original_max_position_embeddings, default 2048)")
+
+
+def rope_scaling_of(args):
+    """``--rope-scaling`` and its numbers as build_inference_model's ``rope_scaling`` (None = the weights' own)."""
+    from minimind_ray.store.weights import rope_scaling_spec
+
+    return rope_scaling_spec(args.rope_scaling, args.factor, args.original_max_position_embeddings)
+
+
 def cmd_generate(args) -> int:
     from minimind_ray.generate import generate_text
     from minimind_ray.store.weights import build_inference_model
 
     dev = _device(args)
-    model, lw = build_inference_model(args.weights, args.preset, device=dev)
+    model, lw = build_inference_model(args.weights, args.preset, device=dev, rope_scaling=rope_scaling_of(args))
     tok = _tokenizer_for(args, lw)
     for prompt in args.prompt:
         if len(args.prompt) > 1:
@@ -111,7 +133,7 @@ def cmd_chat(args) -> int:
     from minimind_ray.store.weights import build_inference_model
 
     dev = _device(args)
-    model, lw = build_inference_model(args.weights, args.preset, device=dev)
+    model, lw = build_inference_model(args.weights, args.preset, device=dev, rope_scaling=rope_scaling_of(args))
     chat_loop(model, _tokenizer_for(args, lw), _sampling(args), think=args.think, device=dev)
     return 0
 
@@ -204,11 +226,13 @@ def build_parser() -> argparse.ArgumentParser:
     with_sampling(sp)
     sp.add_argument("--prompt", action="append", required=True, help="repeatable")
     sp.add_argument("--raw", action="store_true", help="plain continuation, no chat template")
+    add_rope_scaling_arguments(sp)
     sp.set_defaults(fn=cmd_generate)
 
     sp = sub.add_parser("chat", help="interactive chat (empty line quits)")
     with_weights(sp)
     with_sampling(sp)
+    add_rope_scaling_arguments(sp)
     sp.set_defaults(fn=cmd_chat)
 
     from minimind_ray.evals.verb import __doc__ as eval_doc, add_arguments as add_eval_arguments
@@ -257,6 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("serve", help="serve WEIGHTS on Ray Serve: an OpenAI-compatible API and a chat page "
                                       "(docs/serving.md)")
     add_serve_arguments(sp)
+    add_rope_scaling_arguments(sp)
     sp.set_defaults(fn=cmd_serve)
     return p
 
@@ -264,6 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_serve(args) -> int:
     from minimind_ray.serve.launch import serve_from_args
 
+    args.rope_scaling = rope_scaling_of(args)  # a dict (ServeOptions.rope_scaling) that travels to the replicas
     return serve_from_args(args)
 
 

@@ -74,7 +74,8 @@ class ChatServer:
         device = self.opts.device or ("cuda" if torch.cuda.is_available() else "cpu")
         served = load_served_model(self.opts.weights, tokenizer=self.opts.tokenizer, preset=self.opts.preset,
                                    lora=self.opts.lora, lora_alpha=self.opts.lora_alpha, device=device,
-                                   tracking_uri=self.opts.tracking_uri, name=self.opts.model_name)
+                                   tracking_uri=self.opts.tracking_uri, name=self.opts.model_name,
+                                   rope_scaling=self.opts.rope_scaling)
         self.tok, self.name = served.tokenizer, served.name
         self.context = min(self.opts.context or served.context, served.context)
         self.engine = Engine(served.model, self.tok.eos_id, self.opts.max_batch, self.context, device)

@@ -32,7 +32,7 @@ from minimind_ray.model.minimind import apply_rope, build_model
 from minimind_ray.serve.options import is_mlflow_uri
 from minimind_ray.store.pth import read_pth
 from minimind_ray.store.weights import (LoadedWeights, apply_weights, build_inference_model, load_weights,
-                                        resolve_checkpoint)
+                                        resolve_checkpoint, set_rope_scaling)
 from minimind_ray.tokenizer import Tokenizer, load_tokenizer, resolve_tokenizer
 from minimind_ray.tracking.runs import resolve_tracking_uri
 
@@ -88,9 +88,11 @@ def pin_tokenizer(source: str, tokenizer: Optional[str]) -> Optional[str]:
 
 def load_served_model(source: str, tokenizer: Optional[str] = None, preset: Optional[str] = None,
                       lora: Optional[str] = None, lora_alpha: Optional[float] = None, device: str = "cpu",
-                      tracking_uri: Optional[str] = None, name: Optional[str] = None) -> ServedModel:
+                      tracking_uri: Optional[str] = None, name: Optional[str] = None,
+                      rope_scaling: Optional[dict] = None) -> ServedModel:
     """Model (eval mode, LoRA merged) and tokenizer for ``source``; ``lora`` adds a separate adapter
-    file (MiniMind's ``lora_*.pth``) on top of the weights and merges it."""
+    file (MiniMind's ``lora_*.pth``) on top of the weights and merges it; ``rope_scaling`` turns YaRN on
+    or off (store.weights.set_rope_scaling; None = as the weights record)."""
     if is_mlflow_uri(source):
         model, tok = _from_mlflow(source, resolve_tracking_uri(TrackingConfig(uri=tracking_uri)), preset)
     else:
@@ -103,6 +105,8 @@ def load_served_model(source: str, tokenizer: Optional[str] = None, preset: Opti
                          f"(minimind2, minimind3, auto or a tokenizer directory)")
     if lora:
         model = _add_lora(model, lora, lora_alpha)
+    if rope_scaling is not None:
+        set_rope_scaling(model, rope_scaling)
     model = model.to(device).eval()
     return ServedModel(model, tok, name or default_name(source), model.cfg.max_position_embeddings)
 

@@ -37,6 +37,9 @@ class ServeOptions:
                                            "or sqlite:///<cwd>/mlflow.db")
     model_name: Optional[str] = _f(None, "the model id /v1/models lists; None = derived from the weights")
     device: Optional[str] = _f(None, "cpu | cuda; None = cuda when the machine has a GPU (one GPU per replica)")
+    rope_scaling: Optional[Dict[str, Any]] = _f(None, "{type: yarn, factor: 16, original_max_position_embeddings: "
+                                                      "2048} (MiniMind's YaRN) or {type: none}; None = as the weights "
+                                                      "record (minimind-ray serve --rope-scaling)")
     max_batch: int = _f(16, "most requests one replica decodes together (continuous batching)")
     max_tokens_cap: int = _f(1024, "requests asking for more max_tokens get a 400")
     context: Optional[int] = _f(None, "most prompt + reply tokens per request; None = the model's "

@@ -284,13 +284,80 @@ def load_model_weights(model: torch.nn.Module, source: str, strict: bool = True)
 
 
 def build_inference_model(source: str, preset: Optional[str] = None, merge_lora: bool = True,
-                          device: str = "cpu"):
-    """(model in eval mode, LoadedWeights). LoRA adapters in the weights are merged (or kept)."""
+                          device: str = "cpu", rope_scaling: Optional[dict] = None):
+    """(model in eval mode, LoadedWeights). LoRA adapters in the weights are merged (or kept).
+    ``rope_scaling`` (from :func:`rope_scaling_spec`): YaRN on or off at inference; None = as the weights record."""
     from minimind_ray.model.minimind import build_model
 
     lw = load_weights(source, preset)
     model = apply_weights(build_model(lw.model_cfg), lw, merge_lora=merge_lora)
+    if rope_scaling is not None:
+        set_rope_scaling(model, rope_scaling)
     return model.to(device).eval(), lw
+
+
+# --------------------------------------------------------------------------- RoPE scaling at inference
+
+ROPE_SCALING_TYPES = ("yarn", "none")
+
+
+def rope_scaling_spec(kind: Optional[str], factor: Optional[float] = None,
+                      original_max_position_embeddings: Optional[int] = None) -> Optional[dict]:
+    """What the inference verbs' ``--rope-scaling`` means, in MiniMind's own ``rope_scaling`` keys.
+
+    ``yarn``: MiniMind's ``inference_rope_scaling`` (YaRN, ``factor`` 16 over ``original_max_position_embeddings``
+    2048, beta_fast 32, beta_slow 1, attention_factor 1), either number replaceable; ``none``: plain RoPE even
+    where the weights recorded YaRN; None: the weights' own setting. A ValueError names the flag at fault."""
+    if kind is None:
+        if factor is not None or original_max_position_embeddings is not None:
+            raise ValueError("--factor/--original-max-position-embeddings need --rope-scaling yarn")
+        return None
+    if kind not in ROPE_SCALING_TYPES:
+        raise ValueError(f"--rope-scaling: {kind!r} is not one of {', '.join(ROPE_SCALING_TYPES)}")
+    if kind == "none":
+        if factor is not None or original_max_position_embeddings is not None:
+            raise ValueError("--factor/--original-max-position-embeddings only apply to --rope-scaling yarn")
+        return {"type": "none"}
+    from minimind_ray.model.minimind import YARN
+
+    spec = {"type": "yarn", **YARN}
+    if factor is not None:
+        if not factor >= 1:
+            raise ValueError(f"--factor: must be >= 1 (the context is stretched by it), got {factor}")
+        spec["factor"] = float(factor)
+    if original_max_position_embeddings is not None:
+        if original_max_position_embeddings < 1:
+            raise ValueError(f"--original-max-position-embeddings: must be >= 1, got {original_max_position_embeddings}")
+        spec["original_max_position_embeddings"] = int(original_max_position_embeddings)
+    return spec
+
+
+def set_rope_scaling(model, spec: dict):
+    """Rebuild the model's RoPE tables for ``spec`` (:func:`rope_scaling_spec`), in place; returns the model.
+
+    The tables are the model's only position-dependent state, so this is all YaRN changes (MiniMind builds
+    them the same way when ``inference_rope_scaling`` is set). ``model.cfg.inference_rope_scaling`` follows,
+    and ``model.rope_scaling`` keeps the numbers used (None = plain RoPE). As in MiniMind, YaRN changes
+    nothing unless the table (max_position_embeddings) is longer than the original context."""
+    from minimind_ray.model.minimind import rope_tables, unwrap_model
+
+    if not isinstance(spec, dict) or "type" not in spec:  # e.g. a Serve config file's rope_scaling
+        raise ValueError(f"rope_scaling: {spec!r} is not a mapping with a 'type' (yarn or none)")
+    spec = rope_scaling_spec(spec["type"], spec.get("factor"), spec.get("original_max_position_embeddings"))
+    raw = unwrap_model(model)
+    yarn = None if spec["type"] == "none" else {k: v for k, v in spec.items() if k != "type"}
+    cfg = raw.cfg
+    if yarn is not None and cfg.max_position_embeddings <= yarn["original_max_position_embeddings"]:
+        raise ValueError(f"--original-max-position-embeddings {yarn['original_max_position_embeddings']} is not "
+                         f"below the model's max_position_embeddings {cfg.max_position_embeddings}: YaRN would "
+                         f"change nothing")
+    m = raw.model
+    cos, sin = rope_tables(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, yarn)
+    m.freqs_cos.copy_(cos.to(m.freqs_cos.dtype))
+    m.freqs_sin.copy_(sin.to(m.freqs_sin.dtype))
+    raw.cfg = dataclasses.replace(cfg, inference_rope_scaling=yarn is not None)
+    raw.rope_scaling = yarn
+    return model
 
 
 def model_config_json(cfg: ModelConfig) -> str:
