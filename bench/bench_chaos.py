@@ -434,7 +434,7 @@ class Chaos:
         runs = client.search_runs([e.experiment_id for e in client.search_experiments()],
                                   filter_string=f"tags.`minimind.run_name` = '{name}'")
         runs = [r for r in runs if str(chaos) in r.data.tags.get("minimind.storage", "")]
-        steps_logged = sorted(m.step for m in client.get_metric_history(runs[0].info.run_id, "loss")) if runs else []
+        steps_logged = sorted(m.step for m in client.get_metric_history(runs[0].info.run_id, "train/loss")) if runs else []
         twice = sorted({s for s in steps_logged if steps_logged.count(s) > 1})
         missing = sorted(set(range(1, self.steps + 1)) - set(steps_logged))
 

@@ -29,6 +29,7 @@ def main():
 
     from minimind_ray.config import load_config
     from minimind_ray.raytrain.driver import run
+    from minimind_ray.tracking.names import metric_name
 
     assert torch.cuda.is_available(), "this benchmark needs GPUs"
     gpus = torch.cuda.device_count()
@@ -49,7 +50,7 @@ def main():
         client = MlflowClient(uri)
 
         def last(key):
-            hist = client.get_metric_history(res.mlflow_run_id, key)
+            hist = client.get_metric_history(res.mlflow_run_id, metric_name(key, "pretrain"))
             # skip the first interval (compilation, warm-up)
             vals = [m.value for m in sorted(hist, key=lambda m: m.step) if m.step > 40]
             return sum(vals) / len(vals) if vals else float("nan")

@@ -15,6 +15,7 @@ from minimind_ray.fsio import filesystem
 from minimind_ray.raytrain.faults import FaultInjector, SampleLog
 from minimind_ray.raytrain.spec import WorkerSpec
 from minimind_ray.store.checkpoint import StoredCheckpoint, choose_restore, open_checkpoint
+from minimind_ray.tracking.names import metric_name
 
 
 def pick_device(use_gpu: bool) -> torch.device:
@@ -72,10 +73,12 @@ class RayHooks(Hooks):
             return
         if self.spec.progress_sink is not None:  # fire-and-forget: the driver's console view
             self.spec.progress_sink.push.remote({**metrics, "checkpoint": is_checkpoint})
-        if self.logger is not None:
+        if self.logger is not None:  # grouped names (tracking/names.py): train/, eval/, rl/, perf/, sys/
+            stage = self.spec.cfg.train.stage
             for s, loss in per_step_loss:
-                self.logger.log_metrics({"loss": loss}, step=s)
-            self.logger.log_metrics({k: v for k, v in metrics.items() if k not in ("loss", "step")}, step=step)
+                self.logger.log_metrics({metric_name("loss", stage): loss}, step=s)
+            self.logger.log_metrics({metric_name(k, stage): v for k, v in metrics.items() if k not in ("loss", "step")},
+                                    step=step)
 
     def on_checkpoint(self, step, metrics):
         import ray.train

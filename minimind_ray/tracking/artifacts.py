@@ -8,6 +8,7 @@ import tempfile
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
+from minimind_ray.tracking.names import history as metric_history
 from minimind_ray.tracking.runs import _client, _error_code, _short, _short_http
 
 log = logging.getLogger(__name__)
@@ -83,8 +84,7 @@ def log_final_artifacts(uri: str, run_id: str, *, pth_path: Optional[str], safet
             attempt(f"upload {tokenizer_dir}", lambda: client.log_artifacts(run_id, tokenizer_dir, "tokenizer"))
 
         def plot():
-            history = {k: [(m.step, m.value) for m in client.get_metric_history(run_id, k)]
-                       for k in ("loss", "eval_loss")}
+            history = {k: metric_history(client, run_id, k) for k in ("train/loss", "eval/loss")}
             history = {k: v for k, v in history.items() if v}
             if not history:
                 log.warning("MLflow run %s has no loss history: no plots/loss.png", run_id)

@@ -36,6 +36,9 @@ TAG_STORAGE = "minimind.storage"
 TAG_RESUMES = "minimind.resumes"
 ERROR_TAG = "error"
 ERROR_TAG_MAX = 5000
+# MLflow 3's UI opens an experiment without this tag in its GenAI view ("Evaluation runs"); this one says the
+# experiment trains models, so a run page opens on its metrics
+EXPERIMENT_KIND, MODEL_TRAINING = "mlflow.experimentKind", "custom_model_development"
 
 # MLflow's own limits (mlflow.utils.validation): log_batch takes at most 1000 metrics or 100
 # params/tags per call, and a param value at most 6000 characters.
@@ -194,13 +197,16 @@ def _experiment_id(client, name: str, uri: str) -> str:
     exp = client.get_experiment_by_name(name)
     if exp is None:
         try:
-            return client.create_experiment(name, artifact_location=artifact_location_for(uri))
+            return client.create_experiment(name, artifact_location=artifact_location_for(uri),
+                                            tags={EXPERIMENT_KIND: MODEL_TRAINING})
         except MlflowException as e:  # another driver created it meanwhile
             if _error_code(e) != "RESOURCE_ALREADY_EXISTS":
                 raise
             exp = client.get_experiment_by_name(name)
     if exp.lifecycle_stage == "deleted":
         client.restore_experiment(exp.experiment_id)
+    if exp.tags.get(EXPERIMENT_KIND) is None:  # an experiment made before this tag (or by someone else)
+        client.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND, MODEL_TRAINING)
     return exp.experiment_id
 
 

@@ -47,7 +47,7 @@ def final_weights(res):
     return torch.load(Path(res.checkpoint_dir) / MODEL, map_location="cpu", weights_only=True)
 
 
-def loss_history(shared, run_id, key="loss"):
+def loss_history(shared, run_id, key="train/loss"):
     from mlflow.tracking import MlflowClient
 
     hist = MlflowClient(shared["mlflow"]).get_metric_history(run_id, key)

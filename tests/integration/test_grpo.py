@@ -24,8 +24,9 @@ GRPO = ("train.stage=grpo", "data.format=prompt", "data.max_seq_len=48", "train.
         # a length-proportional module:function term (imported by the workers) so that groups' rewards differ
         "train.grpo.rewards=[{name: exact_answer}, {name: 'tests.unit.test_grpo_rewards:double_length', weight: 0.01}]")
 CRASH = ("train.fail_at_step=5", "train.fail_mode=raise", "train.fail_rank=1")
-METRICS = ("reward", "reward_std", "reward_exact_answer", "reward_double_length", "reward_double_length_std", "kl",
-           "clip_fraction", "completion_len", "truncated_fraction", "zero_std_fraction", "rollout_s", "step_time_s")
+METRICS = ("rl/reward", "rl/reward_std", "rl/reward_exact_answer", "rl/reward_double_length",
+           "rl/reward_double_length_std", "rl/kl", "rl/clip_fraction", "rl/completion_len", "rl/truncated_fraction",
+           "rl/zero_std_fraction", "rl/rollout_s", "perf/step_time_s")
 
 
 @pytest.fixture(scope="module")
@@ -48,15 +49,15 @@ def test_grpo_crash_and_resume_equals_an_uninterrupted_run(ray_session, shared):
     assert all(torch.equal(v, w_clean[k]) for k, v in w.items())
     base = torch.load(shared["base_pth"], weights_only=True)
     assert any(not torch.equal(v, base[k]) for k, v in w.items()), "GRPO did not change the policy"
-    rewards = loss_history(shared, crashed.mlflow_run_id, "reward")
+    rewards = loss_history(shared, crashed.mlflow_run_id, "rl/reward")
     assert [s for s, _ in rewards] == list(range(1, STEPS + 1))
-    assert rewards == loss_history(shared, clean.mlflow_run_id, "reward")
+    assert rewards == loss_history(shared, clean.mlflow_run_id, "rl/reward")
     for key in METRICS:
         hist = loss_history(shared, crashed.mlflow_run_id, key)
         assert [s for s, _ in hist] == list(range(1, STEPS + 1)), key
-    lengths = [v for _, v in loss_history(shared, crashed.mlflow_run_id, "completion_len")]
+    lengths = [v for _, v in loss_history(shared, crashed.mlflow_run_id, "rl/completion_len")]
     assert all(1 <= v <= 8 for v in lengths)
-    assert all(v >= 0 for _, v in loss_history(shared, crashed.mlflow_run_id, "kl"))
+    assert all(v >= 0 for _, v in loss_history(shared, crashed.mlflow_run_id, "rl/kl"))
 
     # the export is MiniMind's grpo_<hidden>.pth, and the inference verbs load the run
     from minimind_ray.generate import SamplingConfig, generate_text

@@ -77,5 +77,5 @@ def test_the_same_command_resumes_after_the_driver_is_killed(ray_session, tiny_b
     runs = client.search_runs([e.experiment_id for e in client.search_experiments()],
                               filter_string=f"tags.`minimind.run_name` = '{name}'")
     assert len(runs) == 1 and runs[0].info.status == "FINISHED"
-    assert [m.step for m in sorted(client.get_metric_history(runs[0].info.run_id, "loss"), key=lambda m: m.step)] \
+    assert [m.step for m in sorted(client.get_metric_history(runs[0].info.run_id, "train/loss"), key=lambda m: m.step)] \
         == list(range(1, STEPS + 1))

@@ -100,8 +100,8 @@ def test_dpo_margin_grows_on_hand_made_pairs(ray_session, shared, tmp_path_facto
     clean = run_stage(shared, "dpo-no-crash", *dpo, crash=False)
     w_clean = final_weights(clean)
     assert all(torch.equal(v, w_clean[k]) for k, v in final_weights(res).items())
-    margins = loss_history(shared, res.mlflow_run_id, "reward_margin")
-    acc = loss_history(shared, res.mlflow_run_id, "reward_accuracy")
+    margins = loss_history(shared, res.mlflow_run_id, "train/reward_margin")
+    acc = loss_history(shared, res.mlflow_run_id, "train/reward_accuracy")
     assert margins[-1][1] > margins[0][1] + 0.1, margins
     assert acc[-1][1] >= 0.9
     # the reference never enters the checkpoint: model.pth holds the policy's keys only
@@ -115,8 +115,8 @@ def test_distillation_from_a_frozen_teacher(ray_session, shared):
                     "train.log_interval=1")
     assert_resumed_once(shared, "distill")
     losses = loss_history(shared, res.mlflow_run_id)
-    kl = loss_history(shared, res.mlflow_run_id, "kl")
-    ce = loss_history(shared, res.mlflow_run_id, "ce")
+    kl = loss_history(shared, res.mlflow_run_id, "train/kl")
+    ce = loss_history(shared, res.mlflow_run_id, "train/ce")
     assert [s for s, _ in losses] == list(range(1, STEPS + 1))
     assert kl and ce and all(v >= 0 for _, v in kl)
     # loss = alpha * CE + (1 - alpha) * T^2 * KL with MiniMind's alpha 0.5 (per-token means)

@@ -31,6 +31,8 @@ def test_one_run_with_params_metrics_artifacts_and_a_registered_version(ray_sess
                    "train.fail_at_step=6")  # a worker-group restart mid-run must not make a second run
     uri = mlflow_server.uri
     exp = rest(uri, "/api/2.0/mlflow/experiments/get-by-name?experiment_name=minimind-pretrain")["experiment"]
+    # tagged as model training: MLflow 3's UI opens it on the runs and their metrics, not its GenAI view
+    assert {t["key"]: t["value"] for t in exp["tags"]}["mlflow.experimentKind"] == "custom_model_development"
     runs = rest(uri, "/api/2.0/mlflow/runs/search", {"experiment_ids": [exp["experiment_id"]],
                                                      "filter": "attributes.run_name = 'tracked'"})["runs"]
     assert len(runs) == 1
@@ -40,9 +42,10 @@ def test_one_run_with_params_metrics_artifacts_and_a_registered_version(ray_sess
     assert params["model.preset"] == "tiny" and params["train.global_batch_size"] == "16"
     tags = {t["key"]: t["value"] for t in run["data"]["tags"]}
     assert {"world_size", "device_type", "torch.version", "ray.version", "mlflow.source.git.commit"} <= set(tags)
-    hist = rest(uri, f"/api/2.0/mlflow/metrics/get-history?run_id={res.mlflow_run_id}&metric_key=loss")["metrics"]
+    hist = rest(uri, f"/api/2.0/mlflow/metrics/get-history?run_id={res.mlflow_run_id}&metric_key=train/loss")["metrics"]
     assert sorted(m["step"] for m in hist) == list(range(1, STEPS + 1))  # each step once despite the replay
-    for key in ("lr", "tokens_per_s", "grad_norm", "allreduce_s", "comm_fraction", "data_wait_s", "peak_mem_gb"):
+    for key in ("train/lr", "perf/tokens_per_s", "train/grad_norm", "perf/allreduce_s", "perf/comm_fraction",
+                "perf/data_wait_s", "sys/peak_mem_gb"):
         assert rest(uri, f"/api/2.0/mlflow/metrics/get-history?run_id={res.mlflow_run_id}&metric_key={key}")["metrics"]
 
     def listing(path=""):
