@@ -18,6 +18,7 @@ from omegaconf import OmegaConf
 
 from minimind_ray.config_checks import ConfigError, check_bounds, config_field, need, read_yaml
 from minimind_ray.evals.config import EvalConfig, validate_eval
+from minimind_ray.rl.config import GRPOConfig, RewardConfig, validate_grpo  # noqa: F401 (RewardConfig: re-exported)
 from minimind_ray.fault_schedule import validate_faults
 from minimind_ray.fsio import is_uri
 from minimind_ray.stages import FORMATS, STAGE_NAMES, STAGES
@@ -101,42 +102,6 @@ class DistillConfig:
     teacher_weights: Optional[str] = _f(None, "teacher weights (.pth or checkpoint directory)")
     alpha: float = _f(0.5, "weight of the hard-label CE; (1-alpha) goes to the KL term", ge=0, le=1)
     temperature: float = _f(1.5, "softmax temperature of the KL term", gt=0)
-
-
-@dataclass
-class RewardConfig:
-    """One term of the GRPO reward; a completion's reward is the sum of weight * term (minimind_ray/rl/rewards.py)."""
-
-    name: str = _f("length", "length | think_format | repetition | exact_answer | close_answer | reward_model (MiniMind's "
-                             "rules, a known answer, a near miss, a model), or 'module:function' called as "
-                             "fn(prompts, completions, answers, **args)")
-    weight: float = _f(1.0, "multiplier of this term in the total reward")
-    path: Optional[str] = _f(None, "reward_model: a directory with an HF AutoModelForSequenceClassification, or a model "
-                                   "with get_score as MiniMind uses (internlm2-1_8b-reward; args.trust_remote_code=true)")
-    args: Dict[str, Any] = _f({}, "keyword arguments of the term, e.g. {min_chars: 20, max_chars: 800} for length, "
-                                  "{clip: 3.0, kind: auto, placement: worker | actor} for reward_model")
-
-
-@dataclass
-class GRPOConfig:
-    """Group relative policy optimisation (stage 'grpo'); defaults are MiniMind's train_grpo.py (lr there: 3e-7)."""
-
-    num_generations: int = _f(6, "completions sampled per prompt: one group, whose rewards normalise each other")
-    max_gen_len: int = _f(1024, "most new tokens per completion (one that reaches it counts in truncated_fraction)")
-    temperature: float = _f(0.8, "sampling temperature of the rollouts")
-    top_p: float = _f(1.0, "nucleus sampling: sample among the most likely tokens holding top_p of the mass (1 = off)")
-    top_k: int = _f(0, "sample among the k most likely tokens only (0 = off)")
-    loss_type: str = _f("cispo", "'cispo' (ratio clamped at epsilon_high, no gradient through it, times log p) or "
-                                 "'grpo' (PPO-style ratio clipped to 1 +- epsilon)")
-    epsilon: float = _f(0.2, "grpo: clip range of the probability ratio")
-    epsilon_high: float = _f(5.0, "cispo: the ratio's upper clamp")
-    beta: float = _f(0.1, "weight of the k3 KL estimate to the frozen reference (a copy of the initial weights); "
-                          "0 = no reference")
-    rollout: str = _f("torch", "rollout engine: 'torch' = each training worker samples its own prompts (KV cache)")
-    rewards: List[RewardConfig] = field(default_factory=lambda: [RewardConfig(n) for n in (
-        "length", "think_format", "repetition")], metadata={
-        "help": "reward terms, e.g. [{name: exact_answer}, {name: reward_model, path: DIR, weight: 0.5}]; "
-                "default: MiniMind's rule rewards (length, think_format, repetition)"})
 
 
 @dataclass
@@ -405,36 +370,4 @@ def validate(cfg: RunConfig) -> None:
     if t.stage == "distill":
         need(t.distill.teacher_weights is not None, "train.distill.teacher_weights", "distillation needs teacher weights")
     if t.stage == "grpo":
-        _validate_grpo(cfg)
-
-
-def _validate_grpo(cfg: RunConfig) -> None:
-    from minimind_ray.rl.rewards import BUILTIN_REWARDS, load_callable
-
-    g, d = cfg.train.grpo, cfg.data
-    need(g.num_generations >= 2, "train.grpo.num_generations", "must be >= 2 (advantages compare a group's completions)")
-    need(g.max_gen_len >= 1, "train.grpo.max_gen_len", "must be >= 1")
-    need(d.max_seq_len + g.max_gen_len <= cfg.model.max_position_embeddings, "train.grpo.max_gen_len",
-          f"data.max_seq_len {d.max_seq_len} + max_gen_len {g.max_gen_len} exceed model.max_position_embeddings "
-          f"{cfg.model.max_position_embeddings}")
-    for name, ok, rule in (("temperature", g.temperature > 0, "> 0"), ("top_p", 0 < g.top_p <= 1, "in (0, 1]"),
-                           ("top_k", g.top_k >= 0, ">= 0"), ("epsilon", 0 < g.epsilon < 1, "in (0, 1)"),
-                           ("epsilon_high", g.epsilon_high > 0, "> 0"), ("beta", g.beta >= 0, ">= 0")):
-        need(ok, f"train.grpo.{name}", f"must be {rule}")
-    need(g.loss_type in ("cispo", "grpo"), "train.grpo.loss_type", f"{g.loss_type!r} is not 'cispo' or 'grpo'")
-    need(g.rollout == "torch", "train.grpo.rollout", f"unknown rollout engine {g.rollout!r}; one of ('torch',)")
-    need(d.eval_fraction == 0, "data.eval_fraction", "must be 0 for grpo (there is no held-out loss of sampled "
-                                                      "completions; measure rewards or accuracy instead)")
-    need(cfg.train.init_from is not None, "train.init_from", "GRPO improves a trained policy: give its weights "
-                                                            "(e.g. a demo SFT run: train.init_from=runs/<demo-sft-run>)")
-    need(bool(g.rewards), "train.grpo.rewards", "no reward terms")
-    for i, r in enumerate(g.rewards):
-        where = f"train.grpo.rewards[{i}]"
-        need(math.isfinite(r.weight), f"{where}.weight", "must be a finite number")
-        if r.name == "reward_model":
-            need(r.path is not None and os.path.isdir(r.path), f"{where}.path", f"not a directory: {r.path}")
-        elif r.name not in BUILTIN_REWARDS:
-            try:
-                load_callable(r.name)
-            except ValueError as e:
-                raise ConfigError(f"{where}.name: {e}") from None
+        validate_grpo(cfg)
