@@ -243,11 +243,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_eval_arguments(sp)
     sp.set_defaults(fn=cmd_eval)
 
-    sp = sub.add_parser("export", help="export weights to MiniMind .pth and/or a Hugging Face folder")
+    sp = sub.add_parser("export", help="export weights to MiniMind .pth, a Hugging Face folder and/or GGUF")
     sp.add_argument("source", help=".pth, checkpoint dir, run dir or storage URI")
     sp.add_argument("--out", required=True)
     sp.add_argument("--format", default="minimind,hf",
-                    help="comma list of: minimind (fp16 .pth), hf (transformers folder), safetensors (MiniMind keys)")
+                    help="comma list of: minimind (fp16 .pth), hf (transformers folder), safetensors (MiniMind keys), "
+                         "gguf (one fp16 file with the tokenizer, for llama.cpp / ollama)")
     sp.add_argument("--preset", help="for a bare .pth")
     sp.add_argument("--tokenizer", help="tokenizer dir to include (default: the run's)")
     sp.add_argument("--lora", choices=("merge", "separate"), default="merge",

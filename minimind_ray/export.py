@@ -38,8 +38,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 # MiniMind's tokenizers: <|endoftext|> = 0 (pad), <|im_start|> = 1 (bos), <|im_end|> = 2 (eos).
 DEFAULT_SPECIAL_IDS = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
 
-# What `export --format` accepts: MiniMind's fp16 .pth, an HF transformers folder, safetensors with MiniMind's keys.
-FORMATS = ("minimind", "hf", "safetensors")
+# What `export --format` accepts: MiniMind's fp16 .pth, an HF transformers folder, safetensors with MiniMind's keys,
+# one GGUF file for llama.cpp / ollama (export_gguf.py).
+FORMATS = ("minimind", "hf", "safetensors", "gguf")
 
 
 def _has_lora(model: nn.Module) -> bool:
@@ -200,6 +201,15 @@ def _export_model(model: nn.Module, out_dir: Path, stage: str, formats, tokenize
 
     if "hf" in formats and tokenizer_dir is None:
         raise ValueError("the HF export needs a tokenizer folder: pass --tokenizer (or drop 'hf' from --format)")
+    if "gguf" in formats:  # refused before anything is written: the file would have no model or no tokenizer
+        from minimind_ray.export_gguf import gguf_architecture
+
+        if tokenizer_dir is None:
+            raise ValueError("the GGUF export carries the tokenizer: pass --tokenizer (or drop 'gguf' from --format)")
+        try:
+            gguf_architecture(unwrap_model(model).cfg)
+        except NotImplementedError as e:
+            raise ValueError(str(e)) from None
     out_dir.mkdir(parents=True, exist_ok=True)
     paths: Dict[str, str] = {}
     if _has_lora(model):
@@ -218,6 +228,12 @@ def _export_model(model: nn.Module, out_dir: Path, stage: str, formats, tokenize
             paths["hf"] = export_hf(model, tokenizer_dir, out_dir / "hf", dtype=torch.float16)
         except NotImplementedError as e:
             paths["hf_skipped"] = str(e)
+    if "gguf" in formats:
+        from minimind_ray.export_gguf import export_gguf
+
+        cfg = unwrap_model(model).cfg
+        paths["gguf"] = export_gguf(model, tokenizer_dir, out_dir / f"{stage}_{cfg.hidden_size}"
+                                    f"{'_moe' if cfg.use_moe else ''}.gguf", dtype=torch.float16)
     return paths
 
 

@@ -1,0 +1,126 @@
+"""The GGUF export run in llama.cpp (through llama-cpp-python): greedy tokens equal `generate`'s (not a test).
+
+For each model: ``export_gguf`` in float32 and in float16, then in llama.cpp and in this project, per prompt
+(rendered with the model's chat template):
+  * whether llama.cpp's own tokenizer, from the file, turns the prompt into our token ids;
+  * the largest difference of the next-token logits at the prompt's end (float16: against our model with the
+    same float16-rounded weights, so only the arithmetic differs);
+  * whether the greedy continuation (``--tokens`` new tokens, or up to the end token) is token for token ours.
+
+    .venv/bin/python bench/check_gguf.py [--weights RUN_OR_PTH --tokenizer NAME_OR_DIR] [--tokens 24]
+
+Without ``--weights`` it checks one freshly initialised model of each layout the export writes: tiny (llama),
+tiny3 (qwen3), tiny3-moe (qwen3moe). llama-cpp-python is not in requirements.txt: PyPI has it as source only,
+and building its llama.cpp took about an hour on this project's 2-core machine
+(``CMAKE_ARGS="-DGGML_NATIVE=OFF" pip install llama-cpp-python==0.3.36``). Figures: docs/training.md.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from minimind_ray.config import ModelConfig  # noqa: E402
+from minimind_ray.export_gguf import export_gguf  # noqa: E402
+from minimind_ray.generate import generate_tokens, render_prompt  # noqa: E402
+from minimind_ray.model.minimind import build_model  # noqa: E402
+from minimind_ray.model.presets import preset_values  # noqa: E402
+from minimind_ray.tokenizer import resolve_tokenizer  # noqa: E402
+
+PROMPTS = ["What is the capital of France?", "1 plus 2 equals", "请介绍一下你自己。",
+           "Sort these digits: 3 1 2", "Tell me about the moon, rain and tea."]
+
+
+def ours(model, ids, tokens: int, eos: int):
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, -1].float()
+    greedy = list(generate_tokens(model, torch.tensor([ids]), max_new_tokens=tokens, temperature=0.0,
+                                  eos_token_id=eos))
+    return logits, greedy
+
+
+def llama_cpp(llm, ids, tokens: int, eos: int):
+    import numpy as np
+
+    llm.reset()
+    llm.eval(ids)
+    logits = torch.from_numpy(np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32))
+    greedy = []
+    for t in llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
+        greedy.append(int(t))
+        if t == eos or len(greedy) == tokens:
+            break
+    return logits, greedy
+
+
+def check(label: str, model, tok, tokens: int, rows: list, tmp: Path) -> None:
+    from llama_cpp import Llama
+
+    model = model.float().eval()
+    for dtype in (torch.float32, torch.float16):
+        path = export_gguf(model, tok.path, tmp / f"{label}-{str(dtype)[6:]}.gguf", dtype=dtype)
+        llm = Llama(model_path=path, n_ctx=512, n_threads=2, n_batch=512, verbose=False, seed=0)
+        ref = model
+        if dtype == torch.float16:  # the same rounded weights on our side: only the arithmetic differs
+            ref = build_model(model.cfg)
+            ref.load_state_dict({k: v.half().float() for k, v in model.state_dict().items()})
+            ref.eval()
+        same_tok = same_greedy = 0
+        worst = 0.0
+        for prompt in PROMPTS:
+            text = render_prompt(tok, [{"role": "user", "content": prompt}])
+            ids = tok.encode(text)
+            same_tok += llm.tokenize(text.encode("utf-8"), add_bos=False, special=True) == ids
+            a_logits, a = ours(ref, ids, tokens, tok.eos_id)
+            b_logits, b = llama_cpp(llm, ids, tokens, tok.eos_id)
+            worst = max(worst, (a_logits - b_logits).abs().max().item())
+            same_greedy += a == b
+            if a != b:
+                print(f"  {label} {dtype}: {prompt!r}\n    ours  {a}\n    llama {b}")
+        rows.append((label, str(dtype)[6:], f"{same_tok}/{len(PROMPTS)}", f"{worst:.2e}",
+                     f"{same_greedy}/{len(PROMPTS)}", f"{os.path.getsize(path) / 1e6:.1f} MB"))
+        del llm
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--weights", help="a run dir, checkpoint or .pth (default: fresh models of each layout)")
+    p.add_argument("--tokenizer", help="tokenizer name or dir (default: the run's, or MiniMind's of the layout)")
+    p.add_argument("--tokens", type=int, default=24, help="greedy tokens per prompt")
+    args = p.parse_args()
+    try:
+        import llama_cpp
+    except ImportError:
+        print("llama-cpp-python is not installed (see this script's docstring)")
+        return 2
+    torch.set_num_threads(2)
+    rows: list = []
+    with tempfile.TemporaryDirectory(prefix="check-gguf-") as tmp:
+        if args.weights:
+            from minimind_ray.generate import tokenizer_for_weights
+            from minimind_ray.store.weights import build_inference_model
+
+            model, lw = build_inference_model(args.weights)
+            check(Path(args.weights).name, model, tokenizer_for_weights(lw, args.tokenizer), args.tokens, rows,
+                  Path(tmp))
+        else:
+            for preset in ("tiny", "tiny3", "tiny3-moe"):
+                cfg = ModelConfig(**preset_values(preset))
+                tok = resolve_tokenizer(args.tokenizer or cfg.generation, "data_cache", cfg.generation)
+                check(preset, build_model(cfg, seed=0), tok, args.tokens, rows, Path(tmp))
+    print(f"\nllama-cpp-python {llama_cpp.__version__}, {len(PROMPTS)} prompts, up to {args.tokens} greedy tokens each")
+    head = ("model", "GGUF", "same prompt tokens", "max |logit diff|", "same greedy tokens", "file")
+    widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
+    for r in [head] + rows:
+        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
