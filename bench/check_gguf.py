@@ -65,7 +65,11 @@ def check(label: str, model, tok, tokens: int, rows: list, tmp: Path) -> None:
     model = model.float().eval()
     for dtype in (torch.float32, torch.float16):
         path = export_gguf(model, tok.path, tmp / f"{label}-{str(dtype)[6:]}.gguf", dtype=dtype)
-        llm = Llama(model_path=path, n_ctx=512, n_threads=2, n_batch=512, verbose=False, seed=0)
+        # logits_all: llama-cpp-python keeps the logits only then. float32 weights get a float32 KV cache, so
+        # only the export is compared; float16 ones llama.cpp's default float16 cache
+        cache = {"type_k": 0, "type_v": 0} if dtype == torch.float32 else {}  # 0 = GGML_TYPE_F32
+        llm = Llama(model_path=path, n_ctx=512, n_threads=2, n_batch=512, verbose=False, seed=0, logits_all=True,
+                    **cache)
         ref = model
         if dtype == torch.float16:  # the same rounded weights on our side: only the arithmetic differs
             ref = build_model(model.cfg)
@@ -83,9 +87,9 @@ def check(label: str, model, tok, tokens: int, rows: list, tmp: Path) -> None:
             same_greedy += a == b
             if a != b:
                 print(f"  {label} {dtype}: {prompt!r}\n    ours  {a}\n    llama {b}")
-        rows.append((label, str(dtype)[6:], f"{same_tok}/{len(PROMPTS)}", f"{worst:.2e}",
+        rows.append((label, str(dtype)[6:], "f32" if cache else "f16", f"{same_tok}/{len(PROMPTS)}", f"{worst:.2e}",
                      f"{same_greedy}/{len(PROMPTS)}", f"{os.path.getsize(path) / 1e6:.1f} MB"))
-        del llm
+        llm.close()
 
 
 def main() -> int:
@@ -115,7 +119,7 @@ def main() -> int:
                 tok = resolve_tokenizer(args.tokenizer or cfg.generation, "data_cache", cfg.generation)
                 check(preset, build_model(cfg, seed=0), tok, args.tokens, rows, Path(tmp))
     print(f"\nllama-cpp-python {llama_cpp.__version__}, {len(PROMPTS)} prompts, up to {args.tokens} greedy tokens each")
-    head = ("model", "GGUF", "same prompt tokens", "max |logit diff|", "same greedy tokens", "file")
+    head = ("model", "GGUF", "KV cache", "same prompt tokens", "max |logit diff|", "same greedy tokens", "file")
     widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
     for r in [head] + rows:
         print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)))
