@@ -101,7 +101,7 @@ def add_rope_scaling_arguments(sp) -> None:
                         "where the weights recorded YaRN (default: as the weights record)")
     g.add_argument("--factor", type=float, default=None,
                    help="YaRN: how far the context stretches (MiniMind's rope_scaling.factor, default 16)")
-    g.add_argument("--original-max-position-embeddings", type=int, default=None,
+    g.add_argument("--original-max-position-embeddings", type=int, default=None, metavar="N",
                    help="YaRN: the context the model was trained for (MiniMind's "
                         "rope_scaling.original_max_position_embeddings, default 2048)")
 
