@@ -16,9 +16,12 @@ A request alone in the batch with no padding runs exactly the calls of
 ``minimind_ray.model.minimind.generate`` (prefill of the whole prompt, then one token at a
 time with no mask), so temperature 0 gives the same tokens as ``minimind-ray generate``.
 
-Requests talk to the thread through :class:`GenRequest`: ``on_event`` receives ``("token", id)``,
-then ``("end", finish_reason)`` or ``("error", text)``; ``abort(reason)`` (any thread) drops the row
-at the next step. Events are handed over once per step: a request with an asyncio ``loop`` gets
+Requests talk to the thread through :class:`GenRequest`: ``on_event`` receives ``("token", id)``
+(``("token", id, (logprob, top))`` when the request asks for log-probs; ``("prompt_logprobs", [...])``
+first when it asks for its prompt's), then ``("end", finish_reason)`` or ``("error", text)``;
+``abort(reason)`` (any thread) drops the row at the next step. :meth:`Engine.submit` takes a list of
+requests with one prompt (the ``n`` samples of one API request): they join the batch together as
+``n`` rows after **one** prefill, each with its own generator. Events are handed over once per step: a request with an asyncio ``loop`` gets
 them on that loop, one wake-up per loop and step however many rows it serves (not one per token);
 without a loop ``on_event`` is called on the engine thread.
 """
@@ -49,6 +52,8 @@ class GenRequest:
     top_k: int = 0  # 0 = no top-k filter
     seed: Optional[int] = None
     stop_at_eos: bool = True  # False: keep going past the end-of-turn token (benchmarks)
+    logprobs: Optional[int] = None  # k: each token's log-prob and the k most likely; None: none
+    prompt_logprobs: Optional[int] = None  # k: the prompt tokens' log-probs too (completions' echo)
     loop: Optional[asyncio.AbstractEventLoop] = None  # deliver events on this event loop
     abort_reason: Optional[str] = None
 
@@ -71,14 +76,18 @@ class EngineStats:
     requests_finished: int = 0
     requests_aborted: Dict[str, int] = field(default_factory=dict)  # by reason
     tokens_generated: int = 0
+    prompt_tokens: int = 0  # prefilled, once per group
+    prefills: int = 0
     decode_steps: int = 0
     decode_rows: int = 0  # sum of batch sizes over decode steps: / decode_steps = mean batch
+    waiting_peak: int = 0  # most rows ever waiting to join
 
     def as_dict(self) -> dict:
         mean = self.decode_rows / self.decode_steps if self.decode_steps else 0.0
         return {"requests_finished": self.requests_finished, "requests_aborted": dict(self.requests_aborted),
-                "tokens_generated": self.tokens_generated, "decode_steps": self.decode_steps,
-                "mean_batch": round(mean, 2)}
+                "tokens_generated": self.tokens_generated, "prompt_tokens": self.prompt_tokens,
+                "prefills": self.prefills, "decode_steps": self.decode_steps, "mean_batch": round(mean, 2),
+                "waiting_peak": self.waiting_peak}
 
 
 class Engine:
@@ -89,7 +98,10 @@ class Engine:
         self.context = min(context, model.cfg.max_position_embeddings)
         self.stats = EngineStats()
         self._cond = threading.Condition()
-        self._waiting: collections.deque = collections.deque()
+        self._waiting: collections.deque = collections.deque()  # groups: lists of requests with one prompt
+        self._n_waiting = 0  # rows in _waiting
+        self._n_joining = 0  # rows taken from _waiting, being prefilled
+        self._dropped: List[GenRequest] = []  # aborted while waiting, taken out by submit: counted by the loop
         self._rows: List[_Row] = []
         self._past = None  # per layer (k, v), each (B, S, nkv, hs); None when no row is running
         self._closed = False
@@ -100,15 +112,30 @@ class Engine:
 
     # ------------------------------------------------------------------ public, any thread
 
-    def submit(self, req: GenRequest) -> None:
+    def submit(self, req) -> None:
+        """Queue a request, or a list of requests with the same prompt (one prefill for all)."""
+        group = list(req) if isinstance(req, (list, tuple)) else [req]
+        if not group or len(group) > self.max_batch or any(g.prompt_ids != group[0].prompt_ids for g in group):
+            raise ValueError(f"a group is 1 to {self.max_batch} requests with one prompt")
         with self._cond:
             if self._closed:
                 raise RuntimeError("engine is closed")
-            self._waiting.append(req)
+            if any(r.abort_reason for g in self._waiting for r in g):  # timed out or left while waiting
+                kept = [g for g in self._waiting if not all(r.abort_reason for r in g)]
+                self._dropped += [r for g in self._waiting if all(r.abort_reason for r in g) for r in g]
+                self._waiting = collections.deque(kept)
+                self._n_waiting = sum(len(g) for g in kept)
+            self._waiting.append(group)
+            self._n_waiting += len(group)
+            self.stats.waiting_peak = max(self.stats.waiting_peak, self._n_waiting)
             self._cond.notify()
 
+    def rows(self) -> int:
+        """Rows this engine holds: running, waiting, and joining right now."""
+        return len(self._rows) + self._n_waiting + self._n_joining
+
     def load(self) -> dict:
-        return {"running": len(self._rows), "waiting": len(self._waiting), **self.stats.as_dict()}
+        return {"running": len(self._rows), "waiting": self._n_waiting, **self.stats.as_dict()}
 
     def alive(self) -> bool:
         return self._thread.is_alive()
@@ -143,16 +170,24 @@ class Engine:
             while not self._closed and not self._waiting and not self._rows:
                 self._cond.wait()
             if self._closed:
-                pending = list(self._waiting) + [r.req for r in self._rows]
+                pending = [r for g in self._waiting for r in g] + [r.req for r in self._rows]
                 self._waiting.clear()
+                self._n_waiting = 0
                 for req in pending:
                     self._send(req, ("error", "the server is shutting down"))
                 self._flush()
                 return False
-            joining = [self._waiting.popleft() for _ in range(min(len(self._waiting),
-                                                                   self.max_batch - len(self._rows)))]
-        for req in joining:
-            self._admit(req)
+            dropped, self._dropped = self._dropped, []
+            joining, room = [[r] for r in dropped], self.max_batch - len(self._rows)  # _admit counts them
+            while self._waiting and len(self._waiting[0]) <= room:  # in order; a group joins whole
+                group = self._waiting.popleft()
+                joining.append(group)
+                room -= len(group)
+                self._n_waiting -= len(group)
+            self._n_joining = sum(len(g) for g in joining)
+        for group in joining:
+            self._admit(group)
+        self._n_joining = 0
         self._flush()  # first tokens out now, not after the next decode step
         return True
 
@@ -172,35 +207,55 @@ class Engine:
         logits = out.logits[:, -1].float()  # (B, V)
         self.stats.decode_steps += 1
         self.stats.decode_rows += len(rows)
-        done = [i for i, (row, tok) in enumerate(zip(rows, self._pick(logits, rows))) if self._emit(row, tok)]
+        done = [i for i, (row, picked) in enumerate(zip(rows, self._pick(logits, rows))) if self._emit(row, *picked)]
         if done:
             self._remove(done)
 
     # ------------------------------------------------------------------ rows in and out
 
-    def _admit(self, req: GenRequest) -> None:
-        """Prefill ``req`` alone (exactly generate's first call), emit its first token, and add it to the batch."""
-        if req.abort_reason:
-            self._count_abort(req)
+    def _admit(self, group: List[GenRequest]) -> None:
+        """Prefill the group's prompt alone (exactly generate's first call), emit each request's first
+        token, and add one row per request to the batch."""
+        for req in group:
+            if req.abort_reason:
+                self._count_abort(req)
+        group = [r for r in group if not r.abort_reason]
+        if not group:
             return
-        if len(req.prompt_ids) >= self.context:  # no room for a token (generate yields none either)
-            self.stats.requests_finished += 1
-            self._send(req, ("end", "length"))
+        prompt = group[0].prompt_ids
+        if len(prompt) >= self.context:  # no room for a token (generate yields none either)
+            for req in group:
+                self.stats.requests_finished += 1
+                self._send(req, ("end", "length"))
             return
         try:
-            ids = torch.tensor([req.prompt_ids], dtype=torch.long, device=self.device)
+            ids = torch.tensor([prompt], dtype=torch.long, device=self.device)
             out = self.model(ids, use_cache=True)
         except Exception as e:  # noqa: BLE001 - this request fails, the batch goes on
             log.exception("prefill failed")
-            self._send(req, ("error", f"prefill failed: {type(e).__name__}: {e}"))
+            for req in group:
+                self._send(req, ("error", f"prefill failed: {type(e).__name__}: {e}"))
             return
-        gen = None
-        if req.seed is not None:
-            gen = torch.Generator(device=self.device).manual_seed(req.seed)
-        row = _Row(req, 0, -1, 0, gen)
-        if self._emit(row, self._pick(out.logits[:, -1].float(), [row])[0]):
-            return
-        self._join(row, out.past_key_values)
+        self.stats.prefills += 1
+        self.stats.prompt_tokens += len(prompt)
+        k = max((r.prompt_logprobs for r in group if r.prompt_logprobs is not None), default=None)
+        if k is not None:
+            scored = _prompt_logprobs(out.logits[0].float(), prompt, k)
+            for req in group:
+                if req.prompt_logprobs is not None:
+                    self._send(req, ("prompt_logprobs", scored))
+        last = out.logits[:, -1].float()
+        for req in group:
+            if req.max_new_tokens <= 0:  # the prompt's log-probs were all it asked for (echo, max_tokens 0)
+                self.stats.requests_finished += 1
+                self._send(req, ("end", "length"))
+                continue
+            gen = None
+            if req.seed is not None:
+                gen = torch.Generator(device=self.device).manual_seed(req.seed)
+            row = _Row(req, 0, -1, 0, gen)
+            if not self._emit(row, *self._pick(last, [row])[0]):
+                self._join(row, out.past_key_values)
 
     def _join(self, row: _Row, cache) -> None:
         P = cache[0][0].shape[1]
@@ -278,27 +333,34 @@ class Engine:
 
     # ------------------------------------------------------------------ tokens
 
-    def _pick(self, logits: torch.Tensor, rows: List[_Row]) -> List[int]:
+    def _pick(self, logits: torch.Tensor, rows: List[_Row]) -> List[tuple]:
         """Next token per row, as ``generate`` picks it: argmax at temperature 0, else temperature,
-        top-k, top-p and a draw from the row's own generator (seeded requests are reproducible)."""
+        top-k, top-p and a draw from the row's own generator (seeded requests are reproducible).
+        Each is ``(token,)``, or ``(token, (logprob, top))`` for a row that asks for log-probs."""
         greedy = logits.argmax(dim=-1).tolist()
         out = []
         for i, row in enumerate(rows):
             req = row.req
             if req.temperature == 0:
-                out.append(greedy[i])
+                token = greedy[i]
+            else:
+                filtered = sample_filter(logits[i] / req.temperature, req.top_k, req.top_p)
+                token = int(torch.multinomial(F.softmax(filtered, dim=-1), 1, generator=row.generator))
+            if req.logprobs is None:
+                out.append((token,))
                 continue
-            filtered = sample_filter(logits[i] / req.temperature, req.top_k, req.top_p)
-            out.append(int(torch.multinomial(F.softmax(filtered, dim=-1), 1, generator=row.generator)))
+            # the log-prob at the request's temperature (the model's own at 0), before top-k/top-p
+            lsm = F.log_softmax(logits[i] / (req.temperature or 1.0), dim=-1)
+            out.append((token, (float(lsm[token]), _top(lsm, req.logprobs))))
         return out
 
-    def _emit(self, row: _Row, token: int) -> bool:
+    def _emit(self, row: _Row, token: int, logprob: Optional[tuple] = None) -> bool:
         """Hand ``token`` to the request; True when the request is finished (and told so)."""
         req = row.req
         row.generated += 1
         row.last = token
         self.stats.tokens_generated += 1
-        self._send(req, ("token", token))
+        self._send(req, ("token", token) if logprob is None else ("token", token, logprob))
         reason = None
         if req.stop_at_eos and token == self.eos_id:
             reason = "stop"
@@ -309,6 +371,23 @@ class Engine:
             self._send(req, ("end", reason))
             return True
         return False
+
+
+def _top(lsm: torch.Tensor, k: int) -> List[tuple]:
+    if k <= 0:
+        return []
+    values, ids = torch.topk(lsm, k)
+    return list(zip(ids.tolist(), values.tolist()))
+
+
+def _prompt_logprobs(logits: torch.Tensor, prompt: List[int], k: int) -> List[tuple]:
+    """Each prompt token's log-prob given the tokens before it, and the top ``k`` there; the first
+    token has none (``(None, None)``). logits (P, V) of the prefill."""
+    lsm = F.log_softmax(logits[:-1], dim=-1)  # position j predicts token j + 1
+    target = torch.tensor(prompt[1:], device=lsm.device)
+    lps = lsm.gather(1, target[:, None])[:, 0].tolist()
+    tops = [_top(lsm[j], k) for j in range(len(prompt) - 1)] if k > 0 else [[] for _ in prompt[1:]]
+    return [(None, None)] + list(zip(lps, tops))
 
 
 def _deliver(events: List[tuple]) -> None:

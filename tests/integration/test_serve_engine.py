@@ -36,13 +36,16 @@ class Collector:
     """A request's events, and a hook that runs when its k-th token arrives (on the engine thread)."""
 
     def __init__(self, prompt, n, at_token=None, then=None, **kw):
-        self.tokens, self.end, self.done = [], None, threading.Event()
+        self.tokens, self.logprobs, self.events, self.end, self.done = [], [], [], None, threading.Event()
         self.at_token, self.then = at_token, then
         self.req = GenRequest(prompt_ids=prompt, max_new_tokens=n, on_event=self.on_event, stop_at_eos=False, **kw)
 
     def on_event(self, event):
+        self.events.append(event)
         if event[0] == "token":
             self.tokens.append(event[1])
+            if len(event) > 2:
+                self.logprobs.append(event[2])
             if self.then is not None and len(self.tokens) == self.at_token:
                 self.then()
         else:
@@ -110,6 +113,86 @@ def test_the_context_limit_ends_a_reply_like_generate(model):
         full = Collector(prompts([20])[0], 100)  # no room left: no token, as generate yields none
         engine.submit(full.req)
         assert full.done.wait(60) and full.end == ("end", "length") and full.tokens == []
+    finally:
+        engine.close()
+
+
+def test_n_samples_share_one_prefill_and_each_draws_what_it_would_alone(model):
+    """The n rows of one API request: one prefill of their common prompt, then each row samples with its
+    own seeded generator exactly what the same request alone would (the rows have no padding)."""
+    engine = Engine(model, eos_id=2, max_batch=8, context=4096)
+    try:
+        p = prompts([13], seed=4)[0]
+        cs = [Collector(p, 20, temperature=0.9, top_k=40, top_p=0.9, seed=s) for s in (5, 6, 7)]
+        engine.submit([c.req for c in cs])
+        for c in cs:
+            assert c.done.wait(60)
+        stats = engine.load()
+        assert stats["prefills"] == 1 and stats["prompt_tokens"] == 13 and stats["mean_batch"] == 3
+        for s, c in zip((5, 6, 7), cs):
+            assert c.tokens == solo(model, p, 20, seed=s, temperature=0.9, top_k=40, top_p=0.9), s
+        assert len({tuple(c.tokens) for c in cs}) == 3
+        with pytest.raises(ValueError, match="one prompt"):
+            engine.submit([Collector(p, 2).req, Collector(p[:-1], 2).req])
+    finally:
+        engine.close()
+
+
+def reference_logprobs(model, ids, temperature=1.0):
+    """log_softmax of the model's logits at every position of ``ids`` (one plain forward, no cache)."""
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float() / temperature, dim=-1)
+
+
+def test_logprobs_of_generated_and_prompt_tokens_are_the_models(model):
+    """A token's log-prob (at the request's temperature, the model's own at 0) and the top k, from the decode
+    steps; the prompt's from its one prefill (completions' echo), with max_new_tokens 0 generating nothing."""
+    engine = Engine(model, eos_id=2, max_batch=4, context=4096)
+    try:
+        p = prompts([9], seed=5)[0]
+        greedy = Collector(p, 6, logprobs=3)
+        hot = Collector(p, 6, logprobs=0, temperature=0.7, seed=1)
+        scored = Collector(p, 0, prompt_logprobs=2)
+        for c in (greedy, hot, scored):
+            engine.submit(c.req)
+        for c in (greedy, hot, scored):
+            assert c.done.wait(60)
+        for c, t in ((greedy, 1.0), (hot, 0.7)):
+            ref = reference_logprobs(model, p + c.tokens, t)
+            for j, (token, (lp, top)) in enumerate(zip(c.tokens, c.logprobs)):
+                assert abs(lp - float(ref[len(p) - 1 + j, token])) < 1e-4
+            assert all(len(top) == (3 if c is greedy else 0) for _, top in c.logprobs)
+        assert all(top[0][0] == token and top[0][1] == lp for token, (lp, top) in zip(greedy.tokens, greedy.logprobs))
+        assert scored.tokens == [] and scored.end == ("end", "length")
+        (kind, rows), = [e for e in scored.events if e[0] == "prompt_logprobs"]
+        ref = reference_logprobs(model, p)
+        assert rows[0] == (None, None) and len(rows) == len(p)
+        for j, (lp, top) in enumerate(rows[1:], start=1):
+            assert abs(lp - float(ref[j - 1, p[j]])) < 1e-4 and len(top) == 2
+    finally:
+        engine.close()
+
+
+def test_rows_counts_running_and_waiting_and_forgets_requests_that_left_while_waiting(model):
+    engine = Engine(model, eos_id=2, max_batch=1, context=4096)
+    try:
+        started = threading.Event()
+        running = Collector(prompts([5])[0], 400, at_token=1, then=started.set)
+        engine.submit(running.req)
+        assert started.wait(60)
+        waiting = [Collector(prompts([4], seed=i)[0], 3) for i in range(3)]
+        for c in waiting:
+            engine.submit(c.req)
+        assert engine.rows() == 4 and engine.load()["waiting_peak"] == 3
+        waiting[0].req.abort("timeout")  # timed out while waiting: its place is freed at the next submit
+        extra = Collector(prompts([4], seed=9)[0], 3)
+        engine.submit(extra.req)
+        assert engine.rows() == 4
+        running.req.abort("disconnected")
+        for c in (*waiting[1:], extra):
+            assert c.done.wait(60)
+        assert engine.load()["requests_aborted"] == {"timeout": 1, "disconnected": 1} and engine.rows() == 0
+        assert waiting[0].tokens == []
     finally:
         engine.close()
 
