@@ -7,6 +7,7 @@ it. On a cluster the app is deployed next to whatever else runs there; the comma
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import signal
 import sys
@@ -14,8 +15,9 @@ import threading
 from pathlib import Path
 from typing import Optional
 
+from minimind_ray.config import ConfigError
 from minimind_ray.fsio import is_uri
-from minimind_ray.serve.options import ServeOptions, is_mlflow_uri
+from minimind_ray.serve.options import API_KEY_ENV, ServeOptions, is_mlflow_uri
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -31,6 +33,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     scale.add_argument("--replicas", type=int, default=d.replicas, help="fixed replica count")
     scale.add_argument("--autoscale", metavar="MIN..MAX", help="let Serve scale the replicas between MIN and MAX")
     p.add_argument("--max-batch", type=int, default=d.max_batch, help="requests decoded together per replica")
+    p.add_argument("--max-queued", type=int, default=None,
+                   help="requests (rows) one replica lets wait beyond its batch; more get 429 + Retry-After at "
+                        "once (default: 2 x --max-batch)")
+    p.add_argument("--request-timeout-s", type=float, default=d.request_timeout_s,
+                   help="abort a request not finished by then and answer 504 (default 300; 0 = never)")
+    key = p.add_mutually_exclusive_group()
+    key.add_argument("--api-key", help=f"require 'Authorization: Bearer KEY' (visible in ps: prefer "
+                                       f"{API_KEY_ENV} or --api-key-file); /health stays open")
+    key.add_argument("--api-key-file", help="read the API key from this file (its first line)")
     p.add_argument("--max-tokens-cap", type=int, default=d.max_tokens_cap, help="largest max_tokens accepted")
     p.add_argument("--context", type=int, default=None, help="prompt + reply token limit (default: the model's)")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if available")
@@ -55,10 +66,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def options_from_args(args: argparse.Namespace) -> ServeOptions:
     names = {f for f in ServeOptions.__dataclass_fields__}
     values = {k: v for k, v in vars(args).items() if k in names and v is not None}
+    if getattr(args, "request_timeout_s", None) == 0:
+        values["request_timeout_s"] = None
+    key = api_key_from(getattr(args, "api_key", None), getattr(args, "api_key_file", None))
+    if key:
+        values["api_key_sha256"] = hashlib.sha256(key.encode()).hexdigest()
     weights = values.get("weights")
     if weights and not is_uri(weights) and not is_mlflow_uri(weights):
         values["weights"] = os.path.abspath(weights)  # replicas do not share our cwd
     return ServeOptions(**values).validate()
+
+
+def api_key_from(key: Optional[str], key_file: Optional[str]) -> Optional[str]:
+    """The API key: --api-key, else the first line of --api-key-file, else MINIMIND_RAY_API_KEY, else None.
+    Only its sha256 leaves this process (ServeOptions.api_key_sha256)."""
+    if key_file:
+        try:
+            with open(key_file, encoding="utf-8") as f:
+                key = f.readline().strip()
+        except OSError as e:
+            raise ConfigError(f"--api-key-file {key_file}: cannot read it ({e.strerror})") from None
+        if not key:
+            raise ConfigError(f"--api-key-file {key_file}: its first line is empty")
+    key = key or os.environ.get(API_KEY_ENV) or None
+    if key is not None and len(key) < 16:
+        raise ConfigError("the API key is shorter than 16 characters; use a long random one "
+                          "(e.g. `openssl rand -hex 32`)")
+    return key
 
 
 def connect(opts: ServeOptions) -> bool:
@@ -114,8 +148,11 @@ def serve_from_args(args: argparse.Namespace) -> int:
         print(f"  chat page:        {url}/")
         print(f"  OpenAI base URL:  {url}/v1   (model id: GET {url}/v1/models)")
         print(f"  health:           {url}/health")
+        print(f"  API key:          {'required (Authorization: Bearer <key>)' if opts.api_key_sha256 else 'none'}")
+        print("  metrics:          Prometheus, on each Ray node's metrics export port (docs/serving.md)")
         if opts.host in ("0.0.0.0", "::"):
-            print(f"  bound to {opts.host}: reachable from other machines; see docs/serving.md")
+            print(f"  bound to {opts.host}: reachable from other machines; see docs/serving.md"
+                  + ("" if opts.api_key_sha256 else " (and set an API key)"))
         if args.detach and not started_ray:
             print(f"detached: the app keeps running; stop it with `serve shutdown` or serve.delete('{opts.app_name}')")
             return 0

@@ -36,8 +36,50 @@ from minimind_ray.store.weights import (LoadedWeights, apply_weights, build_infe
 from minimind_ray.tokenizer import Tokenizer, load_tokenizer, resolve_tokenizer
 from minimind_ray.tracking.runs import resolve_tracking_uri
 
-# Re-exported for the rest of the package: StreamDecoder, render_prompt (app), sample_filter (engine),
-# generate_tokens (bench).
+# Re-exported for the rest of the package: StreamDecoder (app), sample_filter (engine), generate_tokens and
+# render_prompt (bench).
+
+
+def render_chat(tokenizer: Tokenizer, messages: list, think: Optional[bool] = None, tools: Optional[list] = None) -> str:
+    """The chat template with the generation prompt, ``tools`` (OpenAI function schemas) in the system turn
+    and the thinking switch (MiniMind2's template reads ``enable_thinking``, minimind-3's ``open_thinking``):
+    ``render_prompt`` of ``minimind-ray generate``, plus tools."""
+    kw = {} if think is None else {"enable_thinking": think, "open_thinking": think}
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools or None, **kw)
+
+
+class TokenPieces:
+    """A token id -> (its text, its bytes), as OpenAI's log-probs show tokens; cached per id.
+
+    MiniMind's tokenizers are byte-level BPE: a token's vocabulary string maps back to bytes through
+    GPT-2's byte-to-character table, so a token that holds half of a Chinese character still has its
+    exact bytes (its text then shows the missing part as U+FFFD)."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tok, self.cache = tokenizer, {}
+        self.byte_of = {c: b for b, c in _bytes_to_unicode().items()}
+
+    def __call__(self, token_id: int) -> Tuple[str, list]:
+        hit = self.cache.get(token_id)
+        if hit is None:
+            # the vocabulary string of an id: HF tokenizers has it; the project's Tokenizer has no public call
+            raw = self.tok._hf.id_to_token(int(token_id)) or ""
+            data = bytes(self.byte_of[c] for c in raw) if all(c in self.byte_of for c in raw) else raw.encode()
+            hit = self.cache[token_id] = (data.decode("utf-8", errors="replace"), list(data))
+        return hit
+
+
+def _bytes_to_unicode() -> dict:
+    """GPT-2's reversible byte -> printable character table (what ByteLevel pre-tokenizers use)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    table, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
 
 
 

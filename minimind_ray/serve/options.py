@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Tuple
 
@@ -17,6 +18,10 @@ from minimind_ray.config import ConfigError
 def is_mlflow_uri(source: str) -> bool:
     """``models:/...`` or ``runs:/...``: weights that come from an MLflow tracking server."""
     return source.startswith(("models:/", "runs:/"))
+
+
+API_KEY_ENV = "MINIMIND_RAY_API_KEY"
+RETRY_AFTER_S = 1  # what a refused request is told to wait before it tries again
 
 
 def _f(default: Any, help: str):
@@ -41,6 +46,13 @@ class ServeOptions:
                                                       "2048} (MiniMind's YaRN) or {type: none}; None = as the weights "
                                                       "record (minimind-ray serve --rope-scaling)")
     max_batch: int = _f(16, "most requests one replica decodes together (continuous batching)")
+    max_queued: Optional[int] = _f(None, "rows one replica lets wait beyond its running batch; a request past "
+                                         "them gets 429 + Retry-After at once; None = 2 x max_batch")
+    request_timeout_s: Optional[float] = _f(300.0, "a request not finished by then is aborted (its rows freed) "
+                                                   "and answered 504 (mid-stream: an error event); None = never")
+    api_key_sha256: Optional[str] = _f(None, "hex sha256 of the API key requests must send as 'Authorization: "
+                                             "Bearer KEY' (the key itself never travels); None = the replica's "
+                                             "MINIMIND_RAY_API_KEY if set, else no key")
     max_tokens_cap: int = _f(1024, "requests asking for more max_tokens get a 400")
     context: Optional[int] = _f(None, "most prompt + reply tokens per request; None = the model's "
                                       "max_position_embeddings")
@@ -81,6 +93,12 @@ class ServeOptions:
                 raise ConfigError(f"{name}: must be >= {low} (got {getattr(self, name)})")
         if self.context is not None and self.context < 2:
             raise ConfigError(f"context: must be >= 2 (got {self.context})")
+        if self.max_queued is not None and self.max_queued < 0:
+            raise ConfigError(f"max_queued: must be >= 0 (got {self.max_queued})")
+        if self.request_timeout_s is not None and not self.request_timeout_s > 0:
+            raise ConfigError(f"request_timeout_s: must be > 0 (got {self.request_timeout_s})")
+        if self.api_key_sha256 is not None and not re.fullmatch(r"[0-9a-f]{64}", self.api_key_sha256):
+            raise ConfigError("api_key_sha256: must be 64 lowercase hex digits (sha256 of the key)")
         if self.stream_interval_ms < 0:
             raise ConfigError(f"stream_interval_ms: must be >= 0 (got {self.stream_interval_ms})")
         if self.cpus_per_replica < 0:
@@ -89,6 +107,9 @@ class ServeOptions:
             raise ConfigError("temperature/top_p/top_k: need 0 <= temperature <= 2, 0 < top_p <= 1, top_k >= 0")
         self.autoscale_range()
         return self
+
+    def queued(self) -> int:
+        return 2 * self.max_batch if self.max_queued is None else self.max_queued
 
     def torch_threads(self) -> int:
         return self.threads or max(1, int(self.cpus_per_replica))
@@ -102,11 +123,18 @@ class ServeOptions:
         actor = {"num_cpus": self.cpus_per_replica}
         if self.device and self.device.startswith("cuda"):
             actor["num_gpus"] = 1
+        held = self.max_batch + self.queued()
+        headroom = max(32, held)
         opts: Dict[str, Any] = {
             "ray_actor_options": actor,
-            # every running stream is one ongoing request: let a replica hold a full batch plus a
-            # full batch waiting to join, instead of Serve's default of 5
-            "max_ongoing_requests": 2 * self.max_batch,
+            # every running stream is one ongoing request. The replica itself holds max_batch running and
+            # max_queued waiting rows and refuses more at once with OpenAI's 429 body; Serve lets `headroom`
+            # more reach it, so that a burst is refused by the replica (JSON) rather than by Serve's router
+            "max_ongoing_requests": held + headroom,
+            # Serve's own bound: requests its router holds when every replica is at max_ongoing_requests
+            # (its 429 has a plain-text body); keeps the proxy's memory bounded
+            "max_queued_requests": headroom,
+            "backpressure_config": {"status_code": 429, "retry_after_s": RETRY_AFTER_S},
             "health_check_period_s": 10,
         }
         rng = self.autoscale_range()

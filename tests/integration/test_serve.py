@@ -1,31 +1,49 @@
 """Serving on Ray Serve with real parts: a tiny SFT model trained and registered in MLflow here (a real
 `mlflow server`), the real Serve app on the session's Ray, the official `openai` client, raw HTTP for
-what a client library would not send, and a real Chromium driven by Selenium for the chat page.
+what a client library would not send, Ray's Prometheus endpoint, and a real Chromium driven by Selenium
+for the chat page.
 
-Two apps run side by side: one from the run directory (``/``), one from the registry
-(``models:/serve-tiny/1`` at ``/registry``). Greedy replies are compared with what the library's
-``generate`` gives for the same weights and prompt.
+Three apps run side by side: one from the run directory (``/``), one from the registry
+(``models:/serve-tiny/1`` at ``/registry``), and a guarded one (``/guarded``: an API key, a batch of 2
+with 2 more waiting, a 3 s timeout) serving a tiny model trained here, without Ray, on the demo
+corpus's calculator tool-call chats. Greedy replies are compared with what the library's ``generate``
+gives for the same weights and prompt.
 """
 from __future__ import annotations
 
+import hashlib
 import http.client
 import json
+import random
+import re
 import shutil
 import socket
 import time
 import urllib.request
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import openai
 import pytest
 import torch
 
 from .helpers import new_shared, run_tiny
+from .serve_fuzz import chat_body, completion_body, raw_bodies
 
 pytestmark = pytest.mark.integration
 
 PROMPT = "What is the capital of France?"
 CONTEXT, CAP = 4096, 4000  # room for a long stream in the disconnect test
 REGISTERED = "serve-tiny"
+KEY = f"test-key-{uuid.uuid4().hex}"  # the guarded app's API key
+GUARD = {"max_batch": 2, "max_queued": 2, "request_timeout_s": 3.0}
+TOOL_MAX_STEPS = 200  # engine-level SFT steps on the tool-call chats at most (about 40-100 suffice)
+SYSTEM = "You are MiniMind, a helpful assistant."  # the demo corpus's tool chats' system turn
+
+
+def tool_turn(question):
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
 
 
 def _free_port() -> int:
@@ -46,8 +64,101 @@ def trained(ray_session, mlflow_server, tmp_path_factory):
     return res
 
 
+def tool_replies(model, tok):
+    """The greedy replies to a calculator question with the tool offered, and after the tool's result."""
+    from minimind_ray.data.demo import CALCULATOR_TOOL
+    from minimind_ray.generate import generate_tokens
+    from minimind_ray.serve.model_io import render_chat
+
+    msgs = tool_turn("What is 12 plus 7?")
+    after = msgs + [{"role": "assistant", "content": "", "tool_calls": [{"function": {
+        "name": "calculate", "arguments": '{"expression": "12 + 7"}'}}]}, {"role": "tool", "content": '{"result": 19}'}]
+    out = []
+    for m in (msgs, after):
+        ids = tok.encode(render_chat(tok, m, tools=[CALCULATOR_TOOL]))
+        out.append(tok.decode(list(generate_tokens(model, torch.tensor([ids]), 100, temperature=0,
+                                                   eos_token_id=tok.eos_id)), skip_special_tokens=True))
+    return out
+
+
+def calls_in(text):
+    from minimind_ray.serve.replies import ToolCallText
+
+    p = ToolCallText(["calculate"])
+    events = p.push(text) + p.finish()
+    return [v for f, v in events if f == "tool_call"]
+
+
+def train_tool_model(tok, cache_dir, out: Path, max_steps=TOOL_MAX_STEPS):
+    """The tiny preset trained on the demo corpus's calculator chats (demo:tool_sft) at engine level, without
+    Ray, until its greedy reply to a question is one well-formed tool call and its reply after the tool's result
+    is text: SFT's loss on the assistant tokens, the tied head run only on those (84 of 634 per chat).
+    Returns (the .pth, the steps it took)."""
+    from minimind_ray.data.demo import resolve_demo_path
+    from minimind_ray.data.formats import Encoder
+
+    with open(resolve_demo_path("demo:tool_sft", "sft", str(cache_dir))) as f:
+        records = [json.loads(line) for line in f][:400]
+    enc = Encoder("sft", tok, 640)
+    assert enc.add(records) == []
+    rows = enc._rows
+    torch.manual_seed(0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a 64-wide model: a second thread costs more CPU than it saves time
+    try:
+        return _train(rows, tok, out, max_steps)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train(rows, tok, out, max_steps):
+    import numpy as np
+    import torch.nn.functional as F
+
+    from minimind_ray.config import ModelConfig
+    from minimind_ray.data.formats import collate
+    from minimind_ray.model.minimind import build_model
+    from minimind_ray.model.presets import preset_values
+    from minimind_ray.store.pth import save_pth
+
+    model = build_model(ModelConfig(**preset_values("tiny")), seed=0)
+    head = model.lm_head
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    B, n = 8, len(rows["ids"])
+    for step in range(1, max_steps + 1):
+        model.train()
+        model.lm_head = torch.nn.Identity()  # hidden states out; the head only on the labelled positions
+        idx = [(step * B + i) % n for i in range(B)]
+        batch = collate("sft", {k: [v[i] for i in idx] for k, v in rows.items()}, np.array(idx), tok.pad_id, 640)
+        hidden, y = model(batch["input_ids"]).logits, batch["targets"]
+        loss = F.cross_entropy(head(hidden[y != -100]), y[y != -100])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        model.lm_head = head
+        if step >= 40 and step % 20 == 0:
+            call, answer = tool_replies(model.eval(), tok)
+            if len(calls_in(call)) == 1 and "expression" in json.loads(calls_in(call)[0]["function"]["arguments"]) \
+                    and answer.strip() and not calls_in(answer) and "<tool_call>" not in answer:
+                save_pth(model, str(out), dtype=torch.float32)
+                return out, step
+    raise AssertionError(f"no well-formed tool call after {max_steps} steps: {tool_replies(model.eval(), tok)}")
+
+
 @pytest.fixture(scope="module")
-def served(trained, mlflow_server):
+def tool_model(trained, reference, tmp_path_factory):
+    """(model, tokenizer, .pth) of the tool-calling model, with the run's builtin tokenizer."""
+    from minimind_ray.store.weights import build_inference_model
+
+    tok = reference[1]
+    pth, steps = train_tool_model(tok, Path(trained.run_dir).parents[1] / "data_cache",
+                                  tmp_path_factory.mktemp("tool-model") / "tool_tiny.pth")
+    print(f"tool model: {steps} steps")
+    return build_inference_model(str(pth))[0].eval(), tok, pth
+
+
+@pytest.fixture(scope="module")
+def served(trained, mlflow_server, tool_model):
     from ray import serve
     from ray.serve.api import RunTarget
 
@@ -57,15 +168,19 @@ def served(trained, mlflow_server):
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     common = {"context": CONTEXT, "max_tokens_cap": CAP, "cpus_per_replica": 1}
     quiet = {"log_level": "WARNING", "enable_access_log": False}
+    guarded = {"weights": str(tool_model[2]), "tokenizer": tool_model[1].path, "model_name": "tool-tiny",
+               "api_key_sha256": hashlib.sha256(KEY.encode()).hexdigest(), **common, **GUARD}
     serve.run_many([
         RunTarget(build_app({"weights": trained.run_dir, "model_name": "tiny-sft", **common}), name="serve-run",
                   route_prefix="/", logging_config=quiet),
         RunTarget(build_app({"weights": f"models:/{REGISTERED}/1", "tracking_uri": mlflow_server.uri, **common}),
                   name="serve-registry", route_prefix="/registry", logging_config=quiet),
+        RunTarget(build_app(guarded), name="serve-guarded", route_prefix="/guarded", logging_config=quiet),
     ])
     base = f"http://127.0.0.1:{port}"
     try:
-        yield {"base": base, "client": openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)}
+        yield {"base": base, "client": openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0),
+               "guarded": openai.OpenAI(base_url=f"{base}/guarded/v1", api_key=KEY, max_retries=0)}
     finally:
         serve.shutdown()  # later tests get their CPUs back
 
@@ -90,8 +205,9 @@ def greedy_text(reference, messages, n, **sampling):
     return "".join(stream_reply(model, tok, render_prompt(tok, messages), cfg))
 
 
-def post(base, path, body: bytes, content_type="application/json"):
-    req = urllib.request.Request(base + path, data=body, headers={"Content-Type": content_type}, method="POST")
+def post(base, path, body: bytes, content_type="application/json", headers=None):
+    req = urllib.request.Request(base + path, data=body, headers={"Content-Type": content_type, **(headers or {})},
+                                 method="POST")
     try:
         with urllib.request.urlopen(req, timeout=60) as r:
             return r.status, json.loads(r.read())
@@ -177,6 +293,10 @@ BAD_REQUESTS = {
     "max_tokens over the cap": ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": CAP + 1}, 400,
                                 "max_tokens"),
     "prompt longer than the context": ({"messages": [{"role": "user", "content": LONG}]}, 400, "messages"),
+    "a lone surrogate": ({"messages": [{"role": "user", "content": "ok \ud800"}]}, 400, "messages.0.content"),
+    "an unknown field": ({"messages": [{"role": "user", "content": "hi"}], "logprob": True}, 400, "logprob"),
+    "a refused field": ({"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 1.0}, 400,
+                        "presence_penalty"),
     "unknown model": ({"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]}, 404, "model"),
 }
 
@@ -266,6 +386,262 @@ def test_registry_aliases_resolve_and_unknown_versions_are_refused_before_ray(re
         check_source(f"models:/{REGISTERED}/7", mlflow_server.uri)
 
 
+# --------------------------------------------------------------------------- completions, log-probs, n
+
+
+def model_logprobs(model, ids):
+    """log_softmax of the model's logits at every position of ``ids`` (one plain forward)."""
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+
+def test_completions_take_text_or_token_prompts_and_echo_their_logprobs(served, reference):
+    """/v1/completions as lm-eval's local-completions model calls it: raw text (no chat template), several
+    prompts, token-id prompts, and echo + logprobs for a log-likelihood (the prompt tokens' log-probs)."""
+    from minimind_ray.generate import generate_tokens
+
+    model, tok = reference
+    client = served["client"]
+    text = "The capital of France is"
+    ids = tok.encode(text)
+    want = list(generate_tokens(model, torch.tensor([ids]), 12, temperature=0, eos_token_id=tok.eos_id))
+    got = client.completions.create(model="tiny-sft", prompt=text, max_tokens=12, temperature=0)
+    assert got.object == "text_completion" and got.choices[0].text == tok.decode(want, skip_special_tokens=True)
+    assert got.usage.prompt_tokens == len(ids) and got.usage.completion_tokens == len(want)
+    both = client.completions.create(model="tiny-sft", prompt=[text, "Tell me about Paris."], max_tokens=12,
+                                     temperature=0)
+    assert [c.index for c in both.choices] == [0, 1] and both.choices[0].text == got.choices[0].text
+    assert both.usage.prompt_tokens == len(ids) + len(tok.encode("Tell me about Paris."))
+    as_ids = client.completions.create(model="tiny-sft", prompt=ids, max_tokens=12, temperature=0)
+    assert as_ids.choices[0].text == got.choices[0].text
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="tiny-sft", prompt=text, max_tokens=12, temperature=0, stream=True) if c.choices)
+    assert streamed == got.choices[0].text
+    # a log-likelihood: echo the prompt with its tokens' log-probs, and one generated token
+    scored = client.completions.create(model="tiny-sft", prompt=[ids], max_tokens=1, temperature=0, echo=True,
+                                       logprobs=2)
+    lp = scored.choices[0].logprobs
+    ref = model_logprobs(model, ids + [want[0]])
+    assert scored.choices[0].text.startswith(text) and len(lp.tokens) == len(ids) + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for j in range(1, len(ids) + 1):
+        assert abs(lp.token_logprobs[j] - float(ref[j - 1, (ids + want)[j]])) < 1e-4
+        assert len(lp.top_logprobs[j]) <= 2 and abs(max(lp.top_logprobs[j].values()) - float(ref[j - 1].max())) < 1e-4
+    assert "".join(lp.tokens) == scored.choices[0].text and lp.text_offset[1] == len(lp.tokens[0])
+    # max_tokens 0 with echo scores the prompt alone
+    only = client.completions.create(model="tiny-sft", prompt=text, max_tokens=0, echo=True, logprobs=0)
+    assert only.choices[0].text == text and only.usage.completion_tokens == 0
+    assert only.choices[0].logprobs.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1:len(ids)], abs=1e-4)
+
+
+def test_chat_logprobs_are_the_models_streamed_or_not(served, reference):
+    model, tok = reference
+    from minimind_ray.generate import render_prompt
+
+    msgs = [{"role": "user", "content": PROMPT}]
+    got = chat(served["client"], msgs, temperature=0, max_tokens=16, logprobs=True, top_logprobs=3)
+    content = got.choices[0].logprobs.content
+    assert "".join(e.token for e in content) == got.choices[0].message.content
+    ids = tok.encode(render_prompt(tok, msgs))
+    generated = [tok.encode(e.token)[0] if len(tok.encode(e.token)) == 1 else None for e in content]
+    ref = model_logprobs(model, ids + [t for t in generated if t is not None])
+    for j, e in enumerate(content):
+        assert len(e.top_logprobs) == 3 and e.top_logprobs[0].logprob == pytest.approx(e.logprob)  # greedy
+        assert bytes(e.bytes).decode("utf-8", "replace") == e.token
+        if None not in generated[:j + 1]:
+            assert e.logprob == pytest.approx(float(ref[len(ids) - 1 + j].max()), abs=1e-4)
+    stream = chat(served["client"], msgs, temperature=0, max_tokens=16, logprobs=True, top_logprobs=3, stream=True)
+    entries = [e for c in stream if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, round(e.logprob, 5)) for e in entries] == [(e.token, round(e.logprob, 5)) for e in content]
+
+
+def test_n_samples_share_one_prefill_and_are_reproducible(served):
+    base = served["base"]
+    msgs = [{"role": "user", "content": "Tell me about Paris."}]
+    before = health(base)["engine"]
+    a = chat(served["client"], msgs, n=3, temperature=1.0, seed=5, max_tokens=16)
+    after = health(base)["engine"]
+    assert [c.index for c in a.choices] == [0, 1, 2] and after["prefills"] - before["prefills"] == 1
+    texts = [c.message.content for c in a.choices]
+    assert len(set(texts)) > 1  # each sample draws from its own generator (seed + index)
+    b = chat(served["client"], msgs, n=3, temperature=1.0, seed=5, max_tokens=16)
+    assert [c.message.content for c in b.choices] == texts
+    assert a.usage.prompt_tokens == b.usage.prompt_tokens < a.usage.completion_tokens  # the prompt counts once
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(served["client"], msgs, n=17, max_tokens=2)  # more rows than a replica's batch (16)
+    assert e.value.body["param"] == "n"
+
+
+# --------------------------------------------------------------------------- tool calls
+
+
+def test_tool_calls_through_the_openai_client(served, tool_model):
+    """A model whose SFT chats call a calculator: through the official client's tools API its greedy reply is a
+    tool call (finish_reason tool_calls), exactly the <tool_call> block generate writes for the same prompt;
+    the call and its result go back into the template for the answer; streamed calls arrive whole."""
+    from minimind_ray.data.demo import CALCULATOR_TOOL
+    from minimind_ray.serve.model_io import render_chat
+
+    model, tok, _ = tool_model
+    client = served["guarded"]
+    msgs = tool_turn("What is 12 plus 7?")
+    ids = tok.encode(render_chat(tok, msgs, tools=[CALCULATOR_TOOL]))
+    want = calls_in(tool_replies(model, tok)[0])
+    got = client.chat.completions.create(model="tool-tiny", messages=msgs, tools=[CALCULATOR_TOOL], temperature=0,
+                                         max_tokens=100)
+    choice = got.choices[0]
+    assert choice.finish_reason == "tool_calls" and got.usage.prompt_tokens == len(ids)
+    call = choice.message.tool_calls[0]
+    assert call.type == "function" and call.function.name == "calculate"
+    assert json.loads(call.function.arguments) == json.loads(want[0]["function"]["arguments"])
+    assert "expression" in json.loads(call.function.arguments) and not choice.message.content
+    # the call and the tool's result go back in: the template renders them, the model answers in text
+    history = msgs + [choice.message.model_dump(exclude_none=True),
+                      {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"result": 19})}]
+    answer = client.chat.completions.create(model="tool-tiny", messages=history, tools=[CALCULATOR_TOOL],
+                                            temperature=0, max_tokens=40)
+    back = [m for m in history[:2]] + [{"role": "assistant", "content": "", "tool_calls": [
+        {"function": {"name": "calculate", "arguments": call.function.arguments}}]}, history[-1]]
+    assert answer.usage.prompt_tokens == len(tok.encode(render_chat(tok, back, tools=[CALCULATOR_TOOL])))
+    assert answer.choices[0].finish_reason == "stop" and not answer.choices[0].message.tool_calls
+    assert answer.choices[0].message.content.strip()
+    stream = client.chat.completions.create(model="tool-tiny", messages=msgs, tools=[CALCULATOR_TOOL], temperature=0,
+                                            max_tokens=100, stream=True)
+    chunks = [c for c in stream if c.choices]
+    calls = [tc for c in chunks for tc in c.choices[0].delta.tool_calls or []]
+    assert [(tc.function.name, tc.function.arguments) for tc in calls] == [("calculate", call.function.arguments)]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_tool_choice_none_forced_and_malformed_replies(served, tool_model):
+    from minimind_ray.data.demo import CALCULATOR_TOOL
+    from minimind_ray.serve.model_io import render_chat
+
+    _, tok, _ = tool_model
+    client = served["guarded"]
+    msgs = tool_turn("What is 3 plus 4?")
+    off = client.chat.completions.create(model="tool-tiny", messages=msgs, tools=[CALCULATOR_TOOL], tool_choice="none",
+                                         temperature=0, max_tokens=30)
+    assert off.usage.prompt_tokens == len(tok.encode(render_chat(tok, msgs)))  # no tools in the prompt
+    assert not off.choices[0].message.tool_calls and off.choices[0].finish_reason in ("stop", "length")
+    named = client.chat.completions.create(
+        model="tool-tiny", messages=msgs, tools=[CALCULATOR_TOOL], temperature=0, max_tokens=40,
+        tool_choice={"type": "function", "function": {"name": "calculate"}})
+    assert named.choices[0].message.tool_calls[0].function.name == "calculate"
+    # the untrained model of the run, forced to call: whatever it writes is no valid call, so it comes back as
+    # text (and a warning), never a 500
+    weird = chat(served["client"], msgs, tools=[CALCULATOR_TOOL], tool_choice="required", temperature=0, max_tokens=8)
+    assert weird.choices[0].message.content.startswith('<tool_call>\n{"name": "')
+    assert not weird.choices[0].message.tool_calls and weird.choices[0].finish_reason in ("stop", "length")
+
+
+# --------------------------------------------------------------------------- API key
+
+
+def session_logs():
+    import ray
+
+    return Path(ray._private.worker._global_node.get_session_dir_path()) / "logs"
+
+
+def test_the_api_key_is_required_and_never_logged_or_echoed(served):
+    base = served["base"] + "/guarded"
+    body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode()
+    wrong = "wrong-" + KEY[::-1]
+    for headers in ({}, {"Authorization": f"Bearer {wrong}"}, {"Authorization": KEY}):
+        status, err = post(base, "/v1/chat/completions", body, headers=headers)
+        assert status == 401 and err["error"]["code"] == "invalid_api_key", headers
+        assert wrong not in json.dumps(err) and KEY not in json.dumps(err)
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(base + "/v1/models", timeout=30)
+    assert e.value.code == 401 and e.value.headers["WWW-Authenticate"] == "Bearer"
+    assert health(base)["status"] == "ok"  # /health stays open
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{base}/v1", api_key=wrong, max_retries=0).models.list()
+    assert [m.id for m in served["guarded"].models.list().data] == ["tool-tiny"]
+    status, ok = post(base, "/v1/chat/completions", body, headers={"Authorization": f"Bearer {KEY}"})
+    assert status == 200 and ok["usage"]["completion_tokens"] >= 1
+    for f in session_logs().rglob("*"):
+        if f.is_file():
+            text = f.read_bytes()
+            assert KEY.encode() not in text and wrong.encode() not in text, f
+
+
+# --------------------------------------------------------------------------- fuzz and flood
+
+
+def test_a_fuzz_of_request_bodies_gets_only_200s_and_4xx(served):
+    """Random bodies (shapes, types, unicode, broken bytes; seeded) at both endpoints: a 200 (a stream without
+    an error event) or a 4xx with OpenAI's error body, never a 5xx; the server answers normally after."""
+    rng = random.Random(2022)
+    seen = {}
+    for i in range(120):
+        path, body = (("/v1/chat/completions", chat_body(rng)) if i % 2 == 0 else
+                      ("/v1/completions", completion_body(rng)))
+        raw = raw_bodies(rng, body)
+        req = urllib.request.Request(served["base"] + path, data=raw, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                status, text = r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            status, text = e.code, e.read().decode()
+        seen[status] = seen.get(status, 0) + 1
+        assert status == 200 or 400 <= status < 500, (raw, status, text[:300])
+        if status != 200:
+            assert set(json.loads(text)["error"]) == {"message", "type", "param", "code"}
+        else:
+            assert '"server_error"' not in text, (raw, text[:300])
+    assert seen.get(200, 0) >= 10 and sum(v for k, v in seen.items() if k != 200) >= 30, seen
+    assert chat(served["client"], [{"role": "user", "content": "hi"}], max_tokens=4).usage.completion_tokens >= 1
+
+
+def one_request(base, body, stream=False):
+    """(status, headers, body text, seconds taken, when it ended) of a POST to the guarded app, the key sent."""
+    host, port = base[len("http://"):].split("/")[0].split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    t0 = time.monotonic()
+    conn.request("POST", "/guarded/v1/chat/completions", body=json.dumps({**body, "stream": stream}),
+                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+    resp = conn.getresponse()
+    text = resp.read().decode()
+    conn.close()
+    return resp.status, resp.headers, text, time.monotonic() - t0, time.monotonic()
+
+
+def test_a_flood_gets_200_429_or_504_and_leaves_the_server_bounded_and_answering(served):
+    """The guarded replica holds 2 running + 2 waiting rows and times out at 3 s. Two endless requests (one
+    streamed) fill the batch; 28 more arrive at once: the 2 that fit wait, the rest get 429 with Retry-After and
+    OpenAI's body before any of them runs; the endless ones end in 504 (the stream in an error event) and free
+    their rows; nothing is a 500, memory stays put, and the server answers normally after."""
+    base = served["base"]
+    before = health(base + "/guarded")
+    long = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": CAP, "ignore_eos": True, "temperature": 0}
+    short = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0}
+    with ThreadPoolExecutor(32) as pool:
+        endless = [pool.submit(one_request, base, long, stream) for stream in (False, True)]
+        wait_for(lambda: health(base + "/guarded")["engine"]["running"] == 2)
+        flood = [f.result() for f in [pool.submit(one_request, base, short) for _ in range(28)]]
+        endless = [f.result() for f in endless]
+    statuses = sorted(r[0] for r in flood)
+    assert set(statuses) <= {200, 429} and statuses.count(200) >= 1 and statuses.count(429) >= 20, statuses
+    refused = [r for r in flood if r[0] == 429]
+    for status, headers, text, _, _ in refused:
+        assert headers["Retry-After"] == "1" and json.loads(text)["error"]["type"] == "rate_limit_error"
+    assert max(r[4] for r in refused) < min(r[4] for r in endless)  # refused before the batch even freed up
+    (s1, _, plain, _, _), (s2, _, streamed, _, _) = endless
+    assert s1 == 504 and json.loads(plain)["error"]["code"] == "timeout"
+    events = [json.loads(line[6:]) for line in streamed.splitlines() if line.startswith("data: {")]
+    assert s2 == 200 and events[-1]["error"]["code"] == "timeout" and streamed.endswith("data: [DONE]\n\n")
+    after = wait_for(lambda: (lambda h: h if h["engine"]["running"] == h["engine"]["waiting"] == 0 else None)(
+        health(base + "/guarded")))
+    eng = after["engine"]
+    assert eng["waiting_peak"] <= GUARD["max_queued"] and eng["mean_batch"] <= GUARD["max_batch"]
+    assert eng["requests_aborted"].get("timeout", 0) - before["engine"]["requests_aborted"].get("timeout", 0) == 2
+    assert after["rss_mb"] - before["rss_mb"] < 64  # peak resident memory of the replica
+    status, _, text, _, _ = one_request(base, short)
+    assert status == 200 and json.loads(text)["choices"][0]["finish_reason"] in ("stop", "length")
+
+
 # --------------------------------------------------------------------------- the chat page in a browser
 
 
@@ -315,3 +691,62 @@ def test_the_chat_page_streams_the_greedy_reply_over_two_turns(served, browser, 
         assert "tokens" in meta  # the usage chunk of the stream was read
     assert not browser.find_elements(By.CSS_SELECTOR, ".msg.error")
     browser.save_screenshot(str(tmp_path / "chat.png"))
+
+
+# --------------------------------------------------------------------------- Prometheus (last: it reads what the others did)
+
+
+def scrape():
+    """Ray's Prometheus endpoint on this node: {(name, frozenset(labels)): value}."""
+    import ray
+
+    port = ray.nodes()[0]["MetricsExportPort"]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        m = re.match(r"^(ray_minimind_serve_\w+)\{(.*)\} (\S+)$", line)
+        if m:
+            labels = frozenset(re.findall(r'(\w+)="([^"]*)"', m[2]))
+            out[(m[1], labels)] = float(m[3])
+    return out
+
+
+def metric(samples, name, **labels):
+    """The sum of ``name`` over the series whose labels include ``labels``."""
+    want = set(labels.items())
+    return sum(v for (n, ls), v in samples.items() if n == name and want <= ls)
+
+
+def test_replicas_export_prometheus_metrics_through_rays_metrics_port(served):
+    """What the tests above did, as Prometheus sees it on Ray's metrics export port (the session's Ray runs
+    without the dashboard; its metrics agent still exports). The agent reads the replicas every few seconds."""
+    run, guarded = {"application": "serve-run"}, {"application": "serve-guarded"}
+    checks = {
+        "chat 200s": lambda s: metric(s, "ray_minimind_serve_requests_total", endpoint="/v1/chat/completions",
+                                      status="200", **run) >= 5,
+        "completions 200s": lambda s: metric(s, "ray_minimind_serve_requests_total", endpoint="/v1/completions",
+                                             status="200", **run) >= 3,
+        "400s": lambda s: metric(s, "ray_minimind_serve_requests_total", status="400", **run) >= 10,
+        "404": lambda s: metric(s, "ray_minimind_serve_requests_total", status="404", **run) >= 1,
+        "429s": lambda s: metric(s, "ray_minimind_serve_requests_total", status="429", **guarded) >= 20,
+        "401s": lambda s: metric(s, "ray_minimind_serve_requests_total", status="401", **guarded) >= 3,
+        "timeouts": lambda s: metric(s, "ray_minimind_serve_aborted_requests_total", reason="timeout", **guarded) >= 2,
+        "disconnects": lambda s: metric(s, "ray_minimind_serve_aborted_requests_total", reason="disconnected",
+                                        **run) >= 1,
+        "ttft": lambda s: metric(s, "ray_minimind_serve_time_to_first_token_seconds_count", **run) >= 5,
+        "itl": lambda s: metric(s, "ray_minimind_serve_inter_token_latency_seconds_count", **run) >= 50,
+        "latency": lambda s: metric(s, "ray_minimind_serve_request_latency_seconds_count", **run) >= 5,
+        "tokens": lambda s: metric(s, "ray_minimind_serve_generated_tokens_total", **run) >= 100
+        and metric(s, "ray_minimind_serve_prompt_tokens_total", **run) >= 100,
+        "gauges": lambda s: any(n == "ray_minimind_serve_queue_depth" for n, _ in s)
+        and any(n == "ray_minimind_serve_running_batch" for n, _ in s),
+    }
+    failing = list(checks)
+    deadline = time.monotonic() + 60
+    while failing and time.monotonic() < deadline:
+        samples = scrape()
+        failing = [k for k, ok in checks.items() if not ok(samples)]
+        if failing:
+            time.sleep(1)
+    assert not failing, f"not in Ray's /metrics: {failing}"

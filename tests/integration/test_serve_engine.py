@@ -211,7 +211,7 @@ def tokenizers():
 def replay(tok, text, stop=(), reasoning=False):
     """Feed ``text``'s tokens one by one; returns (deltas, ReplyText)."""
     from minimind_ray.generate import StreamDecoder
-    from minimind_ray.serve.protocol import ReplyText
+    from minimind_ray.serve.replies import ReplyText
 
     reply = ReplyText(StreamDecoder(tok), list(stop), reasoning)
     deltas = []
