@@ -110,3 +110,25 @@ def test_a_public_bind_address_carries_its_reason():
     assert _serve_config()["http_options"]["host"] == "0.0.0.0"
     above = cfg_text.split("http_options:")[0]
     assert "ClusterIP" in above and "port-forward" in above
+
+
+def test_metrics_are_scraped_from_every_pod_and_the_api_key_comes_from_a_secret():
+    """The PodMonitor scrapes the `metrics` port each Ray pod names (Ray's metrics export port, pinned in
+    rayStartParams), the NetworkPolicy opens that port to the monitoring namespace only, and every pod reads the
+    API key from a Secret: never a literal in the manifest, nor in the Serve config's args."""
+    spec = _one("RayService")["spec"]["rayClusterConfig"]
+    groups = [spec["headGroupSpec"]] + spec["workerGroupSpecs"]
+    for g in groups:
+        port = int(g["rayStartParams"]["metrics-export-port"])
+        for c in g["template"]["spec"]["containers"]:
+            assert {"containerPort": port, "name": "metrics"} in c["ports"]
+            key = [e for e in c["env"] if e["name"] == "MINIMIND_RAY_API_KEY"]
+            assert len(key) == 1 and "value" not in key[0] and key[0]["valueFrom"]["secretKeyRef"]["name"]
+    monitor = _one("PodMonitor")["spec"]
+    assert monitor["selector"]["matchLabels"] == {"app.kubernetes.io/name": "minimind-serve"}
+    assert [e["port"] for e in monitor["podMetricsEndpoints"]] == ["metrics"]
+    args = _serve_config()["applications"][0]["args"]
+    assert not any("key" in k for k in args)
+    rules = [r for r in _one("NetworkPolicy")["spec"]["ingress"] if any(p["port"] == 8080 for p in r["ports"])]
+    outside = [r for r in rules if any("namespaceSelector" in peer for peer in r["from"])]
+    assert len(outside) == 1 and [p["port"] for p in outside[0]["ports"]] == [8080]
