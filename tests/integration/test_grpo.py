@@ -66,9 +66,15 @@ def test_grpo_crash_and_resume_equals_an_uninterrupted_run(ray_session, shared):
 
     assert crashed.exports["pth"].endswith("grpo_64.pth")
     model, lw = build_inference_model(crashed.run_dir)
+    assert all(torch.equal(v, w[k]) for k, v in model.state_dict().items())  # the trained policy, not the base
     tok = resolve_tokenizer(lw.run_cfg.data.tokenizer, str(shared["cache"]), lw.run_cfg.model.generation)
-    reply = generate_text(model, tok, "What is 1 plus 2?", SamplingConfig(max_new_tokens=4, temperature=0.0))
-    assert isinstance(reply, str)
+    greedy = SamplingConfig(max_new_tokens=4, temperature=0.0)
+    policy = build_model(lw.run_cfg.model)
+    policy.load_state_dict(w)
+    reply = generate_text(model, tok, "What is 1 plus 2?", greedy)
+    assert reply == generate_text(policy.eval(), tok, "What is 1 plus 2?", greedy)
+    exported, _ = build_inference_model(crashed.exports["pth"], preset="tiny")  # MiniMind's fp16 file loads too
+    assert all(torch.allclose(v.float(), w[k], atol=1e-2) for k, v in exported.state_dict().items())
 
 
 def test_a_reward_model_on_a_ray_actor_scores_as_in_the_worker(ray_session, tmp_path):

@@ -77,8 +77,15 @@ def test_lora_changes_only_adapters_on_two_workers(ray_session, shared):
     plain = build_model(cfg)
     plain.load_state_dict({k: v.float() for k, v in torch.load(merged, weights_only=True).items()}, strict=True)
     ids = torch.randint(3, 6400, (2, 16), generator=torch.Generator().manual_seed(0))
+    base_model = build_model(cfg)
+    base_model.load_state_dict(base)
     with torch.no_grad():  # merged.pth is fp16 on disk, like MiniMind's: compare to fp16 rounding
-        torch.testing.assert_close(plain(ids).logits, with_adapters(ids).logits, atol=2e-2, rtol=1e-2)
+        adapted = with_adapters(ids).logits
+        torch.testing.assert_close(plain(ids).logits, adapted, atol=2e-2, rtol=1e-2)
+        # the control: the trained adapters move the logits far more than that tolerance, so a merge that
+        # dropped them (or a merge-lora that wrote the base back) would fail the comparison above
+        moved = (adapted - base_model(ids).logits).abs().max().item()
+    assert moved > 10 * 2e-2, moved
 
 
 def test_dpo_margin_grows_on_hand_made_pairs(ray_session, shared, tmp_path_factory):
@@ -110,14 +117,24 @@ def test_dpo_margin_grows_on_hand_made_pairs(ray_session, shared, tmp_path_facto
 
 
 def test_distillation_from_a_frozen_teacher(ray_session, shared):
+    from minimind_ray.store.pth import save_pth
+
+    # a teacher that is not the student's starting point: the KL starts well above 0 and has work to do
+    teacher = shared["base"] / "teacher.pth"
+    save_pth(build_model(load_config("pipelines/configs/tiny.yaml").model, seed=12), str(teacher), dtype=torch.float32)
+    before = torch.load(teacher, weights_only=True)
     res = run_stage(shared, "distill", "train.stage=distill", "data.format=sft",
-                    f"train.distill.teacher_weights={shared['base_pth']}", "train.lr=3e-3",
-                    "train.log_interval=1")
+                    f"train.distill.teacher_weights={teacher}", "train.lr=3e-3", "train.log_interval=1")
     assert_resumed_once(shared, "distill")
     losses = loss_history(shared, res.mlflow_run_id)
     kl = loss_history(shared, res.mlflow_run_id, "train/kl")
     ce = loss_history(shared, res.mlflow_run_id, "train/ce")
     assert [s for s, _ in losses] == list(range(1, STEPS + 1))
     assert kl and ce and all(v >= 0 for _, v in kl)
+    assert kl[0][1] > 0.1 and kl[-1][1] < kl[0][1], kl  # the student moves towards the teacher
+    after = torch.load(teacher, weights_only=True)
+    assert all(torch.equal(v, after[k]) for k, v in before.items())  # the teacher's weights are read, never written
+    w = final_weights(res)
+    assert set(w) == set(before), "the teacher must not enter the student's checkpoint"
     # loss = alpha * CE + (1 - alpha) * T^2 * KL with MiniMind's alpha 0.5 (per-token means)
     assert losses[-1][1] == pytest.approx(0.5 * ce[-1][1] + 0.5 * kl[-1][1], rel=1e-4)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from .helpers import STEPS, new_shared, run_tiny
+from .helpers import STEPS, new_shared, run_tiny, sample_record
 
 pytestmark = pytest.mark.integration
 
@@ -29,6 +29,8 @@ def shared(tmp_path_factory):
 def test_one_run_with_params_metrics_artifacts_and_a_registered_version(ray_session, shared, mlflow_server):
     res = run_tiny(shared, "tracked", f"tracking.uri={mlflow_server.uri}", "tracking.registered_model=tiny-tracked",
                    "train.fail_at_step=6")  # a worker-group restart mid-run must not make a second run
+    _, attempts = sample_record(shared, "tracked")
+    assert attempts == {0, 4}, f"the injected failure at step 6 must restart the group from step 4: {attempts}"
     uri = mlflow_server.uri
     exp = rest(uri, "/api/2.0/mlflow/experiments/get-by-name?experiment_name=minimind-pretrain")["experiment"]
     # tagged as model training: MLflow 3's UI opens it on the runs and their metrics, not its GenAI view
@@ -80,6 +82,9 @@ def test_training_survives_the_tracking_server_going_down(ray_session, shared, m
         killer.join(timeout=5)
         mlflow_server.start()  # leave the fixture as we found it
     assert res.checkpoint_dir is not None
+    # the server was down while the run trained: the last worker's logger could not send everything
+    summary = json.loads(res.metrics["tracking_summary"])
+    assert summary["metrics_dropped"] > 0, summary
     ckpts = [p for p in Path(res.run_dir).glob("checkpoint_*") if p.is_dir()]
     assert len(ckpts) >= 2 and all(open_checkpoint(p).step for p in ckpts)
     assert open_checkpoint(latest_checkpoint(Path(res.run_dir))).step == STEPS

@@ -61,9 +61,11 @@ def test_greedy_generation_is_deterministic_from_a_run_directory(trained):
 
 
 def test_chat_streams_replies_and_quits_on_an_empty_line(trained):
+    # lines after the empty one are never read: a chat that only stopped at the end of its input would
+    # answer them too
     out = cli("chat", "--weights", str(trained["ckpt"]), "--temperature", "0", "--max-new-tokens", "8",
-              stdin="hello\nand again\n\n")
-    assert out.count("minimind> ") == 2
+              stdin="hello\nand again\n\nnot read\nnor this\n")
+    assert out.count("minimind> ") == 2 and out.count("you> ") == 3, out
 
 
 def test_eval_loss_equals_the_training_loss_in_eval_mode(trained):

@@ -118,8 +118,12 @@ def test_save_load_round_trip(tmp_path):
 def test_adapted_model_pickles_and_deep_copies():
     """No rebound `forward` closures: the model pickles (Ray) and deep-copies (frozen DPO reference)."""
     m, _ = lora_model()
+    perturb_adapters(m)  # with B = 0 a copy that lost its adapters would give the same logits
+    base = build_model(ModelConfig(**preset_values("tiny")), seed=0).eval()
     x = torch.randint(0, 6400, (1, 6))
     clone = pickle.loads(pickle.dumps(m))
     with torch.no_grad():
-        torch.testing.assert_close(clone.eval()(x).logits, m.eval()(x).logits)
-        torch.testing.assert_close(copy.deepcopy(m)(x).logits, m(x).logits)
+        ours = m.eval()(x).logits
+        assert (ours - base(x).logits).abs().max() > 1e-3  # the adapters move the output
+        torch.testing.assert_close(clone.eval()(x).logits, ours, atol=0, rtol=0)
+        torch.testing.assert_close(copy.deepcopy(m)(x).logits, ours, atol=0, rtol=0)

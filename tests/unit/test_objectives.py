@@ -3,6 +3,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from minimind_ray.config import load_config
 from minimind_ray.model.minimind import build_model
@@ -85,12 +86,64 @@ def test_distillation_of_a_copy_of_the_teacher_costs_nothing_at_step_0(tmp_path)
     obj.setup(student, torch.device("cpu"))
     loss, _, extra = obj.loss_sum(student, sft_batch())
     assert float(loss.detach()) == pytest.approx(0.0, abs=1e-4)
-    # with alpha = 1 it is plain cross-entropy
+    # with alpha = 1 it is plain cross-entropy over the target tokens, as F.cross_entropy computes it
     cfg1 = cfg_for("distill", "sft", f"train.distill.teacher_weights={teacher_path}", "train.distill.alpha=1")
     obj1 = build_objective(cfg1)
     obj1.setup(student, torch.device("cpu"))
-    loss1, _, extra1 = obj1.loss_sum(student, sft_batch())
-    assert float(loss1.detach()) == pytest.approx(float(extra1["ce"]), rel=1e-6)
+    batch = sft_batch()
+    loss1, _, _ = obj1.loss_sum(student, batch)
+    with torch.no_grad():
+        ce = F.cross_entropy(student(batch["input_ids"]).logits.flatten(0, 1), batch["targets"].flatten())
+    assert float(loss1.detach()) / obj1.weight(batch) == pytest.approx(float(ce), rel=1e-5)
+
+
+def minimind_distill_loss(student_logits, teacher_logits, targets, alpha, T):
+    """MiniMind's train_distillation.py, per target token: alpha * CE + (1 - alpha) * T^2 * KL(teacher || student),
+    the KL with F.kl_div(reduction='batchmean') over the target positions."""
+    mask = targets.ne(-100)
+    s, t = student_logits[mask], teacher_logits[mask]
+    ce = F.cross_entropy(s, targets[mask])
+    kl = F.kl_div(F.log_softmax(s / T, -1), F.softmax(t / T, -1), reduction="batchmean") * T * T
+    return alpha * ce + (1 - alpha) * kl, kl
+
+
+@pytest.mark.parametrize("student_preset,teacher_preset", [
+    ("tiny", None),        # a teacher of the student's architecture, other weights
+    ("tiny3", "tiny3-moe"),  # MiniMind's d65ef2c default: the MoE minimind-3 teaches the dense one
+])
+def test_distillation_from_a_different_teacher_is_minimind_loss_and_the_teacher_stays_frozen(
+        tmp_path, student_preset, teacher_preset):
+    teacher_cfg = cfg_for("sft", "sft", f"model.preset={teacher_preset or student_preset}").model
+    teacher = build_model(teacher_cfg, seed=7).eval()
+    with torch.no_grad():  # sharper than a fresh init (minimind-3's N(0, 0.02) gives near-uniform logits)
+        teacher.model.embed_tokens.weight.mul_(10)
+    save_pth(teacher, str(tmp_path / "teacher.pth"), dtype=torch.float32)
+    extra = [f"model.preset={student_preset}", f"train.distill.teacher_weights={tmp_path / 'teacher.pth'}",
+             "train.distill.alpha=0.5", "train.distill.temperature=1.5"]
+    if teacher_preset:
+        extra.append(f"train.distill.teacher_preset={teacher_preset}")
+    obj = build_objective(cfg_for("distill", "sft", *extra))
+    student = build_model(cfg_for("sft", "sft", f"model.preset={student_preset}").model, seed=3)
+    obj.setup(student, torch.device("cpu"))
+    assert obj.teacher.cfg.use_moe == bool(teacher_preset) and not any(p.requires_grad for p in obj.teacher.parameters())
+    frozen = copy.deepcopy(obj.teacher.state_dict())
+    batch = sft_batch(T=24)
+    opt = torch.optim.AdamW(student.parameters(), lr=1e-2)
+    kls = []
+    for _ in range(6):
+        loss, _, extra_out = obj.loss_sum(student, batch)
+        with torch.no_grad():  # the same loss, written as MiniMind writes it, with the teacher as saved
+            want, kl = minimind_distill_loss(student(batch["input_ids"]).logits, teacher(batch["input_ids"]).logits,
+                                             batch["targets"], 0.5, 1.5)
+        assert float(loss.detach()) / obj.weight(batch) == pytest.approx(float(want), rel=1e-4)
+        kls.append(float(kl))
+        opt.zero_grad()
+        (loss / obj.weight(batch)).backward()
+        opt.step()
+    print(f"\nKL(teacher || student) over 6 steps: {[round(k, 3) for k in kls]}")
+    assert kls[0] > 0.05, kls  # the teacher differs: distillation has something to learn
+    assert kls[-1] < 0.9 * kls[0], kls  # and the student moves towards it
+    assert all(torch.equal(v, obj.teacher.state_dict()[k]) for k, v in frozen.items())  # the teacher did not
 
 
 def test_lora_objective_trains_adapters_only():
