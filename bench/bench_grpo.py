@@ -1,81 +1,91 @@
-"""The GRPO demo's measured result (not a test): exact-answer accuracy on held-out arithmetic, before and after.
+"""The GRPO demo's measured result (not a test), through the ``eval`` verb (minimind_ray/evals).
 
-  1. accuracy of a demo SFT model on the held-out questions of the built-in corpus ("What is a plus b?"
-     for every pair of 0..99 the corpus never adds, in either order: data/demo.py:ARITHMETIC_HELDOUT),
-     greedy and sampled (at the recipe's temperature, as in training: the mean of --samples draws per question);
-  2. `minimind-ray grpo --config pipelines/configs/demo_grpo.yaml train.init_from=<SFT run>` (the same
-     driver call), timed;
-  3. the same accuracy of the GRPO model, and the run's reward curve and rollout/update split from MLflow.
+  1. a demo SFT model on the held-out sorting prompts (demo:sort_heldout: multisets of the trained lengths that no
+     training file holds, and the length 7 that none has) and on 200 of the GRPO training prompts: greedy accuracy,
+     sampled pass@1 and pass@16 at the recipe's temperature, per length;
+  2. ``minimind-ray grpo --config pipelines/configs/demo_grpo.yaml train.init_from=<SFT run>`` (the same driver
+     call), timed;
+  3. the same evaluation of the GRPO model, and the run's reward curve from MLflow.
+
+``--rollouts`` instead times a few steps of the recipe three ways, side by side: in-worker sampling, a pool of
+rollout actors, and the pool with overlapped generation; each with its rollout share of the step.
 
 Usage:  .venv/bin/python bench/bench_grpo.py --sft runs/<demo-sft-run> [--grpo runs/<grpo-run>] [overrides...]
-With --grpo an existing GRPO run is measured instead of training a new one.
+        .venv/bin/python bench/bench_grpo.py --sft runs/<demo-sft-run> --rollouts [--steps 12]
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
-import numpy as np
-import torch
-
-
-def question_batch(cfg, tokenizer, which: str, limit: int = 200):
-    """Questions as the training data renders them (formats.Encoder 'prompt'), left-padded: 'heldout' (pairs
-    the corpus never adds) or 'train' (the first ``limit`` of the GRPO prompts, pairs the corpus does add)."""
-    from minimind_ray.data.demo import ARITHMETIC_HELDOUT, write_demo_corpus
-    from minimind_ray.data.formats import Encoder, collate
-
-    demo = write_demo_corpus(os.path.join(os.path.abspath(cfg.data.cache_dir), "demo"))
-    path = demo["prompt"] if which == "train" else os.path.join(os.path.dirname(demo["prompt"]), ARITHMETIC_HELDOUT)
-    with open(path, encoding="utf-8") as f:
-        records = [json.loads(line) for line in f][:limit]
-    enc = Encoder("prompt", tokenizer, cfg.data.max_seq_len)
-    assert not enc.add(records), "held-out questions must fit data.max_seq_len"
-    rows = enc.take(final=True)
-    return records, collate("prompt", rows, np.arange(len(records)), tokenizer.pad_id, cfg.data.max_seq_len)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def accuracy(weights: str, cfg, samples: int, max_new_tokens: int, which: str = "heldout", seed: int = 0):
-    """(greedy accuracy, sampled accuracy, an example reply, questions) of the weights on a question set."""
-    from minimind_ray.rl.rewards import is_correct
-    from minimind_ray.rl.rollout import SamplingParams, TorchRollout
-    from minimind_ray.store.weights import build_inference_model
-    from minimind_ray.tokenizer import resolve_tokenizer
+def scores(weights: str, cfg, data: str, limit=None, samples: int = 16) -> dict:
+    from minimind_ray.evals.config import EvalTaskConfig
+    from minimind_ray.evals.run import evaluate_task
 
-    model, _ = build_inference_model(weights, cfg.model.preset)  # the preset serves a bare .pth
-    tok = resolve_tokenizer(cfg.data.tokenizer, cfg.data.cache_dir, cfg.model.generation)
-    records, batch = question_batch(cfg, tok, which)
-    engine = TorchRollout()
-    engine.update_policy(model, 0)
-
-    def replies(n: int, **sampling):
-        roll = engine.generate(batch["prompt_ids"].repeat_interleave(n, 0), batch["prompt_mask"].repeat_interleave(n, 0),
-                               SamplingParams(max_new_tokens, eos_id=tok.eos_id, pad_id=tok.pad_id, **sampling))
-        return [tok.decode(ids[m].tolist(), skip_special_tokens=True)
-                for ids, m in zip(roll.completion_ids, roll.completion_mask)]
-
-    answers = [str(r["answer"]) for r in records]
-    greedy = replies(1, top_k=1)  # one candidate per step: argmax decoding
-    torch.manual_seed(seed)
-    sampled = replies(samples, temperature=cfg.train.grpo.temperature)
-    g = sum(is_correct(c, a) for c, a in zip(greedy, answers)) / len(answers)
-    s = sum(is_correct(c, answers[i // samples]) for i, c in enumerate(sampled)) / len(sampled)
-    return g, s, f"{records[0]['prompt']} -> {greedy[0]!r}", len(records)
+    g = cfg.train.grpo
+    task = EvalTaskConfig(task="gen", data=data, chat_template=True, samples=samples, max_new_tokens=g.max_gen_len,
+                          temperature=g.temperature, top_p=g.top_p, top_k=g.top_k, limit=limit, batch_size=25)
+    return evaluate_task(weights, task, cache_dir=cfg.data.cache_dir)
 
 
-def reward_curve(tracking_uri: str, run_id: str):
+def table(title: str, before: dict, after: dict) -> None:
+    print(f"\n==== {title} ====")
+    print(f"{'subject':<16} {'n':>5}   {'greedy':>15}   {'pass@1':>15}   {'pass@16':>15}")
+    for s in list(before["subjects"]) + ["all"]:
+        b = before if s == "all" else before["subjects"][s]
+        a = after if s == "all" else after["subjects"][s]
+        row = "   ".join(f"{b[k]:>6.1%} -> {a[k]:>6.1%}" for k in ("greedy_acc", "pass@1", "pass@k"))
+        print(f"{s:<16} {b['n']:>5}   {row}")
+
+
+def reward_curve(tracking_uri: str, run_id: str) -> dict:
     from mlflow.tracking import MlflowClient
 
+    from minimind_ray.tracking.names import history
+
     client = MlflowClient(tracking_uri)
+    keys = ("rl/reward", "rl/reward_permutation_answer", "rl/reward_std", "rl/zero_std_fraction", "rl/kl",
+            "rl/entropy", "rl/clip_fraction", "rl/completion_len", "rl/rollout_s", "perf/step_time_s")
+    return {k.split("/", 1)[1]: dict(history(client, run_id, k)) for k in keys}
 
-    def hist(key):
-        return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
 
-    return {k: hist(k) for k in ("reward", "reward_exact_answer", "reward_std", "zero_std_fraction", "kl",
-                                 "completion_len", "truncated_fraction", "rollout_s", "step_time_s")}
+def train(cfg):
+    from minimind_ray.raytrain.driver import run
+
+    t0 = time.time()
+    res = run(cfg)
+    return res, time.time() - t0
+
+
+def bench_rollouts(args, base_overrides) -> None:
+    """Steps of the recipe with each rollout engine, one after another in this run."""
+    from minimind_ray.config import load_config
+
+    rows = []
+    for label, extra in (("in-worker sampling", []),
+                         ("rollout actors (2)", ["train.grpo.rollout=actors", "train.grpo.rollout_actors=2"]),
+                         ("actors + overlap", ["train.grpo.rollout=actors", "train.grpo.rollout_actors=2",
+                                               "train.grpo.rollout_overlap=true"])):
+        cfg = load_config(args.config, [*base_overrides, f"train.max_steps={args.steps}", "resume=never",
+                                        f"checkpoint.interval={args.steps}", *extra])
+        res, wall = train(cfg)
+        curve = reward_curve(res.tracking_uri, res.mlflow_run_id)
+        steps = sorted(curve["step_time_s"])[1:]  # the first step holds the workers' and actors' start
+        step = statistics.mean(curve["step_time_s"][s] for s in steps)
+        roll = statistics.mean(curve["rollout_s"][s] for s in steps)
+        rows.append((label, step, roll, wall))
+    base = rows[0][1]
+    print(f"\n==== GRPO step time, {args.steps} steps (the first left out), demo preset, 2 workers ====")
+    print(f"{'rollouts':<22} {'step (s)':>9} {'vs in-worker':>12} {'rollout (s)':>11} {'rollout share':>13} {'wall (s)':>9}")
+    for label, step, roll, wall in rows:
+        print(f"{label:<22} {step:>9.2f} {step / base:>11.2f}x {roll:>11.2f} {roll / step:>12.0%} {wall:>9.0f}")
 
 
 def main() -> None:
@@ -83,56 +93,45 @@ def main() -> None:
     ap.add_argument("--sft", required=True, help="the demo SFT run (directory) GRPO starts from")
     ap.add_argument("--grpo", help="an existing GRPO run to measure instead of training one")
     ap.add_argument("--config", default="pipelines/configs/demo_grpo.yaml")
-    ap.add_argument("--samples", type=int, default=8, help="sampled replies per question (the recipe's temperature)")
+    ap.add_argument("--rollouts", action="store_true", help="time the rollout engines instead")
+    ap.add_argument("--steps", type=int, default=12, help="--rollouts: steps per engine")
     ap.add_argument("overrides", nargs="*", help="applied to the GRPO recipe, e.g. train.max_steps=20")
     args = ap.parse_args()
 
     from minimind_ray.config import load_config
 
-    cfg = load_config(args.config, [f"train.init_from={args.sft}", *args.overrides])
-    gen_len = cfg.train.grpo.max_gen_len
-    before = accuracy(args.sft, cfg, args.samples, gen_len)
-    before_train = accuracy(args.sft, cfg, args.samples, gen_len, "train")
+    overrides = [f"train.init_from={args.sft}", *args.overrides]
+    if args.rollouts:
+        return bench_rollouts(args, overrides)
+    cfg = load_config(args.config, overrides)
+    before = {"held": scores(args.sft, cfg, "demo:sort_heldout"), "train": scores(args.sft, cfg, "demo:prompt", 200)}
     grpo_dir, wall = args.grpo, None
     if grpo_dir is None:
-        from minimind_ray.raytrain.driver import run
-
-        t0 = time.time()
-        res = run(cfg)
-        wall = time.time() - t0
+        res, wall = train(cfg)
         grpo_dir, run_id, uri = res.checkpoint_dir, res.mlflow_run_id, res.tracking_uri
     else:  # an existing run: its MLflow run and tracking URI are in its newest checkpoint
         from minimind_ray.store.checkpoint import newest_complete
 
         meta = newest_complete(grpo_dir).meta()
-        run_id = meta.mlflow_run_id  # MLflow's default store when the run named none: ./mlflow.db
+        run_id = meta.mlflow_run_id
         uri = meta.config["tracking"]["uri"] or os.environ.get("MLFLOW_TRACKING_URI") or \
             f"sqlite:///{os.path.abspath('mlflow.db')}"
-    after = accuracy(grpo_dir, cfg, args.samples, gen_len)
-    after_train = accuracy(grpo_dir, cfg, args.samples, gen_len, "train")
-
-    for title, b, a in ((f"{before[3]} held-out questions (pairs the demo corpus never adds)", before, after),
-                        (f"{before_train[3]} of the GRPO prompts (pairs the demo corpus adds)", before_train, after_train)):
-        print(f"\n==== exact-answer accuracy on {title} ====")
-        print(f"{'model':<10} {'greedy':>8} {'sampled T=' + str(cfg.train.grpo.temperature):>12}   example (greedy)")
-        for name, (g, s, example, _) in (("SFT", b), ("GRPO", a)):
-            print(f"{name:<10} {g:>8.1%} {s:>12.1%}   {example}")
+    after = {"held": scores(grpo_dir, cfg, "demo:sort_heldout"), "train": scores(grpo_dir, cfg, "demo:prompt", 200)}
+    T = cfg.train.grpo.temperature
+    table(f"held-out sorting prompts (demo:sort_heldout), SFT -> GRPO; sampled at T={T}, 16 samples", before["held"],
+          after["held"])
+    table(f"200 of the GRPO training prompts (demo:prompt), SFT -> GRPO", before["train"], after["train"])
     if wall is not None:
-        print(f"\nGRPO run: {cfg.train.max_steps} steps in {wall:.0f} s wall (Ray start, prepare, training, export); "
-              f"run {run_id}")
+        print(f"\nGRPO run: {cfg.train.max_steps} steps in {wall:.0f} s wall (Ray start, prepare, training, evaluation, "
+              f"export); run {run_id}")
     if run_id:
         curve = reward_curve(uri, run_id)
-        print("\nstep  reward  exact  group-std  zero-std  kl      len   cut   rollout_s  step_s")
-        rows = {k: dict(v) for k, v in curve.items()}
-        for s in sorted(rows["reward"]):
-            r = {k: rows[k].get(s, float("nan")) for k in rows}
-            print(f"{s:>4}  {r['reward']:6.3f}  {r['reward_exact_answer']:5.3f}  {r['reward_std']:9.3f}  "
-                  f"{r['zero_std_fraction']:8.2f}  {r['kl']:.4f}  {r['completion_len']:4.1f}  "
-                  f"{r['truncated_fraction']:4.2f}  {r['rollout_s']:9.2f}  {r['step_time_s']:6.2f}")
-        roll = statistics.mean(v for _, v in curve["rollout_s"])
-        step = statistics.mean(v for _, v in curve["step_time_s"])
-        print(f"\nmean per step: {step:.2f} s, of which rollout (generation + rewards + reference) {roll:.2f} s "
-              f"({roll / step:.0%}) and update (forward/backward/optimizer, metrics) {step - roll:.2f} s")
+        print("\nstep  reward  perm    std    zero-std  kl      entropy  clip   len   rollout_s  step_s")
+        for s in sorted(curve["reward"]):
+            r = {k: v.get(s, float("nan")) for k, v in curve.items()}
+            print(f"{s:>4}  {r['reward']:6.3f}  {r['reward_permutation_answer']:5.3f}  {r['reward_std']:5.3f}  "
+                  f"{r['zero_std_fraction']:8.2f}  {r['kl']:.4f}  {r['entropy']:7.3f}  {r['clip_fraction']:5.3f}  "
+                  f"{r['completion_len']:4.1f}  {r['rollout_s']:9.2f}  {r['step_time_s']:6.2f}")
 
 
 if __name__ == "__main__":

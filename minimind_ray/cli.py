@@ -241,6 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      "(docs/evaluation.md)", description=eval_doc,
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     add_eval_arguments(sp)
+    add_rope_scaling_arguments(sp)
     sp.set_defaults(fn=cmd_eval)
 
     sp = sub.add_parser("export", help="export weights to MiniMind .pth, a Hugging Face folder and/or GGUF")

@@ -307,6 +307,18 @@ def worker_threads(cfg: RunConfig) -> int:
     return cfg.train.threads_per_worker or max(1, math.ceil(cfg.cluster.cpus_per_worker))
 
 
+def validation_due(cfg: RunConfig, step: int, total_steps: int) -> bool:
+    """Whether the benchmark tasks of ``eval.tasks`` run on this step's checkpoint (every ``eval.interval``
+    steps and at the last); they run outside the loop, on the checkpoint (raytrain/validation.py)."""
+    e = cfg.eval
+    return bool(e.tasks) and ((e.interval > 0 and step % e.interval == 0) or step == total_steps)
+
+
+def checkpoint_due(cfg: RunConfig, step: int, total_steps: int) -> bool:
+    """Whether a checkpoint is saved after this step: every checkpoint.interval, the last, and each validated one."""
+    return step % cfg.checkpoint.interval == 0 or step == total_steps or validation_due(cfg, step, total_steps)
+
+
 def accumulation_steps(global_batch_size: int, micro_batch_size: int, world_size: int) -> int:
     """Micro-steps per optimizer step so that the global batch is the same at every world size;
     ConfigError when it does not split evenly (the one place this rule is written)."""

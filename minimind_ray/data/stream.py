@@ -202,6 +202,7 @@ class TrainStream:
         self.epoch = 0
         self.step_in_epoch = 0
         self._reader = _BlockReader(dataset, capacity=2 * max(1, shuffle_window_blocks) + 2)
+        self._peek_reader: Optional[_BlockReader] = None
         self._order: Optional[tuple] = None
         self._thread: Optional[threading.Thread] = None
         self._queue: Optional[queue.Queue] = None
@@ -223,9 +224,9 @@ class TrainStream:
         lo = step * self.global_batch_size + self.rank * per_rank
         return self._epoch_order(epoch)[lo:lo + per_rank]
 
-    def _make_step(self, epoch: int, step: int) -> List[dict]:
+    def _make_step(self, epoch: int, step: int, reader: Optional["_BlockReader"] = None) -> List[dict]:
         mine = self.step_positions(epoch, step)
-        rows, sample_ids = self._reader.rows(mine)
+        rows, sample_ids = (reader or self._reader).rows(mine)
         mb = self.micro_batch_size
         return [formats.collate(self.dataset.format, {c: v[i * mb:(i + 1) * mb] for c, v in rows.items()},
                                 sample_ids[i * mb:(i + 1) * mb], self.pad_id, self.dataset.max_seq_len)
@@ -282,6 +283,13 @@ class TrainStream:
         self.epoch, self.step_in_epoch = self._next_position(self.epoch, self.step_in_epoch)
         return batches
 
+    def peek(self) -> List[Dict[str, "object"]]:
+        """The micro-batches the next ``next_step()`` will return, without moving (a reader of its own: the
+        prefetch thread may be reading at the same time). RL's overlapped rollouts read one step ahead."""
+        if self._peek_reader is None:
+            self._peek_reader = _BlockReader(self.dataset, capacity=2 * max(1, self.shuffle_window_blocks) + 2)
+        return self._make_step(self.epoch, self.step_in_epoch, self._peek_reader)
+
     def state_dict(self) -> dict:
         """Where the run is in the data, in world-size-independent terms."""
         return {
@@ -328,6 +336,8 @@ class TrainStream:
     def close(self) -> None:
         self._stop_producer()
         self._reader.close()
+        if self._peek_reader is not None:
+            self._peek_reader.close()
 
     def __enter__(self):
         return self

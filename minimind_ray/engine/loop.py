@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
+from minimind_ray.config import checkpoint_due
 from minimind_ray.engine.evaluate import evaluate_state
 from minimind_ray.engine.metrics import IntervalMeter, device_name, peak_flops
 from minimind_ray.engine.state import TrainState
@@ -36,18 +37,11 @@ class Hooks:
         """A checkpoint is due after this step (``state.save`` writes this rank's part)."""
 
 
-def validation_due(cfg, step: int, total_steps: int) -> bool:
-    """Whether the benchmark tasks of ``eval.tasks`` run on this step's checkpoint (every ``eval.interval``
-    steps and at the last); they run outside the loop, on the checkpoint (raytrain/validation.py)."""
-    e = cfg.eval
-    return bool(e.tasks) and ((e.interval > 0 and step % e.interval == 0) or step == total_steps)
-
-
 def schedule(cfg, step: int, total_steps: int, has_eval: bool) -> Tuple[bool, bool, bool]:
     """(log, checkpoint, evaluate) at this step. A step whose checkpoint is validated is a checkpoint step."""
     last = step == total_steps
     is_log = step % cfg.train.log_interval == 0 or last
-    is_ckpt = step % cfg.checkpoint.interval == 0 or last or validation_due(cfg, step, total_steps)
+    is_ckpt = checkpoint_due(cfg, step, total_steps)
     is_eval = has_eval and ((cfg.train.eval_interval and step % cfg.train.eval_interval == 0) or last)
     return is_log, is_ckpt, bool(is_eval)
 

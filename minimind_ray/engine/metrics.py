@@ -121,6 +121,7 @@ class IntervalMeter:
         self.data_wait = 0.0
         self.sums: Dict[str, torch.Tensor] = {}
         self.per_step: List[tuple] = []  # (step, local loss sum, global weight, local aux)
+        self.metric_weights: List[torch.Tensor] = []  # what each step's extras are means over (global)
         self.t_start = time.perf_counter()
 
     def add(self, out, data_wait_s: float) -> None:
@@ -131,6 +132,7 @@ class IntervalMeter:
         for k, v in out.extras.items():
             self.sums[k] = self.sums[k] + v if k in self.sums else v
         self.per_step.append((out.step, out.loss_sum, out.weight, out.aux))
+        self.metric_weights.append(out.weight if out.metric_weight is None else out.metric_weight)
 
     def reduce(self, *, world: int, device, step: int, total_steps: int, steps_per_epoch: int, lr: float,
                grad_norm, flops_per_token: float, peak: Optional[float], comm_busy: float) -> Dict[str, Any]:
@@ -155,6 +157,7 @@ class IntervalMeter:
         step_time = elapsed / steps
         tok_s = tokens / elapsed
         weights = float(weights_per_step.sum())
+        metric_units = float(torch.stack(self.metric_weights).cpu().sum())
         m: Dict[str, Any] = {
             "step": step,
             "total_steps": total_steps,
@@ -175,7 +178,7 @@ class IntervalMeter:
             "world_size": world,
         }
         for i, x in enumerate(extra_keys):
-            m[x] = float(vec[2 * k + 3 + i]) / max(weights, 1.0)
+            m[x] = float(vec[2 * k + 3 + i]) / max(metric_units, 1.0)
         m["_per_step_loss"] = losses
         return m
 

@@ -58,12 +58,31 @@ class Objective:
         with ``state.model`` (the plain module: generation needs no collectives)."""
         return batches
 
+    def update_plan(self, batches: List[Batch]) -> List[List[List[Batch]]]:
+        """The step's optimizer updates: passes, each a list of updates, each a list of micro-batches. One
+        update of every micro-batch here; GRPO makes ``num_iterations`` passes of ``mini_batches`` updates."""
+        return [[batches]]
+
     def weight(self, batch: Batch) -> int:
         return int(batch["targets"].ne(-100).sum())
+
+    def metric_weight(self, batch: Batch) -> int:
+        """What the extra metrics of ``loss_sum`` are means over (the loss units, unless said otherwise)."""
+        return self.weight(batch)
 
     def tokens(self, batch: Batch) -> int:
         """Tokens processed by the forward pass (for tokens/s and MFU)."""
         return int(sum(v.numel() for k, v in batch.items() if k.endswith("input_ids")))
+
+    def end_step(self, state, out) -> None:
+        """After the step's updates (every rank): an objective with state of its own updates it here."""
+
+    def state_dict(self) -> Dict:
+        """The objective's own state for checkpoints (Stateful; empty for the stateless ones)."""
+        return {}
+
+    def load_state_dict(self, sd: Dict) -> None:
+        pass
 
     def loss_sum(self, model: nn.Module, batch: Batch) -> Tuple[torch.Tensor, torch.Tensor, Dict[str, torch.Tensor]]:
         """-> (loss summed over target tokens, aux loss of this micro-batch, extra metric sums)."""
@@ -191,55 +210,54 @@ class DistillObjective(Objective):
 
 
 class GRPOObjective(Objective):
-    """GRPO / CISPO (MiniMind's train_grpo.py; the pieces are in minimind_ray/rl/). ``prepare`` samples
-    ``num_generations`` completions of each prompt from the current policy, scores them with the reward
-    terms and normalises the rewards within each prompt's group; ``loss_sum`` is the clipped (grpo) or
-    clamped (cispo) policy-gradient loss plus beta * k3 KL to a frozen copy of the initial weights, a mean
-    over each completion's tokens. The loss unit is a completion. Sampling draws from the global torch
-    RNG, which every checkpoint saves per rank: a restarted run samples what an uninterrupted one did."""
+    """GRPO / CISPO (MiniMind's train_grpo.py, with verl's, TRL's and DAPO's options; the pieces are in
+    minimind_ray/rl/, docs/rl.md). ``prepare`` samples ``num_generations`` completions of each prompt from the
+    current policy (in this worker or on a pool of rollout actors), scores them with the reward terms and turns
+    the rewards into advantages; ``update_plan`` makes ``num_iterations`` passes of ``mini_batches`` optimizer
+    updates over them; ``loss_sum`` is the clipped (grpo) or clamped (cispo) policy-gradient loss plus beta * KL to
+    a frozen copy of the initial weights, aggregated as ``loss_agg`` says. Every completion samples from a seed of
+    its own (rl/rollout.py:row_seeds), so a restarted run samples what an uninterrupted one did; the adaptive KL
+    controller's beta is the objective's checkpointed state."""
 
     name = "grpo"
 
     def setup(self, model: nn.Module, device: torch.device) -> None:
+        from minimind_ray.rl.policy_step import GRPOPlan
         from minimind_ray.rl.rewards import build_rewards
 
         g = self.cfg.train.grpo
         self.reference = _frozen_copy(model).to(device) if g.beta > 0 else None
         with torch.random.fork_rng(devices=[]):  # loading a reward model must not move the sampling RNG
             self.rewards = build_rewards(g.rewards, device, run_name=self.cfg.name)
-        self.engine = self.tokenizer = None
+        self.plan = GRPOPlan(self.cfg)
 
     def prepare(self, state, batches: List[Batch], step: int) -> List[Batch]:
-        import time
+        return self.plan.prepare(state, batches, step, rewards=self.rewards, reference=self.reference)
 
-        from minimind_ray.rl.grpo import rollout_micro_batch, run_tokenizer
-        from minimind_ray.rl.rollout import SamplingParams, build_rollout
-
-        g = self.cfg.train.grpo
-        if self.engine is None:
-            self.engine = build_rollout(g, state.autocast)
-            self.tokenizer = run_tokenizer(self.cfg, state.dataset.manifest)
-        params = SamplingParams(g.max_gen_len, g.temperature, g.top_p, g.top_k, self.tokenizer.eos_id,
-                                self.tokenizer.pad_id)
-        t0 = time.perf_counter()
-        self.engine.update_policy(state.model, step)
-        out = [rollout_micro_batch(mb, engine=self.engine, params=params, group_size=g.num_generations,
-                                   rewards=self.rewards, tokenizer=self.tokenizer, reference=self.reference,
-                                   autocast=state.autocast, device=state.device) for mb in batches]
-        # the interval meter divides extras by the completions of the interval (global batch * G per step):
-        # weighted so, this rank's seconds come out as the step's rollout time averaged over ranks
-        per_step = self.cfg.train.global_batch_size * g.num_generations
-        out[0]["metric_rollout_s"] = torch.tensor((time.perf_counter() - t0) * per_step / state.world,
-                                                  dtype=torch.float64, device=state.device)
-        return out
+    def update_plan(self, batches: List[Batch]) -> List[List[List[Batch]]]:
+        return self.plan.updates(batches)
 
     def weight(self, batch: Batch) -> int:
-        return int(batch["advantages"].shape[0])
+        from minimind_ray.rl.grpo import loss_units
+
+        return loss_units(batch["completion_mask"], self.cfg.train.grpo.loss_agg)
+
+    def metric_weight(self, batch: Batch) -> int:
+        return int(batch.get("metric_rows", batch["completion_mask"].new_zeros(())).item())
 
     def loss_sum(self, model, batch):
         from minimind_ray.rl.grpo import grpo_loss_sum
 
-        return grpo_loss_sum(model, batch, self.cfg.train.grpo)
+        return grpo_loss_sum(model, batch, self.cfg.train.grpo, beta=self.plan.kl.beta)
+
+    def end_step(self, state, out) -> None:
+        self.plan.end_step(state, out)
+
+    def state_dict(self) -> Dict:
+        return self.plan.state_dict()
+
+    def load_state_dict(self, sd: Dict) -> None:
+        self.plan.load_state_dict(sd)
 
 
 OBJECTIVE_CLASSES = {c.__name__: c for c in (Objective, SFTObjective, LoRAObjective, DPOObjective, DistillObjective,

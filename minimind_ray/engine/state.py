@@ -113,7 +113,7 @@ class TrainState:
     def state_dict(self) -> Dict[str, Any]:
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(), "data": self.stream.state_dict(), "step": self.step,
-                "rng": self.rng.state_dict()}
+                "rng": self.rng.state_dict(), "objective": self.objective.state_dict()}
 
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
         from minimind_ray.store.pth import load_pth
@@ -125,6 +125,7 @@ class TrainState:
         self.step = int(sd["step"])
         if sd.get("rng") is not None:  # a checkpoint of a smaller world has none for this rank
             self.rng.load_state_dict(sd["rng"])
+        self.objective.load_state_dict(sd.get("objective") or {})  # older checkpoints: none
 
     # ---- the checkpoint layout (minimind_ray/store/checkpoint.py)
 
@@ -141,7 +142,8 @@ class TrainState:
                                   total_steps=self.total_steps, config=to_dict(self.cfg), prepared_dir=prepared_dir)
             write_shared_files(ckpt_dir, model_state=self.model.state_dict(),
                                train_state={"optimizer": self.optimizer.state_dict(),
-                                            "scheduler": self.scheduler.state_dict()}, meta=meta)
+                                            "scheduler": self.scheduler.state_dict(),
+                                            "objective": self.objective.state_dict()}, meta=meta)
 
     def restore(self, stored):
         """Continue from a verified :class:`~minimind_ray.store.checkpoint.StoredCheckpoint`; returns its
@@ -150,5 +152,5 @@ class TrainState:
         train_state = stored.train_state()
         self.load_state_dict({"model": stored.model_state(), "optimizer": train_state["optimizer"],
                               "scheduler": train_state["scheduler"], "data": meta.data_state, "step": meta.step,
-                              "rng": stored.rng(self.rank)})
+                              "rng": stored.rng(self.rank), "objective": train_state.get("objective")})
         return meta

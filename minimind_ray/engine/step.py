@@ -1,10 +1,12 @@
 """One optimizer step of one rank: the same for every stage, every world size, with or without Ray.
 
     batches = objective.prepare(batches)                             (RL: rollouts, rewards; else as is)
-    weight  = all-reduce(sum of the micro-batches' loss units)      (target tokens, or pairs)
-    for each micro-batch (no_sync on all but the last):
-        loss = objective.loss_sum(mb) * world / weight + aux / n_micro ; backward
-    clip the global gradient norm ; AdamW ; scheduler
+    for each update of objective.update_plan(batches)                (one, but GRPO's passes x mini-batches)
+        weight  = all-reduce(sum of the micro-batches' loss units)  (target tokens, pairs, completions)
+        for each micro-batch (no_sync on all but the last):
+            loss = objective.loss_sum(mb) * world / weight + aux / n_micro ; backward
+        clip the global gradient norm ; AdamW
+    scheduler ; objective.end_step (GRPO's adaptive KL)
 
 DDP averages gradients over ranks; scaling each rank's summed loss by ``world / weight``
 turns that average into the gradient of the mean over the *global* batch, so a 1-worker
@@ -15,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -68,49 +70,67 @@ class StepOutput:
     """What one step leaves for the interval metrics. Tensors stay on the device (no host sync)."""
 
     step: int
-    loss_sum: torch.Tensor  # this rank's loss summed over its units (float64)
-    weight: torch.Tensor  # the global batch's loss units (all-reduced, float64, >= 1)
+    loss_sum: torch.Tensor  # this rank's loss summed over its units (float64), averaged over the step's passes
+    weight: torch.Tensor  # the global batch's loss units (all-reduced, float64, >= 1), counted over one pass
     aux: torch.Tensor  # this rank's MoE aux loss, averaged over micro-steps (float64)
     extras: Dict[str, torch.Tensor]  # objective-specific sums (DPO margins, distillation CE/KL, ...)
     tokens: int  # tokens this rank's forward passes processed
     grad_norm: torch.Tensor
     lr: float  # the lr this step used
+    metric_weight: torch.Tensor = None  # what ``extras`` are means over (all-reduced); None = ``weight``
+
+
+def _global_units(obj, micro_batches, world: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(the update's loss units (>= 1), its metric units), summed over ranks in one all-reduce (float64)."""
+    local = [float(sum(obj.weight(b) for b in micro_batches)), float(sum(obj.metric_weight(b) for b in micro_batches))]
+    units = torch.tensor(local, device=device, dtype=torch.float64)
+    if world > 1:
+        dist.all_reduce(units)
+    return units[0].clamp_min(1.0), units[1]
 
 
 def train_step(state, batches: List[Dict[str, torch.Tensor]], step: int) -> StepOutput:
-    """Run optimizer step ``step`` (1-based) of ``state`` (a TrainState) on this rank's micro-batches."""
+    """Run optimizer step ``step`` (1-based) of ``state`` (a TrainState) on this rank's micro-batches.
+
+    An objective may make several optimizer updates of one step (``Objective.update_plan``: GRPO's passes
+    over its rollouts and their mini-batches); each is a mean over its own all-reduced loss units, and the lr
+    schedule moves once per step (verl's rule)."""
     obj, world, device = state.objective, state.world, state.device
     batches = obj.prepare(state, batches, step)  # RL stages generate their rollouts here; others: as they are
-    n_micro = len(batches)
-    # the step's loss is a mean over the *global* batch: all-reduce its weight first
-    w_local = sum(obj.weight(b) for b in batches)
-    w = torch.full((), float(w_local), device=device, dtype=torch.float64)  # a fill, no host->device copy
-    if world > 1:
-        dist.all_reduce(w)
-    w = w.clamp_min(1.0)
-    scale = (world / w).float()  # DDP averages gradients over ranks; undo that to sum, then divide
-
+    passes = obj.update_plan(batches)
+    n_updates = sum(len(p) for p in passes)
     loss_local = torch.zeros((), device=device, dtype=torch.float64)
     aux_local = torch.zeros((), device=device, dtype=torch.float64)
+    weight = metric_weight = None
     extras: Dict[str, torch.Tensor] = {}
     tokens_local = 0
-    for i, mb in enumerate(batches):
-        mb = to_device(mb, device)
-        sync = world == 1 or i == n_micro - 1
-        with (contextlib.nullcontext() if sync else state.ddp_model.no_sync()), state.autocast():
-            loss_sum, aux, extra = obj.loss_sum(state.forward_model, mb)
-            loss = loss_sum * scale + aux / n_micro
-        loss.backward()
-        loss_local += loss_sum.detach().double()
-        aux_local += aux.detach().double() / n_micro
-        tokens_local += obj.tokens(mb)
-        for k, v in extra.items():
-            extras[k] = extras.get(k, 0.0) + v.detach().double()
     clip = state.cfg.train.grad_clip
-    grad_norm = torch.nn.utils.clip_grad_norm_(state.params, clip if clip > 0 else float("inf"))
-    state.optimizer.step()
+    for p, updates in enumerate(passes):
+        for micro_batches in updates:
+            w, mw = _global_units(obj, micro_batches, world, device)  # the update's mean is over the global batch
+            if p == 0:
+                weight = w if weight is None else weight + w
+                metric_weight = mw if metric_weight is None else metric_weight + mw
+            scale = (world / w).float()  # DDP averages gradients over ranks; undo that to sum, then divide
+            n_micro = len(micro_batches)
+            for i, mb in enumerate(micro_batches):
+                mb = to_device(mb, device)
+                sync = world == 1 or i == n_micro - 1
+                with (contextlib.nullcontext() if sync else state.ddp_model.no_sync()), state.autocast():
+                    loss_sum, aux, extra = obj.loss_sum(state.forward_model, mb)
+                    loss = loss_sum * scale + aux / n_micro
+                loss.backward()
+                loss_local += loss_sum.detach().double() / len(passes)
+                aux_local += aux.detach().double() / n_micro / n_updates
+                tokens_local += obj.tokens(mb)
+                for k, v in extra.items():
+                    extras[k] = extras.get(k, 0.0) + v.detach().double()
+            grad_norm = torch.nn.utils.clip_grad_norm_(state.params, clip if clip > 0 else float("inf"))
+            state.optimizer.step()
+            state.optimizer.zero_grad(set_to_none=True)
     lr = state.scheduler.get_last_lr()[0]  # the lr this step used
     state.scheduler.step()
-    state.optimizer.zero_grad(set_to_none=True)
     state.step = step
-    return StepOutput(step, loss_local, w, aux_local, extras, tokens_local, grad_norm, lr)
+    out = StepOutput(step, loss_local, weight, aux_local, extras, tokens_local, grad_norm, lr, metric_weight)
+    obj.end_step(state, out)
+    return out

@@ -31,7 +31,7 @@ def _connect(workers: int):
 
 
 def _score_share(weights: str, preset: Optional[str], task: dict, jobs: List[tuple], eos_id: int, pad_id: int,
-                 threads: int) -> List[tuple]:
+                 threads: int, rope_scaling: Optional[dict]) -> List[tuple]:
     import torch
 
     from minimind_ray.engine.step import autocast_for
@@ -40,14 +40,15 @@ def _score_share(weights: str, preset: Optional[str], task: dict, jobs: List[tup
 
     torch.set_num_threads(threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model, _ = build_inference_model(weights, preset, device=device)
+    model, _ = build_inference_model(weights, preset, device=device, rope_scaling=rope_scaling)
     cfg = EvalTaskConfig(**task)
     autocast = autocast_for("auto", torch.device(device))
     return [(i, score_batch(model, cfg, job, i, eos_id, pad_id, device, autocast)) for i, job in jobs]
 
 
 def score_on_ray(weights: str, preset: Optional[str], task: EvalTaskConfig, jobs: list, eos_id: int, pad_id: int,
-                 workers: int, cpus_per_worker: float = 1.0, gpus_per_worker: float = 0.0) -> list:
+                 workers: int, cpus_per_worker: float = 1.0, gpus_per_worker: float = 0.0,
+                 rope_scaling: Optional[dict] = None) -> list:
     """The results of ``jobs`` (one per batch, in order), computed by ``workers`` Ray tasks."""
     ray = _connect(workers)
     if os.path.exists(weights):
@@ -55,7 +56,7 @@ def score_on_ray(weights: str, preset: Optional[str], task: EvalTaskConfig, jobs
     remote = ray.remote(_score_share).options(num_cpus=cpus_per_worker, num_gpus=gpus_per_worker)
     shares = [[(i, jobs[i]) for i in range(w, len(jobs), workers)] for w in range(workers)]
     refs = [remote.remote(weights, preset, dataclasses.asdict(task), share, eos_id, pad_id,
-                          max(1, int(cpus_per_worker))) for share in shares if share]
+                          max(1, int(cpus_per_worker)), rope_scaling) for share in shares if share]
     results = [None] * len(jobs)
     for share in ray.get(refs):
         for i, r in share:

@@ -106,15 +106,23 @@ def aggregate_gen(items: List[GenItem], greedy: List[str], sampled: List[List[st
     if task.samples:
         out.update({"pass@1": sum(p1) / n if n else None, "pass@k": sum(pk) / n if n else None, "k": k,
                     "samples": task.samples})
+    by_subject: Dict[str, List[int]] = {}
+    for i, it in enumerate(items):
+        by_subject.setdefault(it.subject, []).append(i)
+    out["subjects"] = {s: {"greedy_acc": sum(g_hits[i] for i in rows) / len(rows), "n": len(rows),
+                           **({"pass@1": sum(p1[i] for i in rows) / len(rows),
+                               "pass@k": sum(pk[i] for i in rows) / len(rows)} if task.samples else {})}
+                       for s, rows in sorted(by_subject.items())}
     return out
 
 
 def evaluate_task(weights: str, task: EvalTaskConfig, *, preset: Optional[str] = None,
                   tokenizer: Optional[str] = None, device: Optional[str] = None, workers: int = 0,
-                  cache_dir: str = "data_cache", model=None, tok=None) -> dict:
+                  cache_dir: str = "data_cache", model=None, tok=None, rope_scaling: Optional[dict] = None) -> dict:
     """Score ``weights`` (anything store/weights loads) on ``task``; the result as the ``eval`` verb prints and
     ``--out`` writes it. ``workers`` > 0 shards the batches over that many Ray tasks (one CPU each). ``model``
-    and ``tok``: an already loaded model and tokenizer (validation during training passes them)."""
+    and ``tok``: an already loaded model and tokenizer (validation during training passes them); ``rope_scaling``:
+    YaRN at inference, as the inference verbs take it (store/weights.py:rope_scaling_spec)."""
     from minimind_ray.engine.step import autocast_for
     from minimind_ray.generate import tokenizer_for_weights
     from minimind_ray.store.weights import build_inference_model
@@ -123,7 +131,7 @@ def evaluate_task(weights: str, task: EvalTaskConfig, *, preset: Optional[str] =
     validate_task(task)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if model is None:
-        model, lw = build_inference_model(weights, preset, device=device)
+        model, lw = build_inference_model(weights, preset, device=device, rope_scaling=rope_scaling)
         tok = tok or tokenizer_for_weights(lw, tokenizer)
     t0 = time.perf_counter()
     items, bad = load_items(task, tok)
@@ -133,7 +141,7 @@ def evaluate_task(weights: str, task: EvalTaskConfig, *, preset: Optional[str] =
     if workers:
         from minimind_ray.evals.parallel import score_on_ray
 
-        results = score_on_ray(weights, preset, task, jobs, tok.eos_id, tok.pad_id, workers)
+        results = score_on_ray(weights, preset, task, jobs, tok.eos_id, tok.pad_id, workers, rope_scaling=rope_scaling)
     else:
         autocast = autocast_for("auto", torch.device(device))
         results = [score_batch(model, task, job, i, tok.eos_id, tok.pad_id, device, autocast)

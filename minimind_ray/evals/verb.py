@@ -88,8 +88,10 @@ def format_table(res: dict) -> str:
     """The result as a plain table: one row per subject, then the whole task."""
     if res["kind"] == "gen":
         cols = "greedy_acc pass@1 pass@k".split()
-        rows = [(res["task"], res["n"], [res.get(c) for c in cols])]
-        head = f"{'task':<28} {'n':>6} {'greedy_acc':>10} {'pass@1':>8} {'pass@' + str(res.get('k', 'k')):>8}"
+        rows = [(s, r["n"], [r.get(c) for c in cols]) for s, r in res["subjects"].items()] if len(
+            res["subjects"]) > 1 else []
+        rows.append((f"all ({res['task']})", res["n"], [res.get(c) for c in cols]))
+        head = f"{'subject':<28} {'n':>6} {'greedy_acc':>10} {'pass@1':>8} {'pass@' + str(res.get('k', 'k')):>8}"
         lines = [head] + [f"{name:<28} {n:>6} {_fmt(v[0]):>10} {_fmt(v[1]):>8} {_fmt(v[2]):>8}" for name, n, v in rows]
     else:
         head = f"{'subject':<40} {'n':>6} {'acc':>8} {'acc_norm':>8}"
@@ -117,9 +119,13 @@ def run_from_args(args) -> int:
         return 0
     from minimind_ray.evals.run import evaluate_task
 
+    from minimind_ray.store.weights import rope_scaling_spec
+
     task = task_from_args(args)
+    rope = rope_scaling_spec(getattr(args, "rope_scaling", None), getattr(args, "factor", None),
+                             getattr(args, "original_max_position_embeddings", None))  # cli.add_rope_scaling_arguments
     res = evaluate_task(weights, task, preset=args.preset, tokenizer=args.tokenizer, device=args.device,
-                        workers=args.workers)
+                        workers=args.workers, rope_scaling=rope)
     print(format_table(res))
     if args.out:
         from minimind_ray.fsio import write_text_atomic

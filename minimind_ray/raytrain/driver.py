@@ -23,6 +23,7 @@ from typing import Any, Dict, Optional, Tuple
 
 from minimind_ray.config import ConfigError, RunConfig, run_identity, worker_threads
 from minimind_ray.fsio import is_uri, redact
+from minimind_ray.raytrain.runtime_env import side_cpus, user_modules, worker_pythonpath
 from minimind_ray.raytrain.spec import WorkerSpec
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -74,31 +75,29 @@ def connect_ray(cfg: RunConfig):
         return ray
     address = cfg.cluster.address or os.environ.get("RAY_ADDRESS")
     env = {"env_vars": {
-        "PYTHONPATH": str(REPO_ROOT), "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONPATH": worker_pythonpath(), "TOKENIZERS_PARALLELISM": "false",
         # the Train controller polls workers at this interval; a checkpoint report waits for that poll
         "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5"),
         # a worker group that cannot be placed (e.g. after a node loss) is retried, smaller when elastic
         "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": os.environ.get("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S",
                                                                  str(int(cfg.cluster.resource_timeout_s))),
     }}
+    modules = user_modules(cfg)  # the user's own plug-in modules reach every worker, on any node
+    if modules:
+        env["py_modules"] = modules
     if in_ray_job():
         ray.init()  # the job's own runtime env already applies; passing another one would conflict
     elif address:
         ray.init(address=address, runtime_env=env)
     else:
         # Logical CPUs: the workers plus room for Ray Data (it starves when workers take every CPU).
-        # (and the evaluation task of eval.tasks, which runs beside the workers)
-        need = math.ceil(cfg.cluster.num_workers * cfg.cluster.cpus_per_worker + eval_cpus(cfg)) + 1
+        # (and what runs beside the workers: the evaluation task of eval.tasks, GRPO's rollout actors)
+        need = math.ceil(cfg.cluster.num_workers * cfg.cluster.cpus_per_worker + side_cpus(cfg)) + 1
         # The dashboard (127.0.0.1 only) also serves the state API that Ray Train's placement-group
         # cleaner polls; without it the cleaner logs a warning every few seconds.
         ray.init(num_cpus=max(os.cpu_count() or 1, need), include_dashboard=True, dashboard_host="127.0.0.1",
                  runtime_env=env)
     return ray
-
-
-def eval_cpus(cfg: RunConfig) -> float:
-    """CPUs the evaluation task of ``eval.tasks`` reserves beside the workers (0 without tasks)."""
-    return cfg.eval.num_cpus if cfg.eval.tasks else 0.0
 
 
 def worker_resources(cfg: RunConfig, use_gpu: bool) -> Dict[str, float]:

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from minimind_ray.engine import Hooks, TrainState, run
-from minimind_ray.engine.loop import validation_due
+from minimind_ray.config import validation_due
 from minimind_ray.fsio import filesystem
 from minimind_ray.raytrain.faults import FaultInjector, SampleLog
 from minimind_ray.raytrain.spec import WorkerSpec

@@ -14,7 +14,8 @@ from minimind_ray.config_checks import ConfigError, config_field as _f, need
 class RewardConfig:
     """One term of the GRPO reward; a completion's reward is the sum of weight * term (minimind_ray/rl/rewards.py)."""
 
-    name: str = _f("length", "length | think_format | repetition | exact_answer | close_answer | reward_model (MiniMind's "
+    name: str = _f("length", "length | think_format | repetition | exact_answer | close_answer | permutation_answer | "
+                             "reward_model (MiniMind's "
                              "rules, a known answer, a near miss, a model), or 'module:function' called as "
                              "fn(prompts, completions, answers, **args)")
     weight: float = _f(1.0, "multiplier of this term in the total reward")
@@ -35,11 +36,39 @@ class GRPOConfig:
     top_k: int = _f(0, "sample among the k most likely tokens only (0 = off)")
     loss_type: str = _f("cispo", "'cispo' (ratio clamped at epsilon_high, no gradient through it, times log p) or "
                                  "'grpo' (PPO-style ratio clipped to 1 +- epsilon)")
-    epsilon: float = _f(0.2, "grpo: clip range of the probability ratio")
+    epsilon: float = _f(0.2, "grpo: clip range of the probability ratio (below 1; above too unless clip_high)")
+    clip_high: Optional[float] = _f(None, "grpo: the ratio's upper clip is 1 + clip_high (DAPO's clip-higher, e.g. "
+                                          "0.28); None = epsilon", gt=0)
     epsilon_high: float = _f(5.0, "cispo: the ratio's upper clamp")
-    beta: float = _f(0.1, "weight of the k3 KL estimate to the frozen reference (a copy of the initial weights); "
-                          "0 = no reference")
-    rollout: str = _f("torch", "rollout engine: 'torch' = each training worker samples its own prompts (KV cache)")
+    beta: float = _f(0.1, "weight of the KL estimate to the frozen reference (a copy of the initial weights); "
+                          "0 = no reference; the starting value when kl_target is set")
+    kl_estimator: str = _f("k3", "KL(policy || reference) per token: k1 = log p - log ref, k2 = (log p - log ref)^2 / 2, "
+                                 "k3 = exp(ref - log p) - (ref - log p) - 1 (Schulman's estimators; k3 is MiniMind's)")
+    kl_target: Optional[float] = _f(None, "adaptive KL controller (Ziegler et al.): beta is moved each step toward "
+                                          "keeping the KL at this value; None = a fixed beta", gt=0)
+    kl_horizon: int = _f(100, "adaptive KL: steps over which beta may change by the controller's clipped error", ge=1)
+    advantage: str = _f("grpo", "'grpo' (reward minus its group's mean) or 'rloo' (minus the mean of the group's "
+                                "other completions, i.e. G/(G-1) times the former)")
+    scale_rewards: str = _f("group", "divide advantages by the std of the 'group' (MiniMind, GRPO), of the whole "
+                                     "global 'batch' (TRL), or 'none' (Dr. GRPO)")
+    loss_agg: str = _f("seq-mean", "'seq-mean': each completion's token mean, then the mean over completions "
+                                   "(MiniMind); 'token-mean': the mean over all completion tokens of the global batch "
+                                   "(verl's default, DAPO); 'seq-sum-norm': token sums over max_gen_len, then the mean "
+                                   "over completions (Dr. GRPO's constant normaliser)")
+    num_iterations: int = _f(1, "optimizer passes over each batch of rollouts (TRL's num_iterations, verl's "
+                                "ppo_epochs); from the second on, the ratio to the behaviour policy moves and the "
+                                "clip acts", ge=1)
+    mini_batches: int = _f(1, "optimizer steps per pass: the rollouts split into this many mini-batches", ge=1)
+    dynamic_sampling: int = _f(0, "DAPO's dynamic sampling: groups whose rewards are all equal are sampled again, up "
+                                  "to this many rounds; those still equal are dropped from the loss (0 = off)", ge=0)
+    mask_truncated: bool = _f(False, "completions that reach max_gen_len without an EOS carry no loss (TRL)")
+    rollout: str = _f("torch", "rollout engine: 'torch' = each training worker samples its own prompts (KV cache); "
+                               "'actors' = a pool of Ray actors (rollout_actors) generates for every rank")
+    rollout_actors: int = _f(1, "actors: how many rollout actors", ge=1)
+    rollout_actor_cpus: float = _f(1.0, "actors: CPUs per rollout actor (its torch threads)", gt=0)
+    rollout_actor_gpus: float = _f(0.0, "actors: GPUs per rollout actor", ge=0)
+    rollout_overlap: bool = _f(False, "actors: generate step t+1's rollouts from the weights before step t's update "
+                                      "while that update runs (one step off-policy; not across a checkpoint)")
     rewards: List[RewardConfig] = field(default_factory=lambda: [RewardConfig(n) for n in (
         "length", "think_format", "repetition")], metadata={
         "help": "reward terms, e.g. [{name: exact_answer}, {name: reward_model, path: DIR, weight: 0.5}]; "
@@ -61,7 +90,15 @@ def validate_grpo(cfg) -> None:
                            ("epsilon_high", g.epsilon_high > 0, "> 0"), ("beta", g.beta >= 0, ">= 0")):
         need(ok, f"train.grpo.{name}", f"must be {rule}")
     need(g.loss_type in ("cispo", "grpo"), "train.grpo.loss_type", f"{g.loss_type!r} is not 'cispo' or 'grpo'")
-    need(g.rollout == "torch", "train.grpo.rollout", f"unknown rollout engine {g.rollout!r}; one of ('torch',)")
+    for name, value, allowed in (("kl_estimator", g.kl_estimator, ("k1", "k2", "k3")),
+                                 ("advantage", g.advantage, ("grpo", "rloo")),
+                                 ("scale_rewards", g.scale_rewards, ("group", "batch", "none")),
+                                 ("loss_agg", g.loss_agg, ("seq-mean", "token-mean", "seq-sum-norm")),
+                                 ("rollout", g.rollout, ("torch", "actors"))):
+        need(value in allowed, f"train.grpo.{name}", f"{value!r} is not one of {allowed}")
+    need(not g.rollout_overlap or g.rollout == "actors", "train.grpo.rollout_overlap",
+         "overlaps generation with the update on a pool of actors: needs rollout=actors")
+    need(g.kl_target is None or g.beta > 0, "train.grpo.kl_target", "the adaptive controller scales beta: beta > 0")
     need(d.eval_fraction == 0, "data.eval_fraction", "must be 0 for grpo (there is no held-out loss of sampled "
                                                       "completions; measure rewards or accuracy instead)")
     need(cfg.train.init_from is not None, "train.init_from", "GRPO improves a trained policy: give its weights "

@@ -16,6 +16,9 @@ Built in (MiniMind's rules from ``trainer/train_grpo.py``, d65ef2c, written anew
                   the share of repeated word 3-grams, times 2 * cap, at most cap = 0.5
 ``exact_answer``  1.0 when the answer is right, else 0.0 (:func:`is_correct`)
 ``close_answer``  partial credit for a numeric answer: 1 - |last number - answer| / tolerance, at least 0
+``permutation_answer``  for answers that are an ordering of items (sorting: "1 2 4 7 9"): 1.0 for the answer,
+                  ``partial`` x the share of positions right for another ordering of the same items, and 0 for
+                  anything else (so no constant reply, and no reply that drops or invents items, earns credit)
 ``reward_model``  a model's score, clipped to [-3, 3] (minimind_ray/rl/reward_model.py)
 ``module:function``  any importable callable with the signature above
 
@@ -29,7 +32,8 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-BUILTIN_REWARDS = ("length", "think_format", "repetition", "exact_answer", "close_answer", "reward_model")
+BUILTIN_REWARDS = ("length", "think_format", "repetition", "exact_answer", "close_answer", "permutation_answer",
+                   "reward_model")
 RewardFn = Callable[..., Sequence[float]]
 
 
@@ -118,9 +122,24 @@ def close_answer_reward(prompts, completions, answers, tolerance: float = 10.0) 
     return out
 
 
+def permutation_answer_reward(prompts, completions, answers, partial: float = 0.5) -> List[float]:
+    """See the module docstring: items are the whitespace-separated words of the answer and of the reply (after
+    ``</think>``, a final full stop aside)."""
+    out = []
+    for c, a in zip(completions, answers):
+        want, got = a.split(), split_think(c)[1].strip().rstrip(".。").split()
+        if not want or sorted(got) != sorted(want):
+            out.append(0.0)
+        elif got == want:
+            out.append(1.0)
+        else:
+            out.append(partial * sum(x == y for x, y in zip(got, want)) / len(want))
+    return out
+
+
 RULES: Dict[str, RewardFn] = {"length": length_reward, "think_format": think_format_reward,
                               "repetition": repetition_reward, "exact_answer": exact_answer_reward,
-                              "close_answer": close_answer_reward}
+                              "close_answer": close_answer_reward, "permutation_answer": permutation_answer_reward}
 
 
 def load_callable(spec: str) -> RewardFn:

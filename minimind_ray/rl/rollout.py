@@ -48,9 +48,9 @@ class RolloutEngine:
         raise NotImplementedError
 
     def generate(self, prompt_ids: Tensor, prompt_mask: Tensor, params: SamplingParams,
-                 generator: Optional[torch.Generator] = None) -> Rollout:
-        """Sample one completion for each row of ``prompt_ids`` (N, P), left-padded; from ``generator`` when
-        given (else the engine's own random source)."""
+                 generator: Optional[torch.Generator] = None, seeds: Optional[Tensor] = None) -> Rollout:
+        """Sample one completion for each row of ``prompt_ids`` (N, P), left-padded: from each row's ``seeds``
+        (row_seeds) when given, else from ``generator``, else from the engine's own random source."""
         raise NotImplementedError
 
 
@@ -61,12 +61,44 @@ def token_logprobs(logits: Tensor, tokens: Tensor) -> Tensor:
     return logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
+# splitmix64's constants as signed int64: torch's int64 arithmetic wraps as uint64's does
+_GOLDEN, _MIX1, _MIX2 = -7046029254386353131, -4658895280553007687, -7723592293110705685
+
+
+def mix64(x: Tensor) -> Tensor:
+    """splitmix64's finaliser, elementwise on int64 (the logical right shifts as masked arithmetic ones)."""
+    x = x ^ ((x >> 30) & ((1 << 34) - 1))
+    x = x * _MIX1
+    x = x ^ ((x >> 27) & ((1 << 37) - 1))
+    x = x * _MIX2
+    return x ^ ((x >> 31) & ((1 << 33) - 1))
+
+
+def row_seeds(seed: int, step: int, sample_ids: Tensor, group_size: int, round_: int = 0) -> Tensor:
+    """One seed per completion row (B * group_size,), from the run's seed, the step, each prompt's sample id
+    (global: the same on any rank or world size), the completion's index in its group and a resampling round.
+    Sampling from these instead of a process's random stream makes a completion independent of which worker
+    or rollout actor generates it and of what else is in its batch."""
+    ids = sample_ids.to(torch.int64).repeat_interleave(group_size) * group_size + torch.arange(
+        group_size, dtype=torch.int64, device=sample_ids.device).repeat(sample_ids.shape[0])
+    base = mix64(torch.tensor(((seed * 1_000_003 + step) * 1_009 + round_) & (2 ** 62 - 1), dtype=torch.int64,
+                              device=sample_ids.device) * _GOLDEN)
+    return mix64(ids * _GOLDEN + base)
+
+
+def counter_uniform(seeds: Tensor, t: int) -> Tensor:
+    """A uniform number in (0, 1) per row for token ``t``: a hash of (row seed, t), float64."""
+    bits = mix64(seeds + torch.tensor(t + 1, dtype=torch.int64, device=seeds.device) * _GOLDEN)
+    return (((bits >> 11) & ((1 << 53) - 1)).double() + 0.5) * 2.0 ** -53
+
+
 def sample_tokens(logits: Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0,
-                  generator: torch.Generator = None) -> Tensor:
+                  generator: torch.Generator = None, uniforms: Optional[Tensor] = None) -> Tensor:
     """One token per row of ``logits`` (N, V): temperature, then top-k, then the top-p nucleus (the
     token that crosses ``top_p`` is kept, as in minimind_ray/generate.py); draws from ``generator``
-    (None = the global RNG, which checkpoints save and restore). ``temperature == 0`` is greedy (argmax,
-    no draw)."""
+    (None = the global RNG, which checkpoints save and restore), or by inverse CDF from ``uniforms`` (N,)
+    when given (counter_uniform: one number per row, so a row's token depends on its logits and its own
+    seed alone). ``temperature == 0`` is greedy (argmax, no draw)."""
     if temperature == 0:
         return logits.argmax(dim=-1)
     logits = logits / temperature
@@ -79,15 +111,21 @@ def sample_tokens(logits: Tensor, temperature: float, top_p: float = 1.0, top_k:
         drop[:, 1:] = drop[:, :-1].clone()
         drop[:, 0] = False
         logits = logits.masked_fill(drop.scatter(1, order, drop), float("-inf"))
-    return torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator).squeeze(1)
+    probs = F.softmax(logits, dim=-1)
+    if uniforms is None:
+        return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+    cdf = probs.double().cumsum(dim=-1)  # (N, V)
+    pick = torch.searchsorted(cdf, (uniforms.to(cdf.device) * cdf[:, -1])[:, None]).squeeze(1)
+    return pick.clamp_max(logits.shape[-1] - 1)
 
 
 class TorchRollout(RolloutEngine):
     """Batched sampling in this process with the model's KV cache: one forward over the prompts, then
     one forward of one token per row until every row has sent its EOS or ``max_new_tokens`` is reached.
     The model runs in eval mode without gradients (its mode is restored); no collectives, so each rank
-    samples on its own. Random draws come from the global torch RNG (per rank ``seed + rank``), which
-    every checkpoint holds, so a restarted run samples exactly what an uninterrupted one did."""
+    samples on its own. The grpo objective passes each row's seed (:func:`row_seeds`): a completion is then
+    a function of the weights, its prompt and its seed, so a restarted run samples exactly what an
+    uninterrupted one did, and a rollout actor what a worker would have."""
 
     def __init__(self, autocast=None):
         self.model = None
@@ -98,43 +136,43 @@ class TorchRollout(RolloutEngine):
 
     @torch.no_grad()
     def generate(self, prompt_ids: Tensor, prompt_mask: Tensor, params: SamplingParams,
-                 generator: Optional[torch.Generator] = None) -> Rollout:
-        model = self.model
-        n, p_len = prompt_ids.shape
-        budget = min(params.max_new_tokens, model.cfg.max_position_embeddings - p_len)
-        if budget < 1:
-            raise ValueError(f"prompts of {p_len} tokens leave no room under max_position_embeddings="
-                             f"{model.cfg.max_position_embeddings}")
-        was_training = model.training
-        model.eval()
-        try:
-            with (self.autocast or contextlib.nullcontext)():
-                attention = prompt_mask.long()
-                out = model(prompt_ids, use_cache=True, attention_mask=attention)
-                alive = torch.ones(n, dtype=torch.bool, device=prompt_ids.device)
-                tokens, logps, masks = [], [], []
-                for t in range(budget):
-                    logits = out.logits[:, -1].float()  # (N, V)
-                    nxt = sample_tokens(logits, params.temperature, params.top_p, params.top_k, generator)
-                    logp = token_logprobs(logits, nxt)
-                    nxt = torch.where(alive, nxt, torch.full_like(nxt, params.pad_id))
-                    tokens.append(nxt)
-                    logps.append(torch.where(alive, logp, torch.zeros_like(logp)))
-                    masks.append(alive)
-                    alive = alive & nxt.ne(params.eos_id)
-                    if t == budget - 1 or not bool(alive.any()):
-                        break
-                    attention = torch.cat([attention, masks[-1].long()[:, None]], dim=1)
-                    out = model(nxt[:, None], past_key_values=out.past_key_values, use_cache=True,
-                                attention_mask=attention)
-        finally:
-            model.train(was_training)
-        return Rollout(completion_ids=torch.stack(tokens, 1), completion_mask=torch.stack(masks, 1),
-                       logprobs=torch.stack(logps, 1).float(), truncated=alive)
+                 generator: Optional[torch.Generator] = None, seeds: Optional[Tensor] = None) -> Rollout:
+        return sample_completions(self.model, prompt_ids, prompt_mask, params, self.autocast, generator, seeds)
 
 
-def build_rollout(grpo_cfg, autocast=None) -> RolloutEngine:
-    """The engine ``train.grpo.rollout`` names."""
-    if grpo_cfg.rollout == "torch":
-        return TorchRollout(autocast)
-    raise ValueError(f"train.grpo.rollout: unknown rollout engine {grpo_cfg.rollout!r}; one of ('torch',)")
+@torch.no_grad()
+def sample_completions(model, prompt_ids: Tensor, prompt_mask: Tensor, params: SamplingParams, autocast=None,
+                       generator: Optional[torch.Generator] = None, seeds: Optional[Tensor] = None) -> Rollout:
+    """TorchRollout's work, for any holder of a model (a training worker, a rollout actor)."""
+    n, p_len = prompt_ids.shape
+    budget = min(params.max_new_tokens, model.cfg.max_position_embeddings - p_len)
+    if budget < 1:
+        raise ValueError(f"prompts of {p_len} tokens leave no room under max_position_embeddings="
+                         f"{model.cfg.max_position_embeddings}")
+    was_training = model.training
+    model.eval()
+    try:
+        with (autocast or contextlib.nullcontext)():
+            attention = prompt_mask.long()
+            out = model(prompt_ids, use_cache=True, attention_mask=attention)
+            alive = torch.ones(n, dtype=torch.bool, device=prompt_ids.device)
+            tokens, logps, masks = [], [], []
+            for t in range(budget):
+                logits = out.logits[:, -1].float()  # (N, V)
+                nxt = sample_tokens(logits, params.temperature, params.top_p, params.top_k, generator,
+                                    None if seeds is None else counter_uniform(seeds, t))
+                logp = token_logprobs(logits, nxt)
+                nxt = torch.where(alive, nxt, torch.full_like(nxt, params.pad_id))
+                tokens.append(nxt)
+                logps.append(torch.where(alive, logp, torch.zeros_like(logp)))
+                masks.append(alive)
+                alive = alive & nxt.ne(params.eos_id)
+                if t == budget - 1 or not bool(alive.any()):
+                    break
+                attention = torch.cat([attention, masks[-1].long()[:, None]], dim=1)
+                out = model(nxt[:, None], past_key_values=out.past_key_values, use_cache=True,
+                            attention_mask=attention)
+    finally:
+        model.train(was_training)
+    return Rollout(completion_ids=torch.stack(tokens, 1), completion_mask=torch.stack(masks, 1),
+                   logprobs=torch.stack(logps, 1).float(), truncated=alive)

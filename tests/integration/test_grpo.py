@@ -2,8 +2,10 @@
 
 A crash is injected at step 5 (rank 1) and the run resumes from its step-4 checkpoint; it must end
 with the weights of an uninterrupted run, bit for bit, having earned the same reward at every step:
-the rollouts' sampling RNG is in every rank's checkpoint and the frozen reference is rebuilt from
-``init_from``. The run logs GRPO's metrics to MLflow and exports a model the inference verbs load.
+every completion samples from a seed of its own (step, prompt, index) and the frozen reference is rebuilt
+from ``init_from``. The run logs GRPO's metrics to MLflow and exports a model the inference verbs load.
+The same run with its rollouts on a pool of Ray actors, and a reward term in a user's own module that
+exists only in a temporary directory, launched as a user would launch it, ends equal too.
 """
 from __future__ import annotations
 
@@ -39,11 +41,16 @@ def run_grpo(shared, name, *overrides):
                     ckpt_every=2)
 
 
-def test_grpo_crash_and_resume_equals_an_uninterrupted_run(ray_session, shared):
+@pytest.fixture(scope="module")
+def clean(ray_session, shared):
+    """The uninterrupted run, with the in-worker sampler: what the other runs of this module must equal."""
+    return run_grpo(shared, "grpo-clean")
+
+
+def test_grpo_crash_and_resume_equals_an_uninterrupted_run(ray_session, shared, clean):
     crashed = run_grpo(shared, "grpo-crash", *CRASH)
     _, attempts = sample_record(shared, "grpo-crash")
     assert attempts == {0, 4}, f"expected one restart from step 4, saw attempts {attempts}"
-    clean = run_grpo(shared, "grpo-clean")
     w, w_clean = final_weights(crashed), final_weights(clean)
     assert set(w) == set(build_model(load_config("pipelines/configs/tiny.yaml").model).state_dict())  # no reference
     assert all(torch.equal(v, w_clean[k]) for k, v in w.items())
@@ -96,3 +103,46 @@ def test_a_reward_model_on_a_ray_actor_scores_as_in_the_worker(ray_session, tmp_
     assert rank0([PROMPT] * 3, completions, ["19"] * 3) == pytest.approx(want, abs=1e-6)
     assert rank1([PROMPT] * 3, completions, ["19"] * 3) == pytest.approx(want, abs=1e-6)
     ray.kill(ray.get_actor("minimind-reward-t-actor-0"))
+
+
+def test_rollout_actors_and_a_users_own_reward_module_reach_the_workers(shared, clean, tmp_path):
+    """As a new user would: ``my_rewards.py`` in a directory of its own, ``PYTHONPATH=.``, ``minimind-ray grpo``
+    with ``train.grpo.rollout=actors`` on 2 workers. The module reaches the workers (runtime_env py_modules and
+    the driver's PYTHONPATH), the two rollout actors sample what the workers sampled in the clean run (the same
+    reward, term for term, under another name), and the run ends with the clean run's weights, bit for bit."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    (tmp_path / "my_rewards.py").write_text(
+        "def double_length(prompts, completions, answers, factor=2.0):\n"
+        "    return [factor * len(c) for c in completions]\n")
+    repo = Path(__file__).resolve().parents[2]
+    overrides = ["name=grpo-actors", f"train.max_steps={STEPS}", "checkpoint.interval=2", "train.global_batch_size=16",
+                 "train.micro_batch_size=4", f"data.cache_dir={shared['cache']}",
+                 f"checkpoint.storage_path={tmp_path / 'runs'}", f"tracking.uri={shared['mlflow']}",
+                 "train.collective_timeout_s=60", f"train.init_from={shared['base_pth']}",
+                 *[o for o in GRPO if not o.startswith("train.grpo.rewards=")],
+                 "train.grpo.rewards=[{name: exact_answer}, {name: 'my_rewards:double_length', weight: 0.01}]",
+                 "train.grpo.rollout=actors", "train.grpo.rollout_actors=2", "train.grpo.rollout_actor_cpus=0.5"]
+    env = {**os.environ, "PYTHONPATH": "."}
+    env.pop("RAY_ADDRESS", None)
+    cli = Path(sys.executable).with_name("minimind-ray")
+    proc = subprocess.run([str(cli), "grpo", "--config", str(repo / "pipelines/configs/tiny.yaml"), *overrides],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "No module named 'my_rewards'" not in proc.stdout + proc.stderr
+    from minimind_ray.store.checkpoint import newest_complete
+
+    ckpt = newest_complete(str(tmp_path / "runs" / "grpo-actors"))
+    assert ckpt.meta().step == STEPS
+    w, w_clean = ckpt.model_state(), final_weights(clean)
+    assert all(torch.equal(v, w_clean[k]) for k, v in w.items())
+    from mlflow.tracking import MlflowClient
+
+    run = MlflowClient(shared["mlflow"]).search_runs(
+        [e.experiment_id for e in MlflowClient(shared["mlflow"]).search_experiments()],
+        filter_string="tags.`minimind.run_name` = 'grpo-actors'")[0]
+    assert loss_history(shared, run.info.run_id, "rl/reward_double_length") == \
+        loss_history(shared, clean.mlflow_run_id, "rl/reward_double_length")

@@ -225,3 +225,15 @@ def test_get_score_reward_model_as_minimind_uses_it(tmp_path, monkeypatch):
     assert got == pytest.approx(raw, abs=1e-5) and got[0] != pytest.approx(got[1], abs=1e-4)
     clipped = load_reward_model(str(d), trust_remote_code=True, clip=1e-3)
     assert clipped([PROMPT] * 2, completions, [""] * 2) == pytest.approx([max(-1e-3, min(1e-3, r)) for r in raw])
+
+
+def test_permutation_answer_rewards_only_orderings_of_the_answers_items():
+    from minimind_ray.rl.rewards import permutation_answer_reward
+
+    answers = ["1 2 4 7 9"] * 6
+    replies = ["1 2 4 7 9", "1 2 4 9 7", "9 7 4 2 1", "1 2 4 7", "1 2 4 7 9 9", "1 1 1 1 1"]
+    # exact; two of five positions wrong -> 0.5 * 3/5; reversed: only the middle right -> 0.5 * 1/5; a dropped
+    # item, an invented one and a constant reply are no permutation -> 0
+    assert permutation_answer_reward([""] * 6, replies, answers) == pytest.approx([1.0, 0.3, 0.1, 0.0, 0.0, 0.0])
+    assert permutation_answer_reward([""], ["<think>x</think> 2 1."], ["1 2"], partial=1.0) == [0.0]
+    assert permutation_answer_reward([""], ["1 2."], ["1 2"]) == [1.0]

@@ -22,3 +22,13 @@ def test_eta_from_the_workers_step_time_even_in_a_burst(capsys):
 def test_eta_unknown_without_a_step_time():
     assert eta_seconds({"step": 3, "total_steps": 10}) != eta_seconds({"step": 3, "total_steps": 10})  # nan
     assert eta_seconds(_m(30)) == 0.0
+
+
+def test_an_rl_run_shows_its_reward_not_its_loss():
+    from minimind_ray.raytrain.progress import ProgressPrinter
+
+    line = ProgressPrinter.describe({**_m(5), "loss": 0.0012, "reward": 0.4375,
+                                     "reward_exact_answer": 0.25, "kl": 0.0031})
+    assert line == "ep 0 reward 0.4375 exact 0.2500 kl 0.0031 tok/s 1,000"
+    assert "loss" not in line
+    assert ProgressPrinter.describe(_m(5)).startswith("ep 0 loss 2.0000 ")

@@ -1,0 +1,71 @@
+"""What a run's Ray processes need besides the project: the user's own plug-in modules, and CPUs beside the workers.
+
+A run may name code of the user's as ``package.module:function``: a reward term (``train.grpo.rewards``), and
+the same path will carry the agent stage's tools and custom evaluation tasks. The driver can import it (its
+``PYTHONPATH``, its working directory), but the workers run elsewhere: in Ray's session directory, on other
+nodes. :func:`user_modules` finds each named module that is neither part of this project nor an installed
+package, and the driver ships it to every worker the way Ray does it, as a ``runtime_env`` ``py_modules``
+entry (a package's directory, or a single module's ``.py`` file). The driver's own ``PYTHONPATH`` entries are
+kept for the workers as well (:func:`worker_pythonpath`). Under ``ray job submit`` the job's ``working_dir``
+ships the user's files instead.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sysconfig
+from pathlib import Path
+from typing import List
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def plugin_names(cfg) -> List[str]:
+    """The ``module:function`` names a run's config holds (reward terms)."""
+    from minimind_ray.rl.rewards import BUILTIN_REWARDS
+
+    names = []
+    if cfg.train.stage in ("grpo",):
+        names += [r.name for r in cfg.train.grpo.rewards if r.name not in BUILTIN_REWARDS and ":" in r.name]
+    return names
+
+
+def _installed_roots() -> List[Path]:
+    roots = {sysconfig.get_paths()[k] for k in ("purelib", "platlib", "stdlib", "platstdlib")}
+    return [Path(r).resolve() for r in roots if r]
+
+
+def user_modules(cfg) -> List[str]:
+    """Local paths to ship as ``py_modules``: each plug-in's top-level package directory or module file that lies
+    outside this project and outside the interpreter's installed packages."""
+    out = []
+    skip = [REPO_ROOT, *_installed_roots()]
+    for name in plugin_names(cfg):
+        top = name.partition(":")[0].split(".")[0]
+        spec = importlib.util.find_spec(top)
+        if spec is None:
+            continue  # config.validate has refused it already
+        if spec.submodule_search_locations:
+            path = Path(next(iter(spec.submodule_search_locations))).resolve()
+        elif spec.origin and spec.origin.endswith(".py"):
+            path = Path(spec.origin).resolve()
+        else:
+            continue  # a built-in or compiled module: installed with the interpreter
+        if any(path == root or root in path.parents for root in skip):
+            continue
+        if str(path) not in out:
+            out.append(str(path))
+    return out
+
+
+def worker_pythonpath() -> str:
+    """The project's root, then the driver's own PYTHONPATH entries (a user's plug-ins may be found there)."""
+    extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return os.pathsep.join(dict.fromkeys([str(REPO_ROOT)] + [str(Path(p).resolve()) for p in extra]))
+
+
+def side_cpus(cfg) -> float:
+    """CPUs a run reserves beside its workers: the evaluation task of eval.tasks and the rollout actors."""
+    g = cfg.train.grpo
+    actors = g.rollout_actors * g.rollout_actor_cpus if cfg.train.stage == "grpo" and g.rollout == "actors" else 0.0
+    return (cfg.eval.num_cpus if cfg.eval.tasks else 0.0) + actors

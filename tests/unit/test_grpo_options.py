@@ -1,0 +1,187 @@
+"""The GRPO options of verl, TRL and DAPO (issue 21, part 2; docs/rl.md), each against values worked out by hand,
+and the engine running them: several optimizer updates per rollout batch, dynamic sampling, truncation masks, the
+adaptive KL controller restored from a checkpoint, and per-row sampling seeds. No Ray."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from minimind_ray.rl.grpo import (aggregate_loss, group_advantages, kl_estimate, loss_units, per_token_loss,
+                                  sequence_mean)
+from minimind_ray.rl.policy_step import AdaptiveKL
+from minimind_ray.rl.rollout import SamplingParams, TorchRollout, row_seeds
+from tests.unit.test_grpo import _left_pad, _one_token, grpo_config, prepared, tiny  # noqa: F401 (fixtures)
+
+LN_HALF = math.log(0.5)
+
+
+def test_advantages_rloo_batch_and_unscaled_by_hand():
+    r = torch.tensor([1.0, 0.0, 0.0, 3.0, 1.0, 1.0])  # two groups of three
+    # group means 1/3 and 5/3; leave-one-out: r_i - mean of the other two = 3/2 * (r_i - group mean)
+    assert group_advantages(r, 3, scale="none").tolist() == pytest.approx([2 / 3, -1 / 3, -1 / 3, 4 / 3, -2 / 3, -2 / 3])
+    assert group_advantages(r, 3, scale="none", kind="rloo").tolist() == pytest.approx([1.0, -0.5, -0.5, 2.0, -1.0, -1.0])
+    assert group_advantages(r, 3, scale="none", kind="rloo")[0] == pytest.approx(1.0 - (0.0 + 0.0) / 2)
+    # the batch's std (given: the engine all-reduces it) divides every group alike
+    std = float(r.std(unbiased=False))
+    assert group_advantages(r, 3, scale="batch", batch_std=std).tolist() == pytest.approx(
+        [x / (std + 1e-4) for x in [2 / 3, -1 / 3, -1 / 3, 4 / 3, -2 / 3, -2 / 3]])
+    # the group's std (MiniMind's): group 1's population std is sqrt(2)/3
+    assert group_advantages(r, 3)[0].item() == pytest.approx((2 / 3) / (math.sqrt(2) / 3 + 1e-4), abs=1e-6)
+
+
+def test_kl_estimators_and_their_gradients_by_hand():
+    logp = torch.tensor([LN_HALF], requires_grad=True)
+    ref = torch.tensor([math.log(0.25)])
+    d = LN_HALF - math.log(0.25)  # log p - log ref = ln 2
+    assert kl_estimate(logp, ref, "k1").item() == pytest.approx(d)
+    assert kl_estimate(logp, ref, "k2").item() == pytest.approx(0.5 * d * d)
+    assert kl_estimate(logp, ref, "k3").item() == pytest.approx(math.exp(-d) + d - 1)  # exp(ref - logp) - ... - 1
+    kl_estimate(logp, ref, "k2").sum().backward()
+    assert logp.grad.item() == pytest.approx(d)  # d/dlogp of (logp - ref)^2 / 2
+    with pytest.raises(ValueError, match="kl_estimator"):
+        kl_estimate(logp, ref, "k4")
+
+
+def test_clip_higher_widens_only_the_upper_clip():
+    # ratio 1.25 with A > 0: clipped at 1.2 by epsilon 0.2, not by clip_high 0.28 (DAPO's values)
+    logp, old, _, adv = _one_token(math.log(0.5), math.log(0.4), 0.0, 1.0)
+    loss, clipped, _ = per_token_loss(logp, old, None, adv, "grpo", 0.2, 5.0, 0.0)
+    assert loss.item() == pytest.approx(-1.2) and clipped.tolist() == [[True]]
+    loss, clipped, _ = per_token_loss(logp, old, None, adv, "grpo", 0.2, 5.0, 0.0, clip_high=0.28)
+    assert loss.item() == pytest.approx(-1.25) and clipped.tolist() == [[False]]
+    # ratio 0.75 with A < 0: the lower clip is still 1 - epsilon = 0.8 -> min(-0.75, -0.8) = -0.8
+    logp, old, _, adv = _one_token(math.log(0.3), math.log(0.4), 0.0, -1.0)
+    loss, _, _ = per_token_loss(logp, old, None, adv, "grpo", 0.2, 5.0, 0.0, clip_high=0.28)
+    assert loss.item() == pytest.approx(0.8)
+
+
+def test_loss_aggregation_modes_by_hand():
+    loss = torch.tensor([[1.0, 2.0, 3.0, 9.0], [4.0, 9.0, 9.0, 9.0], [5.0, 5.0, 5.0, 5.0]])
+    mask = torch.tensor([[1.0, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]])  # the third completion was dropped
+    assert aggregate_loss(loss, mask, "seq-mean", 8).item() == 2.0 + 4.0  # token means, summed
+    assert aggregate_loss(loss, mask, "token-mean", 8).item() == 1 + 2 + 3 + 4  # every token
+    assert aggregate_loss(loss, mask, "seq-sum-norm", 8).item() == pytest.approx((6 + 4) / 8)  # over max_gen_len
+    assert loss_units(mask, "seq-mean") == loss_units(mask, "seq-sum-norm") == 2  # completions with a token
+    assert loss_units(mask, "token-mean") == 4
+    assert sequence_mean(loss, mask).tolist() == [2.0, 4.0, 0.0]
+
+
+def test_adaptive_kl_moves_beta_toward_the_target_by_hand():
+    c = AdaptiveKL(0.1, target=0.05, horizon=10)
+    c.update(0.1)  # KL twice the target: error clipped to +0.2 -> beta * (1 + 0.2 / 10)
+    assert c.beta == pytest.approx(0.1 * 1.02)
+    c.update(0.04)  # error -0.2 exactly -> * 0.98
+    assert c.beta == pytest.approx(0.1 * 1.02 * 0.98)
+    fixed = AdaptiveKL(0.1, target=None, horizon=10)
+    fixed.update(5.0)
+    assert fixed.beta == 0.1
+    again = AdaptiveKL(0.1, target=0.05, horizon=10)
+    again.load_state_dict(c.state_dict())
+    assert again.beta == c.beta
+
+
+def test_per_row_seeds_make_a_row_independent_of_its_batch(tiny):
+    """What lets a rollout actor sample what the worker would: a row's sampled tokens depend on its seed and its
+    prompt, not on the other rows of the batch or their order."""
+    prompts = [[1, 300, 301, 302], [1, 400], [1, 500, 501, 502, 503, 504]]
+    eng = TorchRollout()
+    eng.update_policy(tiny, 1)
+    params = SamplingParams(max_new_tokens=10, temperature=1.0, eos_id=2, pad_id=0)
+    seeds = row_seeds(1337, 4, torch.tensor([7, 8, 9]), 1)
+    together = eng.generate(*_left_pad(prompts), params, seeds=seeds)
+    for i in (2, 0, 1):
+        alone = eng.generate(*_left_pad([prompts[i]]), params, seeds=seeds[i:i + 1])
+        n = int(alone.completion_mask.sum())
+        assert together.completion_ids[i, :n].tolist() == alone.completion_ids[0, :n].tolist()
+    other_step = eng.generate(*_left_pad(prompts), params, seeds=row_seeds(1337, 5, torch.tensor([7, 8, 9]), 1))
+    assert not torch.equal(other_step.completion_ids, together.completion_ids)
+
+
+def _run(cfg, prepared_dir, hooks=None):
+    from minimind_ray.engine import Hooks, TrainState, run
+
+    class Keep(Hooks):
+        def __init__(self):
+            self.metrics = {}
+
+        def on_metrics(self, step, metrics, per_step_loss, is_checkpoint):
+            self.metrics[step] = metrics
+
+    state, seen = TrainState.build(cfg, prepared_dir), hooks or Keep()
+    run(state, seen)
+    return state, seen
+
+
+def test_several_updates_per_rollout_batch_move_the_ratio_and_clip(prepared):
+    """num_iterations 2 x mini_batches 2: four AdamW steps per step, the same rollouts trained twice; in the second
+    pass the ratio to the behaviour policy is no longer 1, so a tight clip acts (it cannot in the first)."""
+    path, base = prepared
+    one, seen1 = _run(grpo_config(base, "train.max_steps=2", "train.grpo.loss_type=grpo", "train.grpo.epsilon=0.01"),
+                      path)
+    four, seen4 = _run(grpo_config(base, "train.max_steps=2", "train.grpo.loss_type=grpo", "train.grpo.epsilon=0.01",
+                                   "train.grpo.num_iterations=2", "train.grpo.mini_batches=2"), path)
+    adam_steps = lambda s: int(next(iter(s.optimizer.state.values()))["step"])  # noqa: E731
+    assert adam_steps(one) == 2 and adam_steps(four) == 8
+    assert all(m["clip_fraction"] == 0.0 for m in seen1.metrics.values())  # one pass: ratio 1 exactly
+    assert all(m["clip_fraction"] > 0.0 for m in seen4.metrics.values())
+    # the rollout metrics are per completion whatever the split: the same first step's rewards on both sides
+    assert seen4.metrics[1]["reward"] == pytest.approx(seen1.metrics[1]["reward"], abs=1e-12)
+    assert one.scheduler.last_epoch == four.scheduler.last_epoch == 2  # the lr schedule moves once per step
+    for s in (one, four):
+        s.stream.close()
+
+
+def test_dynamic_sampling_and_truncation_masks(prepared):
+    """exact_answer alone on sums the tiny model never gets right: every group's rewards are all 0, so dynamic
+    sampling resamples every group and then drops them all (no loss, no gradient); with mask_truncated every
+    completion that reached max_gen_len carries no loss either."""
+    from minimind_ray.engine import TrainState, train_step
+
+    path, base = prepared
+    cfg = grpo_config(base, "train.grpo.rewards=[{name: exact_answer}]", "train.grpo.dynamic_sampling=2")
+    state = TrainState.build(cfg, path)
+    out = train_step(state, state.stream.next_step(), 1)
+    assert float(out.extras["resampled_fraction"] / out.metric_weight) == 1.0
+    assert float(out.extras["dropped_fraction"] / out.metric_weight) == 1.0
+    assert float(out.weight) == 1.0  # no completion left to learn from (clamped at 1)
+    assert all(p.grad is None for p in state.params)  # zero_grad(set_to_none) after a step of zero gradient
+    state.stream.close()
+    cut = TrainState.build(grpo_config(base, "train.grpo.mask_truncated=true", "train.grpo.max_gen_len=2"), path)
+    batches = cut.objective.prepare(cut, cut.stream.next_step(), 1)
+    for b in batches:
+        ends = b["input_ids"][:, -2:]
+        finished = (ends == cut.objective.plan.tokenizer.eos_id).any(dim=1)
+        assert torch.equal(b["completion_mask"].sum(dim=1) > 0, finished)  # only completions that ended train
+    cut.stream.close()
+
+
+def test_the_adaptive_beta_is_checkpointed_with_the_run(prepared, tmp_path):
+    from minimind_ray.engine import Hooks, TrainState, run
+    from minimind_ray.store.checkpoint import open_checkpoint
+
+    path, base = prepared
+    cfg = grpo_config(base, "train.grpo.kl_target=1e-6", "train.grpo.kl_horizon=2")
+    straight, seen = _run(cfg, path)
+    betas = [seen.metrics[s]["beta"] for s in sorted(seen.metrics)]
+    assert betas[0] == pytest.approx(0.1) and betas[-1] > betas[0]  # KL above a tiny target: beta grows
+    assert 0.0 <= seen.metrics[6]["entropy"] <= math.log(6400)
+
+    class StopAt3(Hooks):
+        def on_checkpoint(self, step, metrics):
+            if step == 3:
+                first.save(tmp_path / "ck", mlflow_run_id=None, prepared_dir=path)
+                raise KeyboardInterrupt
+
+    first = TrainState.build(cfg, path)
+    with pytest.raises(KeyboardInterrupt):
+        run(first, StopAt3())
+    first.stream.close()
+    resumed = TrainState.build(cfg, path)
+    resumed.restore(open_checkpoint(tmp_path / "ck"))
+    assert resumed.objective.plan.kl.beta == first.objective.plan.kl.beta != 0.1
+    run(resumed)
+    assert resumed.objective.plan.kl.beta == straight.objective.plan.kl.beta
+    a, b = straight.model.state_dict(), resumed.model.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
