@@ -50,6 +50,8 @@ def main(argv=None) -> int:
         print(f"> {p}")
         generate_text(model, tok, p, SamplingConfig(max_new_tokens=48, temperature=0.0), out=sys.stdout)
 
+    print_quality(sft_cfg, model, tok)
+
     print(f"\n==== done in {time.time() - t0:.0f}s ====")
     print(f"chat with it:    .venv/bin/minimind-ray chat --weights {sft.run_dir}")
     print(f"serve it:        .venv/bin/minimind-ray serve {sft.run_dir}   "
@@ -58,6 +60,25 @@ def main(argv=None) -> int:
     if sft.mlflow_run_id:
         print(f"MLflow UI:       make ui   -> http://127.0.0.1:5000  (runs {pre.mlflow_run_id}, {sft.mlflow_run_id})")
     return 0
+
+
+def print_quality(sft_cfg, model, tok) -> None:
+    """The SFT model's accuracy on the demo's multiple-choice set (never trained on), beside a random-init model
+    of the same size: what the training bought, measured (docs/evaluation.md)."""
+    from minimind_ray.evals.run import evaluate_task
+    from minimind_ray.model.minimind import build_model
+
+    task = sft_cfg.eval.tasks[0]
+    device = next(model.parameters()).device.type
+    rows = []
+    for name, m in (("demo SFT model", model), ("random init, same size", build_model(sft_cfg.model, seed=0))):
+        res = evaluate_task("", task, model=m.to(device).eval(), tok=tok, cache_dir=sft_cfg.data.cache_dir,
+                            device=device)
+        rows.append((name, res))
+    print(f"\n==== multiple choice: {rows[0][1]['n']} questions about the demo world (demo:mc_eval, 4 choices) ====")
+    print(f"{'model':<26} {'acc':>6} {'acc_norm':>9}")
+    for name, res in rows:
+        print(f"{name:<26} {res['acc']:>6.1%} {res['acc_norm']:>9.1%}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,183 @@
+"""Benchmark evaluation, measured (not a test): two tables, each side by side in one run.
+
+1. Questions per second: this project's ``evaluate_task`` against lm-eval's own ``hf`` model on the same HF
+   export (fp32) and the same files: a C-Eval-layout folder of made-up questions (letters scored, 0- and
+   k-shot) and the demo's multiple-choice set (choice texts scored). The same batch size and torch threads on
+   both sides; lm-eval through its Python API (``simple_evaluate``) with a local task YAML, timed around the
+   call, data loading included on both sides. Both give the same choice for every question (checked here
+   too; tests/integration/test_evals.py is the exact parity test).
+2. Validation during training: the same training run without ``eval.tasks`` and with them (the demo's
+   multiple-choice set on every checkpoint, in a Ray task beside the workers): mean step time from the run's
+   MLflow history, and the evaluations' own time from their markers.
+
+Usage:  .venv/bin/python bench/bench_eval.py [--preset minimind2-small] [--questions 200] [--shots 5]
+                                             [--skip-validation] [--skip-qps]
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+CEVAL_YAML = """task: bench_ceval
+dataset_path: csv
+dataset_kwargs:
+  data_files: {{val: {val}, dev: {dev}}}
+  cache_dir: {cache}
+validation_split: val
+fewshot_split: dev
+fewshot_config:
+  sampler: first_n
+num_fewshot: {shots}
+output_type: multiple_choice
+description: "以下是中国关于会计的单项选择题，请选出其中的正确答案。\\n\\n"
+doc_to_text: "{{{{question.strip()}}}}\\nA. {{{{A}}}}\\nB. {{{{B}}}}\\nC. {{{{C}}}}\\nD. {{{{D}}}}\\n答案："
+doc_to_choice: ["A", "B", "C", "D"]
+doc_to_target: "{{{{['A', 'B', 'C', 'D'].index(answer)}}}}"
+metric_list: [{{metric: acc}}, {{metric: acc_norm}}]
+"""
+MC_YAML = """task: bench_mc
+dataset_path: json
+dataset_kwargs:
+  data_files: {{test: {data}}}
+  cache_dir: {cache}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{answer}}}}"
+metric_list: [{{metric: acc}}, {{metric: acc_norm}}]
+"""
+
+
+def ceval_files(root: Path, n: int, seed: int = 0) -> Path:
+    """One subject ('accountant', described as 会计) of made-up questions with long-ish Chinese stems."""
+    rng = random.Random(seed)
+    header = ["id", "question", "A", "B", "C", "D", "answer"]
+    for split, count in (("val", n), ("dev", 5)):
+        d = root / split
+        d.mkdir(parents=True, exist_ok=True)
+        with open(d / f"accountant_{split}.csv", "w", newline="", encoding="utf-8") as f:
+            w = csv.writer(f)
+            w.writerow(header)
+            for i in range(count):
+                stem = "某公司" + "".join(rng.choice("年度收入成本利润资产负债计提折旧摊销税费") for _ in range(rng.randint(20, 60)))
+                w.writerow([i, stem + "，下列说法正确的是？", *(f"选项{rng.randint(100, 999)}" for _ in "ABCD"),
+                            "ABCD"[i % 4]])
+    (root / "subject_mapping.json").write_text(json.dumps({"accountant": ["Accountant", "会计", "Other"]}))
+    return root
+
+
+def timed(fn):
+    t0 = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t0
+
+
+def bench_qps(args, work: Path) -> None:
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    from minimind_ray.config import load_config
+    from minimind_ray.data.demo import resolve_demo_path
+    from minimind_ray.evals.config import EvalTaskConfig
+    from minimind_ray.evals.run import evaluate_task
+    from minimind_ray.export import export_hf
+    from minimind_ray.model.minimind import build_model
+    from minimind_ray.tokenizer import resolve_tokenizer
+
+    cfg = load_config(None, [f"model.preset={args.preset}", "data.train_path=[demo]", "data.tokenizer=builtin",
+                             f"data.cache_dir={work / 'cache'}"])
+    tok = resolve_tokenizer("builtin", cfg.data.cache_dir)
+    export = export_hf(build_model(cfg.model, seed=0), tok.path, work / "hf", dtype=torch.float32)
+    ceval = ceval_files(work / "ceval", args.questions)
+    mc = resolve_demo_path("demo:mc_eval", "", str(work / "cache"))
+    yaml_dir = work / "tasks"
+    yaml_dir.mkdir(exist_ok=True)
+    rows = []
+    for label, ours_cfg, yaml_name, yaml_text in (
+            ("ceval 0-shot (letters)", EvalTaskConfig(task="ceval", data=str(ceval), batch_size=args.batch_size),
+             "bench_ceval", CEVAL_YAML),
+            (f"ceval {args.shots}-shot (letters)", EvalTaskConfig(task="ceval", data=str(ceval), shots=args.shots,
+                                                                  batch_size=args.batch_size), "bench_ceval", CEVAL_YAML),
+            ("demo mc (choice texts)", EvalTaskConfig(task="mc", data=mc, batch_size=args.batch_size), "bench_mc",
+             MC_YAML)):
+        shots = ours_cfg.shots
+        (yaml_dir / f"{yaml_name}.yaml").write_text(yaml_text.format(
+            val=ceval / "val" / "accountant_val.csv", dev=ceval / "dev" / "accountant_dev.csv", shots=shots,
+            data=mc, cache=work / "hf-datasets"))
+        ours, t_ours = timed(lambda: evaluate_task(export, ours_cfg))
+        theirs, t_theirs = timed(lambda: simple_evaluate(
+            model="hf", model_args=f"pretrained={export},dtype=float32", tasks=[yaml_name], device="cpu",
+            batch_size=args.batch_size, task_manager=TaskManager(include_path=str(yaml_dir)), log_samples=True))
+        samples = sorted(theirs["samples"][yaml_name], key=lambda s: s["doc_id"])
+        same = sum(int(d["pred"] == max(range(len(s["filtered_resps"])), key=lambda i: (float(s["filtered_resps"][i][0]), -i)))
+                   for d, s in zip(ours["details"], samples))
+        n = ours["n"]
+        rows.append((label, n, n / t_ours, n / t_theirs, same))
+    print(f"\n==== questions per second, {args.preset} (fp32, CPU, {torch.get_num_threads()} threads, batch "
+          f"{args.batch_size}), the same HF export and files ====")
+    print(f"{'task':<26} {'n':>5} {'minimind-ray':>13} {'lm-eval hf':>11} {'ratio':>7} {'same choice':>12}")
+    for label, n, a, b, same in rows:
+        print(f"{label:<26} {n:>5} {a:>13.1f} {b:>11.1f} {a / b:>6.2f}x {same:>6}/{n}")
+
+
+def bench_validation(args, work: Path) -> None:
+    from mlflow.tracking import MlflowClient
+
+    from minimind_ray.config import load_config
+    from minimind_ray.raytrain.driver import run
+
+    common = ["train.max_steps=200", "checkpoint.interval=50", "train.log_interval=10", "train.eval_interval=0",
+              "data.eval_fraction=0", f"data.cache_dir={work / 'cache'}", f"checkpoint.storage_path={work / 'runs'}",
+              f"tracking.uri=sqlite:///{work / 'mlflow.db'}", "resume=never"]
+    rows = []
+    for label, extra in (("without eval.tasks", []),
+                         ("with eval.tasks (mc, every 50 steps)", ["eval.interval=50",
+                                                                    "eval.tasks=[{task: mc, data: 'demo:mc_eval'}]"])):
+        cfg = load_config("pipelines/configs/demo_pretrain.yaml", common + extra)
+        res, wall = timed(lambda: run(cfg))
+        hist = MlflowClient(f"sqlite:///{work / 'mlflow.db'}").get_metric_history(res.mlflow_run_id, "perf/step_time_s")
+        steps = [m.value for m in sorted(hist, key=lambda m: m.step)][1:]  # the first interval holds the start
+        evals = [json.loads(p.read_text())["seconds"] for p in sorted((Path(res.run_dir) / "eval").glob("*.json"))]
+        rows.append((label, statistics.mean(steps), wall, evals))
+    base = rows[0][1]
+    print("\n==== validation during training: demo preset, 200 steps, 2 workers, checkpoint every 50 ====")
+    print(f"{'run':<38} {'step time (s)':>13} {'vs without':>10} {'wall (s)':>9}   evaluations")
+    for label, step, wall, evals in rows:
+        ev = f"{len(evals)} x {statistics.mean(evals):.1f}s" if evals else "-"
+        print(f"{label:<38} {step:>13.4f} {step / base:>9.3f}x {wall:>9.0f}   {ev}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="minimind2-small")
+    ap.add_argument("--questions", type=int, default=200)
+    ap.add_argument("--shots", type=int, default=5)
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--skip-qps", action="store_true")
+    ap.add_argument("--skip-validation", action="store_true")
+    args = ap.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    with tempfile.TemporaryDirectory(prefix="bench-eval-") as tmp:
+        work = Path(tmp)
+        if not args.skip_qps:
+            bench_qps(args, work)
+        if not args.skip_validation:
+            bench_validation(args, work)
+
+
+if __name__ == "__main__":
+    main()
