@@ -64,7 +64,7 @@ def cmd_prepare(args) -> int:
     if args.out:
         cfg.data.cache_dir = args.out
     tok = resolve_tokenizer(cfg.data.tokenizer, cfg.data.cache_dir, cfg.model.generation)  # before Ray: fails fast
-    connect_ray(cfg)
+    connect_ray(cfg, dashboard=False)  # Ray Data alone: no Ray Train cleaner polls the state API
     out = ensure_prepared(cfg.data, tok)
     manifest = json.loads((Path(out) / "manifest.json").read_text())
     print(f"prepared: {out}")
@@ -308,15 +308,18 @@ def user_errors() -> tuple:
     """The library's errors about what a user gave it: bad config (ConfigError, naming the field or
     file:line), data (DataError), checkpoints (CheckpointError), weights files (WeightsError: truncated,
     non-float, no matching preset), tokenizers (TokenizerFetchError), and the ValueError/OSError a bad
-    argument, path or URI raises. Each message names the input, so :func:`main` prints it as one line
+    argument, path or URI raises; and a run out of memory (OutOfMemory: the settings to change, the memory
+    seen). Each message names the input, so :func:`main` prints it as one line
     with exit code 2. Anything else is a bug and keeps its traceback."""
     from minimind_ray.config import ConfigError
     from minimind_ray.data.manifest import DataError
+    from minimind_ray.memory_errors import OutOfMemory
     from minimind_ray.store.checkpoint import CheckpointError
     from minimind_ray.store.pth import WeightsError
     from minimind_ray.tokenizer_fetch import TokenizerFetchError
 
-    return ConfigError, DataError, CheckpointError, WeightsError, TokenizerFetchError, ValueError, OSError
+    return (ConfigError, DataError, CheckpointError, WeightsError, TokenizerFetchError, OutOfMemory, ValueError,
+            OSError)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

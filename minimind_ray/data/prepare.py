@@ -202,8 +202,53 @@ def _run_job(chunks: List[Chunk], tokenizer, data_cfg, out_dir: str) -> List[dic
     # to about one running task out of two CPUs while it ramped up (measured: 8 one-second tasks
     # took 6.1 s instead of 4.2 s on 2 CPUs; docs/data.md); nothing else runs here to reserve for.
     ds.context.op_resource_reservation_enabled = False
-    summaries = [s for r in ds.take_all() for s in json.loads(r["summaries"])]
+    console = [h for h in logging.getLogger("ray.data").handlers  # its console handler, not its log file's
+               if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)]
+    quiet = _NoOutOfMemoryTraceback()
+    for h in console:
+        h.addFilter(quiet)
+    try:
+        rows_out = ds.take_all()
+    except Exception as e:
+        _raise_if_out_of_memory(e, data_cfg, len(chunks))
+        raise
+    finally:
+        for h in console:
+            h.removeFilter(quiet)
+    summaries = [s for r in rows_out for s in json.loads(r["summaries"])]
     return sorted(summaries, key=lambda s: s["chunk"])
+
+
+class _NoOutOfMemoryTraceback(logging.Filter):
+    """Ray Data logs a failed job with its traceback, twice, on the console. An out-of-memory failure is
+    said in one line by the DataError below: keep Ray Data's log lines, drop their tracebacks (its log
+    file, ray-data.log, keeps them)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from minimind_ray.memory_errors import MONITOR_MARK
+
+        if record.exc_info and MONITOR_MARK in str(record.exc_info[1]):
+            if record.getMessage().startswith("Full stack trace"):
+                return False  # a record that is nothing but the traceback
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+def _raise_if_out_of_memory(error: BaseException, data_cfg, n_chunks: int) -> None:
+    """A prepare task that Ray's memory monitor killed more often than ``RAY_task_oom_retries`` (set by
+    ``raytrain/driver.py:connect_ray``; Ray's own default retries without end) fails the job: say so in
+    one line, with the memory seen and the settings that size a task."""
+    from minimind_ray.memory_errors import read_oom
+
+    seen = next((s for s in (read_oom(str(x)) for x in (error, getattr(error, "cause", None)) if x is not None)
+                 if s is not None), None)
+    if seen is None:
+        return
+    retries = os.environ.get("RAY_task_oom_retries", "unbounded")
+    raise DataError(
+        f"out of memory while preparing {n_chunks} chunk(s): {seen.describe()}, after {retries} retries of the "
+        f"task; lower data.block_rows={data_cfg.block_rows} (rows a task holds before writing them) or "
+        f"data.chunk_bytes={data_cfg.chunk_bytes} (input bytes per task), or free memory on the node") from None
 
 
 def prepare(sources: List[str], out_dir: str, tokenizer, data_cfg, digests: Optional[Dict[str, str]] = None) -> str:

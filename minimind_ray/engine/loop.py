@@ -57,7 +57,8 @@ def run(state: TrainState, hooks: Optional[Hooks] = None) -> None:
     if state.rank == 0:
         print(f"[minimind-ray] world {state.world} on {device_name(state.device)}, "
               f"{state.model.num_parameters() / 1e6:.2f}M params, {stream.steps_per_epoch} steps/epoch "
-              f"({stream.dropped_per_epoch} sequences/epoch dropped to equalise ranks), {state.total_steps} steps, "
+              f"({stream.dropped_per_epoch} sequences/epoch left out: the last, partial global batch of "
+              f"{stream.global_batch_size}, at any world size), {state.total_steps} steps, "
               f"accumulation {stream.accumulation_steps}", flush=True)
     state.model.train()
     comm_warned = False

@@ -27,6 +27,7 @@ from minimind_ray.raytrain.runtime_env import side_cpus, user_modules, worker_py
 from minimind_ray.raytrain.spec import WorkerSpec
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+PREPARE_OOM_RETRIES = 2  # a prepare task killed for memory more often than this fails the command (data/prepare.py)
 
 
 class ClusterTooSmall(ConfigError):
@@ -67,12 +68,16 @@ def warn_relative_paths(cfg: RunConfig) -> None:
               f"({os.getcwd()}); pass absolute paths or URIs to keep the results", flush=True)
 
 
-def connect_ray(cfg: RunConfig):
-    """Join cluster.address / RAY_ADDRESS, or start a local Ray sized for this run."""
+def connect_ray(cfg: RunConfig, dashboard: bool = True):
+    """Join cluster.address / RAY_ADDRESS, or start a local Ray sized for this run (with its dashboard
+    unless ``dashboard=False``: ``prepare`` needs none, and it starts in half the time)."""
     import ray
 
     if ray.is_initialized():
         return ray
+    # Tasks this driver owns (the prepare job's) that Ray's memory monitor kills are retried without end
+    # by default ("infinite oom retries remaining"): the command would hang. Read when Ray starts here.
+    os.environ.setdefault("RAY_task_oom_retries", str(PREPARE_OOM_RETRIES))
     address = cfg.cluster.address or os.environ.get("RAY_ADDRESS")
     env = {"env_vars": {
         "PYTHONPATH": worker_pythonpath(), "TOKENIZERS_PARALLELISM": "false",
@@ -95,7 +100,7 @@ def connect_ray(cfg: RunConfig):
         need = math.ceil(cfg.cluster.num_workers * cfg.cluster.cpus_per_worker + side_cpus(cfg)) + 1
         # The dashboard (127.0.0.1 only) also serves the state API that Ray Train's placement-group
         # cleaner polls; without it the cleaner logs a warning every few seconds.
-        ray.init(num_cpus=max(os.cpu_count() or 1, need), include_dashboard=True, dashboard_host="127.0.0.1",
+        ray.init(num_cpus=max(os.cpu_count() or 1, need), include_dashboard=dashboard, dashboard_host="127.0.0.1",
                  runtime_env=env)
     return ray
 
@@ -268,6 +273,7 @@ def run(cfg: RunConfig) -> RunResult:
 
     from minimind_ray.data.prepare import ensure_prepared
     from minimind_ray.raytrain.faults import failure_callback
+    from minimind_ray.raytrain.oom import explain as explain_oom, warn_if_short
     from minimind_ray.raytrain.progress import ProgressPrinter, make_progress_sink
     from minimind_ray.raytrain.validation import validation_config
     from minimind_ray.raytrain.worker import train_loop_per_worker
@@ -291,6 +297,7 @@ def run(cfg: RunConfig) -> RunResult:
     run_cfg = dataclasses.replace(cfg, name=name, cluster=dataclasses.replace(cfg.cluster, use_gpu=use_gpu),
                                   train=_absolute_weight_paths(cfg.train))
     check_resources(run_cfg, use_gpu)  # before any data work: a request that cannot fit fails in seconds
+    warn_if_short(run_cfg, use_gpu)  # one worker's peak memory by the estimate, against what a worker has
 
     tokenizer = resolve_tokenizer(cfg.data.tokenizer, cfg.data.cache_dir, cfg.model.generation)
     if tokenizer.vocab_size > cfg.model.vocab_size:
@@ -343,8 +350,11 @@ def run(cfg: RunConfig) -> RunResult:
         result = trainer.fit()
     except BaseException as e:
         printer.close()
+        oom = explain_oom(run_cfg, e)  # one line naming the settings, instead of Ray's traceback
         if run_id:
-            finish_run(uri, run_id, "FAILED", error=redact(f"{type(e).__name__}: {e}"))
+            finish_run(uri, run_id, "FAILED", error=redact(str(oom) if oom else f"{type(e).__name__}: {e}"))
+        if oom is not None:
+            raise oom from None
         raise
     printer.close()
     try:

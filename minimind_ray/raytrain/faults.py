@@ -84,19 +84,33 @@ class FaultInjector:
         """A real CUDA out-of-memory error on a GPU (an allocation no device holds); on a CPU the same
         exception type, raised at the same point."""
         if self.device.type == "cuda":
-            torch.empty(1 << 50, dtype=torch.uint8, device=self.device)  # 1 PiB
+            try:
+                torch.empty(1 << 50, dtype=torch.uint8, device=self.device)  # 1 PiB
+            except torch.OutOfMemoryError as e:  # tagged: an injected OOM is retried, a real one stops the run
+                raise torch.OutOfMemoryError(f"injected out-of-memory at step {step} (train.faults): {e}") from None
         raise torch.cuda.OutOfMemoryError(f"injected out-of-memory at step {step} (train.faults, simulated on CPU)")
 
 
 def failure_callback(sink, run_dir: Optional[str]):
     """A Ray Train callback (it runs in the controller): tells the driver's console that workers failed,
-    and records when, for the chaos benchmark."""
+    and records when, for the chaos benchmark. A worker out of memory ends the run instead of a restart
+    (raytrain/oom.py: the same micro-batch would run out again)."""
     from ray.train import UserCallback
+
+    from minimind_ray.raytrain.oom import stop_on_out_of_memory
 
     class FailureNotice(UserCallback):
         def after_exception(self, run_context, worker_exceptions):
             errors = {r: repr(e)[:500] for r, e in worker_exceptions.items()}
+            try:
+                stop_on_out_of_memory(worker_exceptions)
+            except Exception:
+                self._record(errors)
+                raise
             sink.push.remote({"_error": errors})
+            self._record(errors)
+
+        def _record(self, errors):
             if run_dir:
                 try:
                     write_bytes_atomic(join(join(run_dir, MARKERS), f"detected-{time.time():.3f}.json"),

@@ -106,6 +106,9 @@ class RayHooks(Hooks):
 def train_loop_per_worker(spec: WorkerSpec) -> None:
     import ray.train
 
+    from minimind_ray.raytrain.oom import quiet_out_of_memory_tracebacks
+
+    quiet_out_of_memory_tracebacks()  # an OOM is said in one line by the driver (raytrain/oom.py)
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     state = TrainState.build(spec.cfg, spec.prepared_dir, rank, world, pick_device(spec.use_gpu))

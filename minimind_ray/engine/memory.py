@@ -1,0 +1,184 @@
+"""How much memory one training worker needs, and what to say when it did not have it.
+
+:func:`estimate` adds up, for the model, sequence length, precision and micro-batch of a run, what one
+worker holds at the peak of a micro-step (the start of backward, with AdamW's state from earlier steps):
+
+    parameters      every weight in fp32 (frozen ones too: LoRA's base, DPO/GRPO's reference copy)
+    gradients       4 bytes per trained weight
+    AdamW           8 bytes per trained weight (exp_avg, exp_avg_sq)
+    activations     what autograd saves per token and layer (counted below, per precision)
+    logits          the (tokens x vocab) tensors around the loss: the logits, log_softmax and its gradients
+    runtime         the process itself: torch, Python, the Ray worker (CPU); the CUDA context (GPU)
+
+It is arithmetic on the config (no model is built), so the driver can check a run before any worker
+starts (:func:`minimind_ray.raytrain.oom.warn_if_short`) and suggest a micro-batch after an
+out-of-memory failure (:func:`suggest_micro_batch`). ``tests/unit/test_memory_estimate.py`` holds it
+against the measured peak (``peak_mem_gb``) of CPU runs; under ``torch.compile`` the fused kernels save
+less than eager, so there it is an upper bound.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Dict, Optional
+
+from minimind_ray.config import RunConfig
+
+GiB = float(2 ** 30)
+# What a worker process holds before its first tensor (measured: a CPU Ray Train worker with torch and
+# the engine imported, RSS ~0.45 GiB; CUDA context + cuBLAS workspace ~0.5-1 GiB outside torch's allocator).
+RUNTIME_BYTES = {"cpu": 0.5 * GiB, "cuda": 1.0 * GiB}
+
+
+@dataclass
+class MemoryEstimate:
+    micro_batch_size: int
+    sequences: int  # sequences in one forward (DPO: chosen + rejected; GRPO: completions)
+    seq_len: int
+    precision: str  # what the activations are counted in: fp32 | bf16
+    parts: Dict[str, float] = field(default_factory=dict)  # bytes
+
+    @property
+    def total(self) -> float:
+        return sum(self.parts.values())
+
+    def describe(self) -> str:
+        """'12.3 GiB (parameters 0.10, AdamW 0.21, ...)': one clause for a one-line message."""
+        detail = ", ".join(f"{k} {v / GiB:.2f}" for k, v in self.parts.items())
+        return f"{self.total / GiB:.1f} GiB ({detail})"
+
+
+def _activation_bytes_per_token_layer(c, precision: str) -> float:
+    """Bytes autograd keeps per token and layer, counted from model/minimind.py's eager ops.
+
+    h = hidden, q = heads x head_dim, kv = kv heads x head_dim, I = FFN width (MoE: top-k routed + shared):
+      fp32: residual in/out (2h), each RMSNorm's normalised input and output (4h), q/k projections and
+            their RoPE rotations (2q + 2kv), SDPA's q, repeated k and v, output (4q), o_proj's input (q),
+            logsumexp (nh), SwiGLU's gate, silu, up and product (4I)
+      bf16: the residual stream and the norms stay fp32 (4 x 4h); autocast casts a linear's input per
+            call (q, k, v, gate, up: 5h in bf16); every projection output and SDPA tensor is bf16
+    """
+    h, hs, nh, nkv = c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads
+    q, kv = nh * hs, nkv * hs
+    if c.use_moe:
+        shared = c.n_shared_experts if c.generation == "minimind2" else 0
+        inter = c.num_experts_per_tok * c.moe_intermediate_size + shared * c.intermediate_size
+        moe_extra = 2 * c.num_experts_per_tok * h + c.num_experts  # the slots' permuted inputs and outputs, scores
+    else:
+        inter, moe_extra = c.intermediate_size, 0
+    qk_norm = 2 * (q + kv) if c.qk_norm else 0
+    if precision == "bf16":
+        return 4 * (4 * h + nh) + 2 * (5 * h + 7 * q + 2 * kv + 4 * inter + qk_norm + moe_extra)
+    return 4 * (6 * h + 7 * q + 2 * kv + 4 * inter + nh + qk_norm + moe_extra)
+
+
+def _parameter_counts(c) -> Dict[str, int]:
+    """(all weights, weights of one transformer layer's linears) of a resolved ModelConfig."""
+    h, hs = c.hidden_size, c.head_dim
+    attn = h * hs * (2 * c.num_attention_heads + 2 * c.num_key_value_heads) + (2 * hs if c.qk_norm else 0)
+    if c.use_moe:
+        shared = c.n_shared_experts if c.generation == "minimind2" else 0
+        ffn = c.num_experts * 3 * h * c.moe_intermediate_size + h * c.num_experts + shared * 3 * h * c.intermediate_size
+    else:
+        ffn = 3 * h * c.intermediate_size
+    embed = c.vocab_size * h * (1 if c.tie_word_embeddings else 2)
+    return {"all": embed + c.num_hidden_layers * (attn + ffn + 2 * h) + h, "square_linears": 2 * h * h}
+
+
+def _lora_params(c, cfg: RunConfig) -> int:
+    """Adapter weights: rank x (in + out) per adapted Linear ('square' = q_proj and o_proj when q == h)."""
+    r, h = cfg.train.lora.rank, c.hidden_size
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+              "gate_proj": (h, c.intermediate_size), "up_proj": (h, c.intermediate_size),
+              "down_proj": (c.intermediate_size, h)}
+    chosen = set()
+    for t in cfg.train.lora.targets:
+        if t == "square":
+            chosen |= {n for n, (i, o) in shapes.items() if i == o}
+        else:
+            chosen |= {n for n in shapes if n.endswith(t) or t.endswith(n)}
+    return c.num_hidden_layers * sum(r * (shapes[n][0] + shapes[n][1]) for n in chosen)
+
+
+def activation_precision(cfg: RunConfig, device_type: str) -> str:
+    """What autocast will compute in: train.precision, with 'auto' = bf16 on CUDA (GPUs that have it)."""
+    p = cfg.train.precision
+    return "bf16" if p == "bf16" or (p == "auto" and device_type == "cuda") else "fp32"
+
+
+def estimate(cfg: RunConfig, micro_batch_size: Optional[int] = None, device_type: str = "cpu") -> MemoryEstimate:
+    """One worker's peak memory for ``cfg`` at ``micro_batch_size`` (default: the config's)."""
+    from minimind_ray.model.minimind import resolve_config
+
+    c = resolve_config(cfg.model)
+    t, stage = cfg.train, cfg.train.stage
+    mb = micro_batch_size or t.micro_batch_size
+    seq_len, sequences = cfg.data.max_seq_len, mb
+    if stage == "dpo":
+        sequences = 2 * mb  # chosen and rejected in one forward
+    elif stage == "grpo":
+        sequences, seq_len = mb * t.grpo.num_generations, seq_len + t.grpo.max_gen_len
+    precision = activation_precision(cfg, device_type)
+    n_all = _parameter_counts(c)["all"]
+    trained = _lora_params(c, cfg) if stage == "lora" else n_all
+    frozen_models = 1 if stage == "dpo" or (stage == "grpo" and t.grpo.beta > 0) else 0
+    if stage == "distill":
+        frozen_models = 1  # the teacher, counted at the student's size when no teacher_preset is given
+        if t.distill.teacher_preset:
+            from minimind_ray.model.presets import preset_values
+            from minimind_ray.config import ModelConfig
+
+            teacher = resolve_config(ModelConfig(**preset_values(t.distill.teacher_preset)))
+            frozen_models = _parameter_counts(teacher)["all"] / n_all
+    tokens = sequences * seq_len
+    # logits, log_softmax and two gradients of that size at the start of backward (fp32); bf16 adds
+    # the bf16 logits before .float(). Distillation adds the teacher's logits and the KL's log_softmaxes.
+    per_logit = 12 + (2 if precision == "bf16" else 0) + (16 if stage == "distill" else 0)
+    parts = {
+        "parameters": 4.0 * (n_all + (trained if stage == "lora" else 0) + frozen_models * n_all),
+        "gradients": 4.0 * trained,
+        "AdamW": 8.0 * trained,
+        "activations": float(tokens * c.num_hidden_layers * _activation_bytes_per_token_layer(c, precision)
+                             + tokens * 3 * 4 * c.hidden_size),  # + the final norm and lm_head's input
+        "logits": float(tokens * c.vocab_size * per_logit),
+        "runtime": RUNTIME_BYTES["cuda" if device_type == "cuda" else "cpu"],
+    }
+    return MemoryEstimate(mb, sequences, seq_len, precision, parts)
+
+
+def suggest_micro_batch(cfg: RunConfig, world: int, budget_bytes: float, device_type: str = "cpu") -> Optional[int]:
+    """The largest micro-batch below the config's whose estimate fits ``budget_bytes`` (with 10% slack)
+    and that still splits the global batch (``global = world x micro x accumulation``); None if even 1
+    does not fit. When the estimate says the current micro-batch fits (it was wrong this time), half."""
+    g, current = cfg.train.global_batch_size, cfg.train.micro_batch_size
+    per_rank = g // world if g % world == 0 else g
+    choices = [m for m in range(current - 1, 0, -1) if per_rank % m == 0]
+    if not choices:
+        return None
+    if estimate(cfg, current, device_type).total <= budget_bytes:
+        return next((m for m in choices if m <= current // 2), choices[-1])
+    return next((m for m in choices if estimate(cfg, m, device_type).total <= 0.9 * budget_bytes), None)
+
+
+def batch_fields(cfg: RunConfig) -> str:
+    """The settings that size a micro-batch, for messages."""
+    names = "train.micro_batch_size, data.max_seq_len"
+    if cfg.train.stage == "grpo":
+        names += ", train.grpo.num_generations, train.grpo.max_gen_len"
+    return names
+
+
+def advice(cfg: RunConfig, world: int, budget_bytes: float, device_type: str) -> str:
+    """'lower train.micro_batch_size to 16 (the global batch of 512 stays, by accumulation 32)', or why not."""
+    m = suggest_micro_batch(cfg, world, budget_bytes, device_type)
+    g = cfg.train.global_batch_size
+    if m is None:
+        one = estimate(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch_size=1)), 1,
+                       device_type)
+        return (f"even train.micro_batch_size=1 needs about {one.total / GiB:.1f} GiB by the estimate: lower "
+                f"data.max_seq_len" + (" or train.grpo.max_gen_len" if cfg.train.stage == "grpo" else "")
+                + ", or use machines with more memory")
+    return (f"set train.micro_batch_size={m} (the global batch of {g} stays, by accumulation {g // (world * m)})"
+            + (" or lower train.grpo.num_generations / train.grpo.max_gen_len" if cfg.train.stage == "grpo" else
+               " or lower data.max_seq_len"))
