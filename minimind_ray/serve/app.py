@@ -117,6 +117,7 @@ class ChatServer:
         self.context = min(self.opts.context or served.context, served.context)
         self.engine = Engine(served.model, self.tok.eos_id, self.opts.max_batch, self.context, device)
         self.limit = self.opts.max_batch + self.opts.queued()  # rows running + waiting
+        self.streams = 0  # streamed responses being sent (their chunks coalesce more when there are many)
         self.key_hash = _key_hash(self.opts)
         self.metrics = ServeMetrics(self.name, self.engine.load)
         self.page = PAGE.read_text(encoding="utf-8")
@@ -270,8 +271,8 @@ class ChatServer:
             else:
                 bad = next((t for t in prompt if not 0 <= t < self.tok.vocab_size), None)
                 if bad is not None:
-                    raise APIError(400, f"{param}: token id {bad} is not in the vocabulary (0..{self.tok.vocab_size - 1})",
-                                   param)
+                    raise APIError(400, f"{param}: token id {bad} is not in the vocabulary "
+                                        f"(0..{self.tok.vocab_size - 1})", param)
                 ids, text = list(prompt), self.tok.decode(prompt)
             if not ids:
                 raise APIError(400, f"{param}: no tokens", param)
@@ -291,13 +292,9 @@ class ChatServer:
 
     def _body(self, req, endpoint: str, flight: InFlight):
         """(status, body) of a finished non-streamed request."""
-        failed = [c.error for c in flight.choices if c.error]
-        if failed:
-            timeout = flight.timed_out
-            e = APIError(504 if timeout else 500, f"the request did not finish within {self.opts.request_timeout_s} s"
-                         if timeout else failed[0], None, "timeout" if timeout else None,
-                         type="timeout" if timeout else "server_error")
-            return e.status, e.body()
+        failure = self._failure(flight)
+        if failure is not None:
+            return failure.status, failure.body()
         use = usage(flight.prompt_tokens, sum(c.completion_tokens for c in flight.choices))
         cid, created = new_id("chatcmpl" if endpoint == CHAT else "cmpl")
         if endpoint == CHAT:
@@ -316,8 +313,9 @@ class ChatServer:
         ``[DONE]``."""
         cid, created = new_id("chatcmpl")
         started, sent_lp = set(), [0] * flight.rows
+        self.streams += 1
         try:
-            async for changed in flight.ticks(self.opts.stream_interval_ms / 1000):
+            async for changed in flight.ticks(self._interval):
                 parts = []
                 for c, deltas in changed:
                     delta = _chat_delta(c, deltas)
@@ -336,6 +334,7 @@ class ChatServer:
                     yield chunk("chat.completion.chunk", cid, created, self.name, parts)
             yield self._stream_tail(req, flight, "chat.completion.chunk", cid, created)
         finally:
+            self.streams -= 1
             flight.close()  # no-op when it finished; stops generation if the client left
 
     async def _completion_stream(self, req: CompletionRequest, flight: InFlight) -> AsyncIterator[str]:
@@ -343,8 +342,9 @@ class ChatServer:
         ``echo`` the prompt first), its log-probs and finish reason; optional usage; ``[DONE]``."""
         cid, created = new_id("cmpl")
         sent_lp, offset, begun = [0] * flight.rows, [0] * flight.rows, set()
+        self.streams += 1
         try:
-            async for changed in flight.ticks(self.opts.stream_interval_ms / 1000):
+            async for changed in flight.ticks(self._interval):
                 parts = []
                 for c, deltas in changed:
                     if c.error:
@@ -366,16 +366,30 @@ class ChatServer:
                     yield chunk("text_completion", cid, created, self.name, parts)
             yield self._stream_tail(req, flight, "text_completion", cid, created)
         finally:
+            self.streams -= 1
             flight.close()
+
+    def _failure(self, flight: InFlight) -> Optional[APIError]:
+        """The request's timeout (504) or a failed generation (500, the engine's own error), else None."""
+        failed = [c.error for c in flight.choices if c.error]
+        if not failed:
+            return None
+        if flight.timed_out:
+            return APIError(504, f"the request did not finish within {self.opts.request_timeout_s} s", None,
+                            "timeout", type="timeout")
+        return APIError(500, failed[0], type="server_error")
+
+    def _interval(self) -> float:
+        """Seconds between two chunks of a stream: the interval, longer when the replica serves many streams
+        (each chunk costs CPU in the replica and Serve's proxy that the batch could use)."""
+        base = self.opts.stream_interval_ms / 1000
+        return min(self.opts.stream_interval_max_ms / 1000, base * max(1.0, self.streams / 4))
 
     def _stream_tail(self, req, flight: InFlight, obj: str, cid: str, created: int) -> str:
         """An error event (timeout or a failed generation), or the usage chunk; then ``[DONE]``."""
-        failed = [c.error for c in flight.choices if c.error]
-        if failed:
-            e = APIError(504 if flight.timed_out else 500, f"the request did not finish within "
-                         f"{self.opts.request_timeout_s} s" if flight.timed_out else failed[0], None,
-                         "timeout" if flight.timed_out else None, type="timeout" if flight.timed_out else "server_error")
-            return sse(e.body()) + SSE_DONE
+        failure = self._failure(flight)
+        if failure is not None:
+            return sse(failure.body()) + SSE_DONE
         tail = ""
         if req.include_usage():
             tail = chunk(obj, cid, created, self.name, None,

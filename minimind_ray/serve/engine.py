@@ -21,9 +21,9 @@ Requests talk to the thread through :class:`GenRequest`: ``on_event`` receives `
 first when it asks for its prompt's), then ``("end", finish_reason)`` or ``("error", text)``;
 ``abort(reason)`` (any thread) drops the row at the next step. :meth:`Engine.submit` takes a list of
 requests with one prompt (the ``n`` samples of one API request): they join the batch together as
-``n`` rows after **one** prefill, each with its own generator. Events are handed over once per step: a request with an asyncio ``loop`` gets
-them on that loop, one wake-up per loop and step however many rows it serves (not one per token);
-without a loop ``on_event`` is called on the engine thread.
+``n`` rows after **one** prefill, each with its own generator. Events are handed over once per step:
+a request with an asyncio ``loop`` gets them on that loop, one wake-up per loop and step however many
+rows it serves (not one per token); without a loop ``on_event`` is called on the engine thread.
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from typing import AsyncIterator, List, Optional, Tuple
+from typing import AsyncIterator, Callable, List, Optional, Tuple
 
 from minimind_ray.serve.engine import GenRequest
 from minimind_ray.serve.replies import Choice
@@ -78,15 +78,15 @@ class InFlight:
     def finished(self) -> bool:
         return all(c.done for c in self.choices)
 
-    async def ticks(self, interval_s: float = 0.0) -> AsyncIterator[List[Tuple[Choice, list]]]:
+    async def ticks(self, interval: Optional[Callable[[], float]] = None) -> AsyncIterator[List[Tuple[Choice, list]]]:
         """After each batch of events: ``[(choice, deltas), ...]`` for the choices that changed, at most
-        one batch per ``interval_s`` (the first at once). Ends when every choice is done or the deadline
-        passed (then every unfinished choice has ``error == "timeout"``)."""
+        one batch per ``interval()`` seconds (the first at once; None: as events come). Ends when every
+        choice is done or the deadline passed (then every unfinished choice has ``error == "timeout"``)."""
         last = None
         while not self.finished():
             items = await self.inbox.take()
-            if last is not None and interval_s > 0 and not self.timed_out:
-                wait = last + interval_s - time.monotonic()  # let tokens gather until the interval is up
+            if last is not None and interval is not None and not self.timed_out:
+                wait = last + interval() - time.monotonic()  # let tokens gather until the interval is up
                 if wait > 0:
                     await asyncio.sleep(wait)
                     items += self.inbox.items

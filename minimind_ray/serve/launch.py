@@ -54,6 +54,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-name", help="model id served in /v1/models (default: from WEIGHTS)")
     p.add_argument("--stream-interval-ms", type=float, default=d.stream_interval_ms,
                    help="stream what is new at most this often (default 40; 0 = every token)")
+    p.add_argument("--stream-interval-max-ms", type=float, default=d.stream_interval_max_ms,
+                   help="a busy replica's interval grows with its streams (x streams/4) up to this (default 160)")
     p.add_argument("--cpus-per-replica", type=float, default=d.cpus_per_replica)
     p.add_argument("--threads", type=int, default=None, help="torch threads per replica (default: its CPUs)")
     p.add_argument("--address", help="Ray address to join (default: RAY_ADDRESS, else a local Ray)")

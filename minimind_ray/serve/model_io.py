@@ -40,7 +40,8 @@ from minimind_ray.tracking.runs import resolve_tracking_uri
 # render_prompt (bench).
 
 
-def render_chat(tokenizer: Tokenizer, messages: list, think: Optional[bool] = None, tools: Optional[list] = None) -> str:
+def render_chat(tokenizer: Tokenizer, messages: list, think: Optional[bool] = None,
+                tools: Optional[list] = None) -> str:
     """The chat template with the generation prompt, ``tools`` (OpenAI function schemas) in the system turn
     and the thinking switch (MiniMind2's template reads ``enable_thinking``, minimind-3's ``open_thinking``):
     ``render_prompt`` of ``minimind-ray generate``, plus tools."""

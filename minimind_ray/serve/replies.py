@@ -218,6 +218,7 @@ class Choice:
         self.logprobs: List[tuple] = []  # (token id, logprob, [(id, logprob), ...]) of each reply token
         self.prompt_logprobs: Optional[list] = None  # echo: [(logprob or None, top), ...] per prompt token
         self.final = False  # its last deltas (and finish reason) are out
+        self.echo: Optional[tuple] = None  # completions' echo: (prompt text, prompt ids)
 
     @property
     def done(self) -> bool:

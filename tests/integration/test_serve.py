@@ -40,6 +40,7 @@ KEY = f"test-key-{uuid.uuid4().hex}"  # the guarded app's API key
 GUARD = {"max_batch": 2, "max_queued": 2, "request_timeout_s": 3.0}
 TOOL_MAX_STEPS = 200  # engine-level SFT steps on the tool-call chats at most (about 40-100 suffice)
 SYSTEM = "You are MiniMind, a helpful assistant."  # the demo corpus's tool chats' system turn
+RESULT = json.dumps({"result": 19})  # what the calculator returns for 12 + 7
 
 
 def tool_turn(question):
@@ -65,20 +66,25 @@ def trained(ray_session, mlflow_server, tmp_path_factory):
 
 
 def tool_replies(model, tok):
-    """The greedy replies to a calculator question with the tool offered, and after the tool's result."""
+    """Greedy, as generate runs it: the reply to a calculator question with the tool offered; then, with that
+    reply's first call and the tool's result sent back as a client would, the answer and whether it ended."""
     from minimind_ray.data.demo import CALCULATOR_TOOL
     from minimind_ray.generate import generate_tokens
     from minimind_ray.serve.model_io import render_chat
 
+    def reply(messages):
+        ids = tok.encode(render_chat(tok, messages, tools=[CALCULATOR_TOOL]))
+        out = list(generate_tokens(model, torch.tensor([ids]), 100, temperature=0, eos_token_id=tok.eos_id))
+        return tok.decode(out, skip_special_tokens=True), bool(out) and out[-1] == tok.eos_id
+
     msgs = tool_turn("What is 12 plus 7?")
-    after = msgs + [{"role": "assistant", "content": "", "tool_calls": [{"function": {
-        "name": "calculate", "arguments": '{"expression": "12 + 7"}'}}]}, {"role": "tool", "content": '{"result": 19}'}]
-    out = []
-    for m in (msgs, after):
-        ids = tok.encode(render_chat(tok, m, tools=[CALCULATOR_TOOL]))
-        out.append(tok.decode(list(generate_tokens(model, torch.tensor([ids]), 100, temperature=0,
-                                                   eos_token_id=tok.eos_id)), skip_special_tokens=True))
-    return out
+    first, _ = reply(msgs)
+    calls = calls_in(first)
+    if not calls:
+        return first, "", False
+    answer, ended = reply(msgs + [{"role": "assistant", "content": "", "tool_calls": calls[:1]},
+                                  {"role": "tool", "content": RESULT}])
+    return first, answer, ended
 
 
 def calls_in(text):
@@ -137,9 +143,10 @@ def _train(rows, tok, out, max_steps):
         opt.step()
         model.lm_head = head
         if step >= 40 and step % 20 == 0:
-            call, answer = tool_replies(model.eval(), tok)
-            if len(calls_in(call)) == 1 and "expression" in json.loads(calls_in(call)[0]["function"]["arguments"]) \
-                    and answer.strip() and not calls_in(answer) and "<tool_call>" not in answer:
+            call, answer, ended = tool_replies(model.eval(), tok)
+            calls = calls_in(call)
+            if len(calls) == 1 and "expression" in json.loads(calls[0]["function"]["arguments"]) \
+                    and ended and answer.strip() and "<tool_call>" not in answer:
                 save_pth(model, str(out), dtype=torch.float32)
                 return out, step
     raise AssertionError(f"no well-formed tool call after {max_steps} steps: {tool_replies(model.eval(), tok)}")
@@ -151,9 +158,10 @@ def tool_model(trained, reference, tmp_path_factory):
     from minimind_ray.store.weights import build_inference_model
 
     tok = reference[1]
+    t0, cpu0 = time.monotonic(), time.process_time()
     pth, steps = train_tool_model(tok, Path(trained.run_dir).parents[1] / "data_cache",
                                   tmp_path_factory.mktemp("tool-model") / "tool_tiny.pth")
-    print(f"tool model: {steps} steps")
+    print(f"tool model: {steps} steps, {time.monotonic() - t0:.1f} s ({time.process_time() - cpu0:.1f} CPU s)")
     return build_inference_model(str(pth))[0].eval(), tok, pth
 
 
@@ -417,6 +425,13 @@ def test_completions_take_text_or_token_prompts_and_echo_their_logprobs(served, 
     streamed = "".join(c.choices[0].text for c in client.completions.create(
         model="tiny-sft", prompt=text, max_tokens=12, temperature=0, stream=True) if c.choices)
     assert streamed == got.choices[0].text
+    seeded = dict(model="tiny-sft", prompt=text, max_tokens=12, temperature=1.0, seed=3)
+    assert client.completions.create(**seeded).choices[0].text == client.completions.create(**seeded).choices[0].text
+    full = client.completions.create(model="tiny-sft", prompt=text, max_tokens=24, temperature=0).choices[0].text
+    at = next(i for i in range(1, len(full) - 1) if full.find(full[i:i + 2]) == i)
+    cut = client.completions.create(model="tiny-sft", prompt=text, max_tokens=24, temperature=0,
+                                    stop=[full[at:at + 2]])
+    assert cut.choices[0].text == full[:at] and cut.choices[0].finish_reason == "stop"
     # a log-likelihood: echo the prompt with its tokens' log-probs, and one generated token
     scored = client.completions.create(model="tiny-sft", prompt=[ids], max_tokens=1, temperature=0, echo=True,
                                        logprobs=2)
@@ -435,21 +450,22 @@ def test_completions_take_text_or_token_prompts_and_echo_their_logprobs(served, 
 
 
 def test_chat_logprobs_are_the_models_streamed_or_not(served, reference):
-    model, tok = reference
-    from minimind_ray.generate import render_prompt
+    from minimind_ray.generate import generate_tokens, render_prompt
 
+    model, tok = reference
     msgs = [{"role": "user", "content": PROMPT}]
+    ids = tok.encode(render_prompt(tok, msgs))
+    generated = list(generate_tokens(model, torch.tensor([ids]), 16, temperature=0, eos_token_id=tok.eos_id))
+    ref = model_logprobs(model, ids + generated)
     got = chat(served["client"], msgs, temperature=0, max_tokens=16, logprobs=True, top_logprobs=3)
     content = got.choices[0].logprobs.content
-    assert "".join(e.token for e in content) == got.choices[0].message.content
-    ids = tok.encode(render_prompt(tok, msgs))
-    generated = [tok.encode(e.token)[0] if len(tok.encode(e.token)) == 1 else None for e in content]
-    ref = model_logprobs(model, ids + [t for t in generated if t is not None])
+    assert len(content) == len([t for t in generated if t != tok.eos_id])  # one entry per token but end-of-turn
     for j, e in enumerate(content):
+        assert e.logprob == pytest.approx(float(ref[len(ids) - 1 + j, generated[j]]), abs=1e-4)
         assert len(e.top_logprobs) == 3 and e.top_logprobs[0].logprob == pytest.approx(e.logprob)  # greedy
-        assert bytes(e.bytes).decode("utf-8", "replace") == e.token
-        if None not in generated[:j + 1]:
-            assert e.logprob == pytest.approx(float(ref[len(ids) - 1 + j].max()), abs=1e-4)
+    # the tokens' bytes make the reply (a token may hold part of a character: its text shows U+FFFD, and a
+    # character cut off by max_tokens is not text)
+    assert b"".join(bytes(e.bytes) for e in content).decode("utf-8", "ignore") == got.choices[0].message.content
     stream = chat(served["client"], msgs, temperature=0, max_tokens=16, logprobs=True, top_logprobs=3, stream=True)
     entries = [e for c in stream if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
     assert [(e.token, round(e.logprob, 5)) for e in entries] == [(e.token, round(e.logprob, 5)) for e in content]
@@ -486,7 +502,8 @@ def test_tool_calls_through_the_openai_client(served, tool_model):
     client = served["guarded"]
     msgs = tool_turn("What is 12 plus 7?")
     ids = tok.encode(render_chat(tok, msgs, tools=[CALCULATOR_TOOL]))
-    want = calls_in(tool_replies(model, tok)[0])
+    first, want_answer, _ = tool_replies(model, tok)
+    want = calls_in(first)
     got = client.chat.completions.create(model="tool-tiny", messages=msgs, tools=[CALCULATOR_TOOL], temperature=0,
                                          max_tokens=100)
     choice = got.choices[0]
@@ -497,14 +514,14 @@ def test_tool_calls_through_the_openai_client(served, tool_model):
     assert "expression" in json.loads(call.function.arguments) and not choice.message.content
     # the call and the tool's result go back in: the template renders them, the model answers in text
     history = msgs + [choice.message.model_dump(exclude_none=True),
-                      {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"result": 19})}]
+                      {"role": "tool", "tool_call_id": call.id, "content": RESULT}]
     answer = client.chat.completions.create(model="tool-tiny", messages=history, tools=[CALCULATOR_TOOL],
-                                            temperature=0, max_tokens=40)
+                                            temperature=0, max_tokens=100)
     back = [m for m in history[:2]] + [{"role": "assistant", "content": "", "tool_calls": [
         {"function": {"name": "calculate", "arguments": call.function.arguments}}]}, history[-1]]
     assert answer.usage.prompt_tokens == len(tok.encode(render_chat(tok, back, tools=[CALCULATOR_TOOL])))
     assert answer.choices[0].finish_reason == "stop" and not answer.choices[0].message.tool_calls
-    assert answer.choices[0].message.content.strip()
+    assert answer.choices[0].message.content == want_answer and want_answer.strip()
     stream = client.chat.completions.create(model="tool-tiny", messages=msgs, tools=[CALCULATOR_TOOL], temperature=0,
                                             max_tokens=100, stream=True)
     chunks = [c for c in stream if c.choices]
@@ -693,7 +710,7 @@ def test_the_chat_page_streams_the_greedy_reply_over_two_turns(served, browser, 
     browser.save_screenshot(str(tmp_path / "chat.png"))
 
 
-# --------------------------------------------------------------------------- Prometheus (last: it reads what the others did)
+# --------------------------------------------------------------------------- Prometheus (last: what the others did)
 
 
 def scrape():

@@ -53,9 +53,9 @@ def test_the_docs_table_names_every_field_and_what_the_server_does_with_it():
 
 
 NOT_DEFAULT = {"frequency_penalty": 0.5, "presence_penalty": -1.0, "logit_bias": {"5": 10}, "modalities": ["audio"],
-               "audio": {"voice": "alloy"}, "prediction": {"type": "content", "content": "x"}, "reasoning_effort": "low",
-               "web_search_options": {}, "verbosity": "low", "functions": [{"name": "f"}], "function_call": "auto",
-               "suffix": "the end", "best_of": 3}
+               "audio": {"voice": "alloy"}, "prediction": {"type": "content", "content": "x"},
+               "reasoning_effort": "low", "web_search_options": {}, "verbosity": "low", "functions": [{"name": "f"}],
+               "function_call": "auto", "suffix": "the end", "best_of": 3}
 
 
 @pytest.mark.parametrize("name", sorted(set(REFUSED_CHAT) | set(REFUSED_COMPLETIONS)))
