@@ -139,11 +139,11 @@ def host_memory_per_worker(cfg: RunConfig) -> Optional[Tuple[float, str]]:
     return best
 
 
-def gpu_memory_per_worker(timeout_s: float = 60.0) -> Optional[Tuple[float, str]]:
+def gpu_memory_per_worker(timeout_s: float = 20.0) -> Optional[Tuple[float, str]]:
     """(bytes, how) of one GPU of the cluster, asked of a one-GPU task; None when that does not answer."""
     import ray
 
-    @ray.remote(num_gpus=1, num_cpus=0)
+    @ray.remote(num_gpus=1, num_cpus=0, max_calls=1)  # its process exits after: no idle CUDA context left behind
     def gpu_total() -> Tuple[float, str]:
         import torch
 
