@@ -150,3 +150,21 @@ def test_a_refused_host_allocation_is_read_from_torch_itself():
         torch.empty(2 * (info["MemTotal"] + info.get("SwapTotal", 0)), dtype=torch.uint8)
     seen = read_oom(str(e.value))
     assert seen.source == "host allocator" and seen.requested == 2 * (info["MemTotal"] + info.get("SwapTotal", 0))
+
+
+def test_an_injected_oom_is_retried_and_a_real_one_is_found_inside_its_wrappers():
+    """What the controller's failure callback decides on (raytrain/oom.py:find_oom, no Ray needed): the
+    ``oom`` of train.faults fires once and is retried like any fault; a real one, however wrapped, stops."""
+    from minimind_ray.raytrain.oom import find_oom
+
+    injected = torch.OutOfMemoryError("injected out-of-memory at step 2 (train.faults, simulated on CPU)")
+    assert find_oom(injected)[0].injected
+    assert find_oom(torch.OutOfMemoryError("injected out-of-memory at step 2 (train.faults): " + CUDA_OOM))[0].injected
+    wrapper = RuntimeError("Training failed due to worker errors")
+    wrapper.__cause__ = torch.OutOfMemoryError(CUDA_OOM)
+    seen, text = find_oom(wrapper)
+    assert (seen.where, seen.injected, seen.total) == ("gpu", False, 79.15 * GiB) and text == CUDA_OOM
+    monitor = RuntimeError("A worker health check failed.")
+    monitor.health_check_failure = RuntimeError(RAY_OOM)  # how Ray Train wraps a worker the monitor killed
+    assert find_oom(monitor)[0].source == "memory monitor"
+    assert find_oom(RuntimeError("boom")) is None
