@@ -52,6 +52,11 @@ def print_run_summary(res) -> None:
         lines.append(f"MLflow run id:   {res.mlflow_run_id}  (tracking URI {res.tracking_uri})")
         if res.tracking_uri and res.tracking_uri.startswith("sqlite:///"):
             lines.append(f"MLflow UI:       make ui   (or: mlflow ui --backend-store-uri {res.tracking_uri} --host 127.0.0.1)")
+        from minimind_ray.tracking.runs import run_page_url
+
+        page = run_page_url(res.tracking_uri, res.mlflow_run_id)
+        if page:  # the 'Model training' view: MLflow 3's UI opens in its GenAI view unless told
+            lines.append(f"MLflow run page: {page}")
     print("\n".join(redact(line) for line in lines))  # a URI's credentials are never printed
 
 

@@ -84,7 +84,9 @@ class ProgressPrinter(threading.Thread):
             desc = f"ep {m.get('epoch', 0)} reward {m['reward']:.4f}"
             if "reward_exact_answer" in m:
                 desc += f" exact {m['reward_exact_answer']:.4f}"
-            return desc + f" kl {m['kl']:.4f}" * ("kl" in m) + f" tok/s {m.get('tokens_per_s', 0):,.0f}"
+            if "kl" in m:
+                desc += f" kl {m['kl']:.4f}"
+            return desc + f" tok/s {m.get('tokens_per_s', 0):,.0f}"
         desc = f"ep {m.get('epoch', 0)} loss {m.get('loss', float('nan')):.4f} tok/s {m.get('tokens_per_s', 0):,.0f}"
         if "eval_loss" in m:
             desc += f" eval {m['eval_loss']:.4f}"

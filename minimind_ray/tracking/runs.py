@@ -285,6 +285,21 @@ def _log_tags(client, run_id: str, tags: Dict[str, str]) -> None:
         client.log_batch(run_id, tags=items[i:i + _MAX_PARAMS_PER_BATCH])
 
 
+def run_page_url(uri: Optional[str], run_id: str, ui: str = "http://127.0.0.1:5000", timeout_s: float = 5.0) -> Optional[str]:
+    """The run's metrics page in the MLflow UI, in its 'Model training' view (MLflow 3.17's UI starts in its GenAI view
+    whatever the experiment's kind; ``?workflowType=machine_learning`` opens the other). ``ui``: where ``make ui``
+    serves a sqlite store; an http tracking URI is its own UI. None when the run cannot be read."""
+    if not uri:
+        return None
+    base = uri.rstrip("/") if uri.startswith(("http://", "https://")) else ui
+    try:
+        with _short_http(timeout_s):
+            exp = _client(uri).get_run(run_id).info.experiment_id
+    except Exception:  # noqa: BLE001 - a link is a convenience
+        return None
+    return redact(f"{base}/#/experiments/{exp}/runs/{run_id}/model-metrics?workflowType=machine_learning")
+
+
 def set_tags(uri: str, run_id: str, tags: Dict[str, str], timeout_s: float = 10.0) -> None:
     """Tag a run from outside its rank 0 (an evaluation task); never raises, a failure is logged."""
     try:

@@ -32,3 +32,4 @@ def test_an_rl_run_shows_its_reward_not_its_loss():
     assert line == "ep 0 reward 0.4375 exact 0.2500 kl 0.0031 tok/s 1,000"
     assert "loss" not in line
     assert ProgressPrinter.describe(_m(5)).startswith("ep 0 loss 2.0000 ")
+    assert ProgressPrinter.describe({**_m(5), "reward": 0.5}) == "ep 0 reward 0.5000 tok/s 1,000"  # beta 0: no kl
