@@ -18,7 +18,10 @@ replica, proxy, controller and other Ray processes it started; a figure the mach
 disturbs much less than tokens/s). A second table splits the Serve rows' CPU by process.
 
 Usage:  .venv/bin/python bench/bench_serve.py [--weights RUN|PTH] [--tokenizer T] [--preset demo]
-        [--clients 1,4,16] [--requests 32] [--max-tokens 64] [--threads 1]
+        [--clients 1,4,16] [--requests 32] [--max-tokens 64] [--threads 1] [--stream-interval-ms MS]
+        [--serve-env NAME=VALUE ...]
+The machine's load average is printed beside the rows (a shared machine's other work shows there);
+``--serve-env`` sets environment variables of the Ray processes (Serve's own switches, for experiments).
 Without --weights: a freshly initialised model of --preset (the demo model's size by default) and
 the built-in tokenizer. Speed does not depend on what the weights learned.
 """
@@ -201,9 +204,15 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads, both sides")
     ap.add_argument("--max-batch", type=int, default=16)
     ap.add_argument("--stream-interval-ms", type=float, default=None, help="the server's (default: its default)")
+    ap.add_argument("--serve-env", action="append", default=[], metavar="NAME=VALUE",
+                    help="environment of the Ray processes (e.g. RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0)")
     ap.add_argument("--json", help="also write the rows here")
     args = ap.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    for kv in args.serve_env:  # before Ray starts: its processes inherit this environment
+        name, _, value = kv.partition("=")
+        os.environ[name] = value
+    loads = {"start": os.getloadavg()[0]}
 
     import torch
 
@@ -242,6 +251,7 @@ def main(argv=None) -> int:
     for n in clients:
         rows.append(measured(f"engine alone, {n} at a time", engine_alone, served, prompt_ids, args.max_tokens, n)[0])
     del served
+    loads["before serve"] = os.getloadavg()[0]
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -275,17 +285,22 @@ def main(argv=None) -> int:
 
         serve.shutdown()
         ray.shutdown()
+    loads["after serve"] = os.getloadavg()[0]
     # the same one-by-one run again: on a shared machine the load drifts, so the ratio uses both
     served = load_served_model(weights, tokenizer=tokenizer)
     rows.append(measured("one-by-one, again", one_by_one, served, prompt_ids, args.max_tokens)[0])
 
+    loads["end"] = os.getloadavg()[0]
     base = (rows[0]["tok_per_s"] + rows[-1]["tok_per_s"]) / 2
+    print(f"\nload average (1 min): " + ", ".join(f"{k} {v:.1f}" for k, v in loads.items())
+          + (f"; serve env: {' '.join(args.serve_env)}" if args.serve_env else ""))
     print("\n| mode | tokens/s | vs one-by-one (mean of both) | TTFT p50 ms | TTFT p99 ms | inter-token p50 ms | "
-          "CPU s per 1000 tokens |")
-    print("|---|---|---|---|---|---|---|")
+          "CPU s per 1000 tokens | tokens per CPU s |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['mode']} | {r['tok_per_s']:.0f} | {r['tok_per_s'] / base:.2f}x | {r['ttft_p50_ms']:.1f} | "
-              f"{r['ttft_p99_ms']:.1f} | {r['itl_p50_ms']:.2f} | {r['cpu_s_per_1k']:.2f} |")
+              f"{r['ttft_p99_ms']:.1f} | {r['itl_p50_ms']:.2f} | {r['cpu_s_per_1k']:.2f} | "
+              f"{1000 / r['cpu_s_per_1k']:.0f} |")
     roles = ["replica", "proxy", "client", "controller", "other ray"]
     print(f"\nCPU seconds per 1000 generated tokens, by process (wall seconds x {os.cpu_count()} cores = available):")
     print("| mode | " + " | ".join(roles) + " | total | available |")
