@@ -154,6 +154,7 @@ class CheckpointConfig:
                                            "eval/<task>/acc (eval.tasks) or loss; None = the newest")
     score_order: str = _f("max", "max | min: which end of score_metric is best")
     storage_path: str = _f("runs", "local directory or URI (s3://, gs://) of run storage; shared by all nodes on a cluster")
+    preemption_check_interval: Optional[int] = _f(None, "optimizer steps between asks for a drain notice (ray.train.get_preemption_info, a barrier of the ranks); on one, every rank checkpoints that step and waits for Ray Train's restart, so no step is lost (docs/reliability.md). None = every train.log_interval, 0 = never", ge=0)
 
 
 @dataclass

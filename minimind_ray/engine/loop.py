@@ -36,6 +36,15 @@ class Hooks:
     def on_checkpoint(self, step: int, metrics: Dict[str, Any]) -> None:
         """A checkpoint is due after this step (``state.save`` writes this rank's part)."""
 
+    def preemption_notice(self, step: int) -> bool:
+        """After the step, on every rank, the same answer everywhere: is a node of this run about to be taken away
+        (raytrain/preemption.py asks Ray)? True: this step is logged and checkpointed, then on_preempted, then
+        the loop ends, so a restart from that checkpoint loses no step."""
+        return False
+
+    def on_preempted(self, step: int) -> None:
+        """The checkpoint of this step is saved after a notice (the Ray worker waits here for Ray Train's restart)."""
+
 
 def schedule(cfg, step: int, total_steps: int, has_eval: bool) -> Tuple[bool, bool, bool]:
     """(log, checkpoint, evaluate) at this step. A step whose checkpoint is validated is a checkpoint step."""
@@ -72,6 +81,9 @@ def run(state: TrainState, hooks: Optional[Hooks] = None) -> None:
         meter.add(out, data_wait)
 
         is_log, is_ckpt, is_eval = schedule(cfg, step, state.total_steps, has_eval)
+        preempted = hooks.preemption_notice(step)  # a drain notice: log and checkpoint this step, then stop
+        if preempted:
+            is_log = is_ckpt = True
         if not (is_log or is_ckpt or is_eval):
             continue
         metrics = meter.reduce(world=state.world, device=state.device, step=step, total_steps=state.total_steps,
@@ -90,4 +102,7 @@ def run(state: TrainState, hooks: Optional[Hooks] = None) -> None:
         meter.reset()
         if is_ckpt:
             hooks.on_checkpoint(step, metrics)
+        if preempted:
+            hooks.on_preempted(step)
+            break
     stream.close()

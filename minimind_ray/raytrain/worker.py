@@ -13,6 +13,7 @@ from minimind_ray.engine import Hooks, TrainState, run
 from minimind_ray.config import validation_due
 from minimind_ray.fsio import filesystem
 from minimind_ray.raytrain.faults import FaultInjector, SampleLog
+from minimind_ray.raytrain.preemption import PreemptionCheck
 from minimind_ray.raytrain.spec import WorkerSpec
 from minimind_ray.store.checkpoint import StoredCheckpoint, choose_restore, open_checkpoint
 from minimind_ray.tracking.names import metric_name
@@ -60,6 +61,16 @@ class RayHooks(Hooks):
 
             self.logger = RunLogger(spec.tracking_uri, run_id, timeout_s=cfg.tracking.timeout_s,
                                     system_metrics=cfg.tracking.system_metrics)
+        self.preemption = PreemptionCheck(cfg, spec.run_dir, rank, state.total_steps)
+
+    # -- checkpoint on preemption (raytrain/preemption.py): ask Ray every few steps, checkpoint, hold
+    def preemption_notice(self, step):
+        return self.preemption.due(step)
+
+    def on_preempted(self, step):
+        if self.logger is not None:  # the notice's checkpoint already waited for the queue; send what is left
+            self.logger.flush(timeout_s=self.spec.cfg.tracking.timeout_s)
+        self.preemption.hold(step)  # returns never: Ray Train restarts the group from this step's checkpoint
 
     def before_step(self, step):
         self.faults.before_step(step)
@@ -69,8 +80,12 @@ class RayHooks(Hooks):
         self.faults.after_batches(step)
 
     def on_metrics(self, step, metrics, per_step_loss, is_checkpoint):
+        if self.spec.report_every_eval and "eval_loss" in metrics and not is_checkpoint:
+            self._report_eval(step, metrics)  # every rank: a report is a barrier (a sweep's trials, raytrain/sweep.py)
         if self.state.rank != 0:
             return
+        if self.preemption.asks:  # what asking Ray for a drain notice costs, in ms per ask (bench/bench_preemption.py)
+            metrics["perf/preemption_ask_ms"] = 1000 * self.preemption.ask_seconds / self.preemption.asks
         if self.spec.progress_sink is not None:  # fire-and-forget: the driver's console view
             self.spec.progress_sink.push.remote({**metrics, "checkpoint": is_checkpoint})
         if self.logger is not None:  # grouped names (tracking/names.py): train/, eval/, rl/, perf/, sys/
@@ -79,6 +94,12 @@ class RayHooks(Hooks):
                 self.logger.log_metrics({metric_name("loss", stage): loss}, step=s)
             self.logger.log_metrics({metric_name(k, stage): v for k, v in metrics.items() if k not in ("loss", "step")},
                                     step=step)
+
+    def _report_eval(self, step, metrics):
+        """An eval step between checkpoints: its score to Ray Train's report callbacks (Tune's ASHA), no checkpoint."""
+        import ray.train
+
+        ray.train.report({k: metrics[k] for k in ("step", "epoch", "loss", "eval_loss") if k in metrics})
 
     def on_checkpoint(self, step, metrics):
         import ray.train

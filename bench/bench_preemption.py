@@ -1,0 +1,180 @@
+"""Checkpoint on preemption, measured (docs/reliability.md, "Preemption"): not a test.
+
+Part ``cost``: what asking Ray for a drain notice costs a training step. The same tiny run (2 workers, local Ray)
+with ``checkpoint.preemption_check_interval`` = 1 (an ask after every step), the default (every train.log_interval)
+and 0 (never), alternated --repeats times; the table gives the median step time of each, the mean ask's latency
+(``ray.train.get_preemption_info``, a barrier of the ranks through Ray Train's synchronization actor; MLflow metric
+perf/preemption_ask_ms) and the per-step cost it implies at each cadence.
+
+Part ``drain``: a cluster/local cluster (head + 2 worker nodes, one trainslot each), the tiny run elastic 1..2
+workers, Ray's default watcher poll (5 s) unless --poll-s; when step --at is trained, worker node 2 is drained with
+a deadline of --deadline-s (``ray drain-node``, as cluster/spot/notice_watcher.py would). It reports: drain -> the
+ranks see the notice -> the notice's checkpoint saved -> the group restarted -> the first step after, the steps
+lost, and the final weights against the same run without a drain.
+
+    .venv/bin/python bench/bench_preemption.py --part cost --steps 60 --repeats 3
+    .venv/bin/python bench/bench_preemption.py --part drain --deadline-s 30
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def _load() -> str:
+    return f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
+
+
+def cost(args) -> None:
+    import ray
+    from mlflow.tracking import MlflowClient
+
+    from minimind_ray.config import load_config
+    from minimind_ray.raytrain.driver import run
+
+    tmp = Path(tempfile.mkdtemp(prefix="mmr-bench-preempt-"))
+    uri = f"sqlite:///{tmp}/mlflow.db"
+    ray.init(num_cpus=4, include_dashboard=True, dashboard_host="127.0.0.1", log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
+    cadences = {"every step": 1, f"every log interval ({args.log_interval})": None, "never": 0}
+    rows = {k: [] for k in cadences}
+    asks = {k: [] for k in cadences}
+    client = MlflowClient(uri)
+    for rep in range(args.repeats):
+        for label, every in cadences.items():
+            cfg = load_config("pipelines/configs/tiny.yaml", [
+                f"name=cost-{rep}-{every}", f"train.max_steps={args.steps}", f"train.log_interval={args.log_interval}",
+                f"checkpoint.interval={args.steps}", f"checkpoint.storage_path={tmp}/runs",
+                f"data.cache_dir={tmp}/cache", f"tracking.uri={uri}",
+                f"checkpoint.preemption_check_interval={'null' if every is None else every}"])
+            res = run(cfg)
+            times = [m.value for m in client.get_metric_history(res.mlflow_run_id, "perf/step_time_s")]
+            rows[label].append(statistics.median(times[1:] or times))  # the first interval holds the warm-up
+            asks[label] += [m.value for m in client.get_metric_history(res.mlflow_run_id, "perf/preemption_ask_ms")]
+    ray.shutdown()
+    off = statistics.median(rows["never"])
+    ask_ms = statistics.median(asks["every step"]) if asks["every step"] else float("nan")
+    print(f"\nPreemption check, tiny preset, 2 workers, {args.steps} steps x {args.repeats} alternated runs; {_load()}")
+    print("| cadence | median step time (ms) | vs never | mean ask (ms) | per-step cost at this cadence |")
+    print("|---|---|---|---|---|")
+    for label, every in cadences.items():
+        step = statistics.median(rows[label])
+        n = 1 if every == 1 else (args.log_interval if every is None else 0)
+        mean_ask = statistics.median(asks[label]) if asks[label] else 0.0
+        per = f"{mean_ask / n:.2f} ms = {mean_ask / n / (off * 1000):.2%} of a step" if n else "0"
+        print(f"| {label} | {step * 1000:.1f} | {step / off:.3f}x | {mean_ask:.2f} | {per} |")
+    print(f"(one ask: {ask_ms:.2f} ms median over the every-step runs)")
+
+
+def drain(args) -> None:
+    sys.path.insert(0, str(REPO / "tests" / "integration"))
+    import torch
+
+    from local_cluster import RAY_BIN, _free_base, _sh  # the tests' helpers for cluster/local
+
+    from minimind_ray.store.checkpoint import MODEL, checkpoints_in
+
+    state = tempfile.mkdtemp(prefix="mmrb", dir="/tmp")
+    tmp = Path(tempfile.mkdtemp(prefix="mmr-bench-drain-"))
+    env = dict(os.environ, RAY_BIN=str(RAY_BIN), RAY_health_check_period_ms="500", RAY_health_check_timeout_ms="1000",
+               RAY_health_check_failure_threshold="4", RAY_health_check_initial_delay_ms="1000")
+    if args.poll_s:
+        env["RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S"] = str(args.poll_s)
+    env.pop("RAY_ADDRESS", None)
+    base = _free_base(2)
+    t = time.monotonic()
+    r = _sh("start.sh", "2", "--state-dir", state, "--port", str(base), "--head-cpus", "2", "--worker-cpus", "1",
+            env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    print(f"cluster start: {time.monotonic() - t:.0f}s")
+
+    def driver(name, *extra):
+        samples = tmp / "samples" / name
+        cmd = [sys.executable, "-m", "pipelines.pretrain", "--config", "pipelines/configs/tiny.yaml", f"name={name}",
+               f"train.max_steps={args.steps}", "checkpoint.interval=10", "train.log_interval=2",
+               f"checkpoint.storage_path={tmp}/runs", f"data.cache_dir={tmp}/cache", "tracking.enabled=false",
+               f"train.sample_log_dir={samples}", f"cluster.address=127.0.0.1:{base}", "cluster.num_workers=2",
+               "cluster.min_workers=1", "cluster.worker_resource=trainslot", "cluster.resource_timeout_s=5", *extra]
+        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=open(tmp / f"{name}.log", "w"),
+                                stderr=subprocess.STDOUT), samples
+
+    def lines(samples):
+        f = samples / "rank0.jsonl"
+        out = []
+        for x in f.read_text().splitlines() if f.exists() else []:
+            try:
+                out.append(json.loads(x))
+            except ValueError:
+                pass
+        return out
+
+    try:
+        twin, _ = driver("twin")
+        assert twin.wait(timeout=900) == 0, (tmp / "twin.log").read_text()[-3000:]
+        p, samples = driver("drained", f"train.faults=[{args.at + 1}:slow:0:{args.stall_s}]")
+        while not any(x["step"] >= args.at for x in lines(samples)):
+            assert p.poll() is None, (tmp / "drained.log").read_text()[-3000:]
+            time.sleep(0.05)
+        with __import__("urllib.request").request.urlopen(f"http://127.0.0.1:{base + 1}/api/v0/nodes?limit=100") as f:
+            nodes = json.loads(f.read())["data"]["result"]["result"]
+        node = next(n["node_id"] for n in nodes if n.get("node_name") == "w2" and n.get("state") == "ALIVE")
+        t_drain = time.time()
+        subprocess.run([str(RAY_BIN), "drain-node", "--address", f"127.0.0.1:{base}", "--node-id", node,
+                        "--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "bench",
+                        "--deadline-remaining-seconds", str(args.deadline_s)], env=env, check=True)
+        t_accepted = time.time()
+        assert p.wait(timeout=900) == 0, (tmp / "drained.log").read_text()[-3000:]
+        (marker,) = (tmp / "runs" / "drained" / ".preemption").glob("step-*.json")
+        notice = json.loads(marker.read_text())
+        after = [x for x in lines(samples) if x["attempt"] == notice["step"]]
+        first_after = min(x["t"] for x in after) if after and "t" in after[0] else None
+        trained_before = max(x["step"] for x in lines(samples) if x["attempt"] == 0)
+        w = torch.load(Path(dict(checkpoints_in(tmp / "runs" / "drained"))[args.steps]) / MODEL, weights_only=True)
+        w0 = torch.load(Path(dict(checkpoints_in(tmp / "runs" / "twin"))[args.steps]) / MODEL, weights_only=True)
+        diff = max((w[k] - w0[k]).abs().max().item() for k in w)
+        print(f"\nDrain of worker node 2 at step {args.at}, deadline {args.deadline_s}s, watcher poll "
+              f"{args.poll_s or 5}s; tiny preset, elastic 1..2 workers, {args.steps} steps; {_load()}")
+        print("| event | seconds after the drain |")
+        print("|---|---|")
+        print(f"| `ray drain-node` returned (accepted) | {t_accepted - t_drain:.1f} |")
+        print(f"| the ranks saw the notice (step {notice['step']}) | {notice['noticed_at'] - t_drain:.1f} |")
+        print(f"| the notice's checkpoint saved and reported | {notice['checkpointed_at'] - t_drain:.1f} |")
+        if first_after:
+            print(f"| the first step after the restart (1 worker) | {first_after - t_drain:.1f} |")
+        print(f"steps lost: {trained_before - notice['step']} (trained up to {trained_before}, restored "
+              f"{notice['step']}); final weights vs the undrained twin: max|diff| {diff:.1e}")
+    finally:
+        _sh("stop.sh", "--state-dir", state, "--timeout", "10", env=env, timeout=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--part", choices=("cost", "drain", "both"), default="both")
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--log-interval", type=int, default=10)
+    ap.add_argument("--at", type=int, default=15, help="drain: the step after which node 2 is drained")
+    ap.add_argument("--stall-s", type=float, default=0.0, help="drain: rank 0 stalls this long after --at "
+                                                                "(0: none; the run must outlast the notice)")
+    ap.add_argument("--deadline-s", type=int, default=30)
+    ap.add_argument("--poll-s", type=float, default=0.0, help="drain: RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S (0: Ray's 5)")
+    args = ap.parse_args()
+    os.chdir(REPO)
+    if args.part in ("cost", "both"):
+        cost(args)
+    if args.part in ("drain", "both"):
+        drain(args)
+
+
+if __name__ == "__main__":
+    main()
