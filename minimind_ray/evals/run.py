@@ -40,10 +40,12 @@ def encode_items(items: list, tokenizer, kind: str) -> list:
     return [encode_question(tokenizer, it.context, it.continuations) for it in items]
 
 
-def make_batches(encoded: list, kind: str, batch_size: int) -> List[List[int]]:
-    """Item indices in batches, longest contexts first (less padding, and the slowest batches start first)."""
+def make_batches(encoded: list, kind: str, batch_size: int, subjects: Optional[List[str]] = None) -> List[List[int]]:
+    """Item indices in batches, a subject at a time (its few-shot prompts share their prefix: scoring.choice_logprobs
+    computes it once per batch), longest contexts first (less padding, and the slowest batches start first)."""
     length = (lambda i: len(encoded[i])) if kind == "gen" else (lambda i: len(encoded[i][0]))
-    order = sorted(range(len(encoded)), key=lambda i: (-length(i), i))
+    subject = (lambda i: subjects[i]) if subjects else (lambda i: "")
+    order = sorted(range(len(encoded)), key=lambda i: (subject(i), -length(i), i))
     return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
 
 
@@ -136,7 +138,7 @@ def evaluate_task(weights: str, task: EvalTaskConfig, *, preset: Optional[str] =
     t0 = time.perf_counter()
     items, bad = load_items(task, tok)
     encoded = encode_items(items, tok, task.task)
-    batches = make_batches(encoded, task.task, task.batch_size)
+    batches = make_batches(encoded, task.task, task.batch_size, [getattr(it, "subject", "") for it in items])
     jobs = [[encoded[i] for i in b] for b in batches]
     if workers:
         from minimind_ray.evals.parallel import score_on_ray

@@ -51,9 +51,28 @@ def _left_pad(rows: List[List[int]], pad_id: int, device) -> Tuple[torch.Tensor,
     return ids.to(device), mask.to(device)
 
 
+SHARED_PREFIX_MIN = 64  # tokens: a batch whose contexts share at least this many computes them once (few-shot)
+
+
+def common_prefix(rows: List[List[int]]) -> List[int]:
+    """The longest list of tokens every row starts with."""
+    first = rows[0]
+    n = min(len(r) for r in rows)
+    for r in rows[1:]:
+        i = 0
+        while i < n and r[i] == first[i]:
+            i += 1
+        n = i
+    return first[:n]
+
+
 @torch.no_grad()
 def choice_logprobs(model, batch: List[Encoded], pad_id: int = 0, device="cpu", autocast=None) -> List[List[float]]:
-    """For each question of ``batch``, the summed log p of each choice's continuation given its context."""
+    """For each question of ``batch``, the summed log p of each choice's continuation given its context.
+
+    When the batch's contexts share a long prefix (a subject's description and k shots: most of a few-shot
+    prompt), that prefix is computed once for the batch and each question only adds its own tokens
+    (:func:`_shared_prefix_logprobs`); otherwise the contexts run as one left-padded batch."""
     limit = model.cfg.max_position_embeddings
     longest = max(len(c) for _, conts in batch for c in conts)
     if any(len(c) == 0 for _, conts in batch for c in conts):
@@ -62,18 +81,17 @@ def choice_logprobs(model, batch: List[Encoded], pad_id: int = 0, device="cpu", 
     was_training = model.training
     model.eval()
     try:
+        shared = common_prefix(contexts)[:min(len(c) for c in contexts) - 1]  # every context keeps a token of its own
+        if len(batch) > 1 and len(shared) >= SHARED_PREFIX_MIN:
+            with (autocast or contextlib.nullcontext)():
+                return _shared_prefix_logprobs(model, shared, [(c, conts) for c, (_, conts) in zip(contexts, batch)],
+                                               pad_id, device)
         with (autocast or contextlib.nullcontext)():
             ids, mask = _left_pad(contexts, pad_id, device)  # (Q, P)
             out = model(ids, use_cache=True, attention_mask=mask)
             first = F.log_softmax(out.logits[:, -1].float(), dim=-1)  # (Q, V): predicts each continuation's 1st token
             owner = torch.tensor([q for q, (_, conts) in enumerate(batch) for _ in conts], device=ids.device)  # (N,)
-            conts = [c for _, cs in batch for c in cs]
-            width = max(len(c) for c in conts)
-            cont_ids = torch.full((len(conts), width), pad_id, dtype=torch.long, device=ids.device)  # (N, L)
-            cont_mask = torch.zeros_like(cont_ids)
-            for i, c in enumerate(conts):
-                cont_ids[i, :len(c)] = torch.tensor(c, dtype=torch.long)
-                cont_mask[i, :len(c)] = 1
+            cont_ids, cont_mask = _continuations([c for _, cs in batch for c in cs], pad_id, ids.device)  # (N, L)
             past = [(k.index_select(0, owner), v.index_select(0, owner)) for k, v in out.past_key_values]
             full_mask = torch.cat([mask.index_select(0, owner), cont_mask], dim=1)  # (N, P + L)
             rest = model(cont_ids, past_key_values=past, attention_mask=full_mask).logits.float()  # (N, L, V)
@@ -87,6 +105,35 @@ def choice_logprobs(model, batch: List[Encoded], pad_id: int = 0, device="cpu", 
         out_rows.append(sums[i:i + len(cs)])
         i += len(cs)
     return out_rows
+
+
+def _continuations(conts: List[List[int]], pad_id: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The choices' continuation ids (N, L), right-padded with ``pad_id``, and their mask."""
+    width = max(len(c) for c in conts)
+    ids = torch.full((len(conts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, c in enumerate(conts):
+        ids[i, :len(c)] = torch.tensor(c, dtype=torch.long)
+        mask[i, :len(c)] = 1
+    return ids.to(device), mask.to(device)
+
+
+def _shared_prefix_logprobs(model, shared: List[int], batch: List[Encoded], pad_id: int, device) -> List[List[float]]:
+    """The few-shot path of :func:`choice_logprobs`: the shared prefix once (one row, with the KV cache), then per
+    question its own tokens after that cache, then its choices as rows that share the question's cache."""
+    pre = model(torch.tensor([shared], device=device), use_cache=True).past_key_values
+    out = []
+    for ctx, conts in batch:
+        own = model(torch.tensor([ctx[len(shared):]], device=device), past_key_values=pre, use_cache=True)
+        first = F.log_softmax(own.logits[0, -1].float(), dim=-1)  # predicts each continuation's first token
+        ids, mask = _continuations(conts, pad_id, device)
+        n, S = ids.shape[0], len(ctx)
+        past = [(k.expand(n, -1, -1, -1), v.expand(n, -1, -1, -1)) for k, v in own.past_key_values]
+        full_mask = torch.cat([torch.ones((n, S), dtype=mask.dtype, device=mask.device), mask], dim=1)
+        rest = model(ids, past_key_values=past, attention_mask=full_mask).logits.float()  # (n, L, V)
+        logp = torch.cat([first.expand(n, -1).unsqueeze(1), F.log_softmax(rest[:, :-1], dim=-1)], dim=1)
+        out.append((logp.gather(-1, ids.unsqueeze(-1)).squeeze(-1) * mask).sum(dim=1).double().tolist())
+    return out
 
 
 @torch.no_grad()
@@ -123,7 +170,7 @@ def score_batch(model, task: EvalTaskConfig, encoded_batch: list, batch_index: i
                 device, autocast=None):
     """What one batch returns: each question's choice log-probs (mc), or the greedy and sampled completions
     (gen). The batch's sampling seed is derived from the task's seed and the batch's index alone."""
-    if task.task == "gen":
+    if task.task in ("gen", "toolcall"):
         return generate_batch(model, encoded_batch, max_new_tokens=task.max_new_tokens, samples=task.samples,
                               temperature=task.temperature, top_p=task.top_p, top_k=task.top_k, eos_id=eos_id,
                               pad_id=pad_id, seed=task.seed * 1_000_003 + batch_index, device=device,

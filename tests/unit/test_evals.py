@@ -224,3 +224,26 @@ def test_a_gen_task_scores_exact_answers(tmp_path, weights, model, tok):
                         tokenizer=str(TOKENIZER))
     assert [d["greedy_correct"] for d in res["details"]] == [True, True, False]
     assert res["greedy_acc"] == pytest.approx(2 / 3) and res["k"] == 4 and 0 <= res["pass@1"] <= res["pass@k"] <= 1
+
+
+def test_a_shared_few_shot_prefix_is_computed_once_and_scores_as_the_plain_batch(model, tok, monkeypatch):
+    """Contexts that share a long prefix (k shots) take the few-shot path: the same log-likelihoods as one full
+    forward per choice, and the prefix's tokens go through the model once, not once per question."""
+    from minimind_ray.evals import scoring
+
+    shots = "".join(f"Question: {i} plus {i}?\nAnswer: {2 * i}\n\n" for i in range(12))
+    questions = [(shots + f"Question: {q}?\nAnswer:", [" yes", " no", " maybe not"]) for q in ("sky", "sea", "a b c")]
+    batch = [encode_question(tok, c, conts) for c, conts in questions]
+    assert len(scoring.common_prefix([c for c, _ in batch])) >= scoring.SHARED_PREFIX_MIN
+    seen = []
+    forward = type(model).forward
+    monkeypatch.setattr(type(model), "forward", lambda self, ids, *a, **k: seen.append(ids.numel()) or forward(
+        self, ids, *a, **k))
+    got = choice_logprobs(model, batch, pad_id=tok.pad_id)
+    monkeypatch.undo()
+    assert sum(seen) < sum(len(c) for c, _ in batch)  # fewer tokens than the contexts hold, choices included
+    for (ctx, conts), row in zip(batch, got):
+        for cont, value in zip(conts, row):
+            logp = F.log_softmax(model(torch.tensor([ctx + cont])).logits.float()[0, :-1], dim=-1)
+            want = logp[torch.arange(len(ctx) - 1, len(ctx) + len(cont) - 1), torch.tensor(cont)].sum().item()
+            assert value == pytest.approx(want, abs=1e-4)
