@@ -143,7 +143,7 @@ def bench_validation(args, work: Path) -> None:
               "data.eval_fraction=0", f"data.cache_dir={work / 'cache'}", f"checkpoint.storage_path={work / 'runs'}",
               f"tracking.uri=sqlite:///{work / 'mlflow.db'}", "resume=never"]
     rows = []
-    for label, extra in (("without eval.tasks", []),
+    for label, extra in (("without eval.tasks", ["eval.tasks=[]"]),
                          ("with eval.tasks (mc, every 50 steps)", ["eval.interval=50",
                                                                     "eval.tasks=[{task: mc, data: 'demo:mc_eval'}]"])):
         cfg = load_config("pipelines/configs/demo_pretrain.yaml", common + extra)
