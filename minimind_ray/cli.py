@@ -60,6 +60,26 @@ def print_run_summary(res) -> None:
     print("\n".join(redact(line) for line in lines))  # a URI's credentials are never printed
 
 
+def cmd_sweep(args) -> int:
+    from minimind_ray.raytrain.sweep import print_sweep, run_sweep
+    from minimind_ray.raytrain.sweep_config import load_sweep
+
+    sweep = load_sweep(args.config, args.overrides)
+    out = run_sweep(sweep, Path(args.config).read_text())
+    print_sweep(out, sweep)
+    return 0 if out.best else 1
+
+
+def cmd_pipeline(args) -> int:
+    from minimind_ray.pipeline.config import load_pipeline
+    from minimind_ray.pipeline.run import print_pipeline, run_pipeline
+
+    pipe = load_pipeline(args.config)
+    out = run_pipeline(pipe, list(args.overrides), Path(args.config).read_text())
+    print_pipeline(out)
+    return 0
+
+
 def cmd_prepare(args) -> int:
     from minimind_ray.data.prepare import ensure_prepared
     from minimind_ray.tokenizer import resolve_tokenizer
@@ -202,6 +222,20 @@ def build_parser() -> argparse.ArgumentParser:
                             formatter_class=argparse.RawDescriptionHelpFormatter)
         with_config(sp)
         sp.set_defaults(fn=cmd_train)
+
+    sp = sub.add_parser("sweep", help="Ray Tune search over a recipe's fields, ASHA stopping weak trials; running it "
+                                      "again resumes it (docs/sweeps.md)")
+    sp.add_argument("--config", required=True, help="sweep YAML (pipelines/configs/sweep_*.yaml)")
+    sp.add_argument("overrides", nargs="*", help="dotted overrides of the sweep's own fields (num_samples=8) or of its base "
+                                                 "recipe for every trial (checkpoint.storage_path=/mnt/runs)")
+    sp.set_defaults(fn=cmd_sweep)
+
+    sp = sub.add_parser("pipeline", help="stages from data to a served model (prepare, pretrain, sft, ..., eval, "
+                                         "register, serve) as one resumable job (docs/pipeline.md)")
+    sp.add_argument("--config", required=True, help="pipeline YAML (pipelines/configs/pipeline_*.yaml)")
+    sp.add_argument("overrides", nargs="*", help="dotted overrides for every training stage, e.g. "
+                                                 "checkpoint.storage_path=/mnt/runs")
+    sp.set_defaults(fn=cmd_pipeline)
 
     sp = sub.add_parser("prepare", help="tokenize jsonl shards once into Parquet + manifest (Ray Data)")
     with_config(sp)

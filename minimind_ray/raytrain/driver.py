@@ -68,9 +68,10 @@ def warn_relative_paths(cfg: RunConfig) -> None:
               f"({os.getcwd()}); pass absolute paths or URIs to keep the results", flush=True)
 
 
-def connect_ray(cfg: RunConfig, dashboard: bool = True):
+def connect_ray(cfg: RunConfig, dashboard: bool = True, num_cpus: Optional[int] = None):
     """Join cluster.address / RAY_ADDRESS, or start a local Ray sized for this run (with its dashboard
-    unless ``dashboard=False``: ``prepare`` needs none, and it starts in half the time)."""
+    unless ``dashboard=False``: ``prepare`` needs none, and it starts in half the time), or with ``num_cpus``
+    logical CPUs if more (a sweep's trials at once)."""
     import ray
 
     if ray.is_initialized():
@@ -99,10 +100,23 @@ def connect_ray(cfg: RunConfig, dashboard: bool = True):
         # (and what runs beside the workers: the evaluation task of eval.tasks, GRPO's rollout actors)
         need = math.ceil(cfg.cluster.num_workers * cfg.cluster.cpus_per_worker + side_cpus(cfg)) + 1
         # The dashboard (127.0.0.1 only) also serves the state API that Ray Train's placement-group
-        # cleaner polls; without it the cleaner logs a warning every few seconds.
-        ray.init(num_cpus=max(os.cpu_count() or 1, need), include_dashboard=dashboard, dashboard_host="127.0.0.1",
-                 runtime_env=env)
+        # cleaner polls; without it the cleaner logs a warning every few seconds. Its port is chosen here and
+        # given to every actor (RAY_API_SERVER_ADDRESS): with other Rays on the machine the cleaner would
+        # otherwise fail ("multiple active Ray instances") and a sweep's stopped trials keep their CPUs.
+        port = _free_port() if dashboard else None
+        if port:
+            env["env_vars"]["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
+        ray.init(num_cpus=max(os.cpu_count() or 1, need, num_cpus or 0), include_dashboard=dashboard, dashboard_host="127.0.0.1",
+                 runtime_env=env, **({"dashboard_port": port} if port else {}))
     return ray
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def worker_resources(cfg: RunConfig, use_gpu: bool) -> Dict[str, float]:
@@ -263,9 +277,12 @@ def _finish(spec: WorkerSpec, result, tokenizer) -> RunResult:
     return out
 
 
-def run(cfg: RunConfig) -> RunResult:
+def run(cfg: RunConfig, *, tags: Optional[Dict[str, str]] = None, callbacks=(), report_every_eval: bool = False
+        ) -> RunResult:
     """Train one stage end to end; resumes when a run of this name exists in storage.
-    ``cfg`` is not modified: what the driver decides goes into the run's own copy (WorkerSpec.cfg)."""
+    ``cfg`` is not modified: what the driver decides goes into the run's own copy (WorkerSpec.cfg).
+    A sweep or pipeline passes its MLflow ``tags`` (the parent run), Ray Train ``callbacks`` (Tune's report) and
+    ``report_every_eval`` (each eval step's score reported, for ASHA); every run is tagged with its lineage."""
     import ray
     from ray.train import CheckpointConfig, FailureConfig, RunConfig as RayRunConfig, ScalingConfig
     from ray.train.v2.api.config import LoggingConfig
@@ -273,6 +290,7 @@ def run(cfg: RunConfig) -> RunResult:
 
     from minimind_ray.data.prepare import ensure_prepared
     from minimind_ray.raytrain.faults import failure_callback
+    from minimind_ray.raytrain.lineage import lineage_tags
     from minimind_ray.raytrain.oom import explain as explain_oom, warn_if_short
     from minimind_ray.raytrain.progress import ProgressPrinter, make_progress_sink
     from minimind_ray.raytrain.validation import validation_config
@@ -311,14 +329,14 @@ def run(cfg: RunConfig) -> RunResult:
         try:
             run_id = start_run(run_cfg, name, run_dir, tags={
                 "world_size": str(cfg.cluster.num_workers), "device_type": "cuda" if use_gpu else "cpu",
-                "backend": backend})
+                "backend": backend, **lineage_tags(run_cfg, prepared_dir), **(tags or {})})
         except Exception as e:  # a down tracking server must not stop training
             print(redact(f"[{name}] WARNING: MLflow at {uri} unavailable ({type(e).__name__}: {e}); training untracked"),
                   flush=True)
 
     sink = make_progress_sink()
     spec = WorkerSpec(cfg=run_cfg, run_dir=run_dir, prepared_dir=prepared_dir, use_gpu=use_gpu, tracking_uri=uri,
-                      mlflow_run_id=run_id, progress_sink=sink)
+                      mlflow_run_id=run_id, progress_sink=sink, report_every_eval=report_every_eval)
     threads = worker_threads(cfg)
     num_workers = (cfg.cluster.min_workers, cfg.cluster.num_workers) if cfg.cluster.min_workers else cfg.cluster.num_workers
     validation = validation_config(cfg.eval, run_dir=run_dir, tracking_uri=uri if run_id else None,
@@ -337,7 +355,7 @@ def run(cfg: RunConfig) -> RunResult:
                                                checkpoint_score_attribute=cfg.checkpoint.score_metric,
                                                checkpoint_score_order=cfg.checkpoint.score_order),
             failure_config=FailureConfig(max_failures=cfg.cluster.max_failures),
-            callbacks=[failure_callback(sink, run_dir)],
+            callbacks=[failure_callback(sink, run_dir), *callbacks],
             logging_config=LoggingConfig(log_level="WARNING"),  # progress comes from ProgressPrinter
             worker_runtime_env={"env_vars": {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
                                              "TOKENIZERS_PARALLELISM": "false",

@@ -1,0 +1,279 @@
+"""``minimind-ray pipeline``: stages from data to a served model as one job that a rerun resumes (docs/pipeline.md).
+
+    the pipeline's parent MLflow run (created, or reopened by the same command)
+    for each stage, in order:
+        finished before (recorded in <storage>/<name>/pipeline.json with the same settings)  -> skipped
+        prepare             the Ray Data job of its recipe's data; a child run with the manifest and its hash
+        pretrain/sft/...    raytrain/driver.py:run(recipe + overrides, name=<pipeline>-<stage>, resume=auto,
+                            train.init_from = the previous training stage's last checkpoint): a child run, tagged
+                            with its data's manifest hash and the run it started from
+        eval                evals/run.py:evaluate_task on a stage's checkpoint: a child run with eval/<task>/*, the
+                            scores also logged on the evaluated run
+        register            the stage's model in the MLflow registry, the version tagged with its lineage
+        serve               minimind-ray serve on that model, until stopped
+    the state is written after each stage, atomically: a killed pipeline run again skips the finished stages and
+    the unfinished training stage resumes from its newest checkpoint (the run's own resume rule)
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from minimind_ray.config import ConfigError, RunConfig, load_config
+from minimind_ray.fsio import filesystem, is_uri, join, redact, write_text_atomic
+from minimind_ray.pipeline.config import PipelineConfig, StageConfig, is_training, kind_of, stage_digest
+
+STATE = "pipeline.json"
+TAG_PIPELINE, TAG_STAGE = "minimind.pipeline", "minimind.pipeline.stage"
+
+
+@dataclass
+class PipelineResult:
+    name: str
+    state_path: str
+    parent_run_id: Optional[str]
+    tracking_uri: Optional[str]
+    stages: Dict[str, Dict[str, Any]] = field(default_factory=dict)
+    skipped: List[str] = field(default_factory=list)
+    wall_s: float = 0.0
+
+
+class _Context:
+    """What the stages share: the pipeline, the command line's overrides, MLflow, the results so far."""
+
+    def __init__(self, pipe: PipelineConfig, cli: List[str], storage: str, uri: Optional[str], experiment: str):
+        self.pipe, self.cli, self.storage, self.uri, self.experiment = pipe, cli, storage, uri, experiment
+        self.parent: Optional[str] = None
+        self.results: Dict[str, Dict[str, Any]] = {}
+        self.last_trained: Optional[str] = None
+
+    def recipe(self, stage: StageConfig, extra: List[str]) -> RunConfig:
+        """The stage's recipe with the pipeline's overrides, the pipeline's experiment, then the stage's own."""
+        exp = [f"tracking.experiment={self.experiment}"]
+        return load_config(stage.recipe, [*self.pipe.overrides, *exp, *extra, *stage.overrides, *self.cli])
+
+    def model(self, stage: StageConfig) -> Dict[str, Any]:
+        return self.results[self.last_trained if stage.model == "previous" else stage.model]
+
+    def tags(self, stage: StageConfig) -> Dict[str, str]:
+        from minimind_ray.tracking.parents import child_tags
+
+        return child_tags(self.parent, "pipeline", **{TAG_PIPELINE: self.pipe.name, TAG_STAGE: stage.name})
+
+
+def _read_state(path: str) -> dict:
+    try:
+        fs, p = filesystem(path)
+        with fs.open_input_stream(p) as f:
+            return json.loads(f.read())
+    except FileNotFoundError:
+        return {"stages": {}}
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path}: the pipeline's state cannot be read ({e}); move it away to start anew") from None
+
+
+def _first_config(pipe: PipelineConfig, cli: List[str]) -> RunConfig:
+    """The first recipe's config with the pipeline's overrides: where runs are stored, where MLflow is."""
+    first = next(s for s in pipe.stages if s.recipe)
+    return load_config(first.recipe, [*pipe.overrides, *first.overrides, *cli])
+
+
+def run_pipeline(pipe: PipelineConfig, cli: Optional[List[str]] = None, text: str = "") -> PipelineResult:
+    from minimind_ray.raytrain.driver import _storage
+    from minimind_ray.tracking.parents import end_run, start_parent
+    from minimind_ray.tracking.runs import resolve_tracking_uri
+
+    t0 = time.monotonic()
+    cli = list(cli or [])
+    first = _first_config(pipe, cli)
+    storage = _storage(first)
+    state_path = join(join(storage, pipe.name), STATE)
+    state = _read_state(state_path)
+    experiment = pipe.experiment or f"minimind-{pipe.name}"
+    uri = resolve_tracking_uri(first.tracking) if first.tracking.enabled else None
+    ctx = _Context(pipe, cli, storage, uri, experiment)
+    if uri:
+        try:
+            ctx.parent = start_parent(uri, experiment, "pipeline", pipe.name, storage,
+                                      {"stages": " -> ".join(s.name for s in pipe.stages),
+                                       "overrides": " ".join([*pipe.overrides, *cli])}, text,
+                                      timeout_s=first.tracking.timeout_s)
+        except Exception as e:  # a down tracking server must not stop the pipeline
+            print(redact(f"[{pipe.name}] WARNING: MLflow at {uri} unavailable ({type(e).__name__}: {e}); untracked"),
+                  flush=True)
+    out = PipelineResult(name=pipe.name, state_path=state_path, parent_run_id=ctx.parent, tracking_uri=uri)
+    upstream = ""
+    try:
+        for stage in pipe.stages:
+            digest = upstream = stage_digest(stage, pipe, cli, upstream)
+            done = state["stages"].get(stage.name)
+            if done and done.get("digest") == digest and kind_of(stage) != "serve":
+                print(f"[{pipe.name}] stage {stage.name}: finished before, skipped", flush=True)
+                out.skipped.append(stage.name)
+                result = done
+            else:
+                if done:
+                    print(f"[{pipe.name}] stage {stage.name}: its settings changed since it finished; running it "
+                          f"again", flush=True)
+                print(f"[{pipe.name}] stage {stage.name} ({kind_of(stage)})", flush=True)
+                result = {**_run_stage(ctx, stage), "digest": digest, "kind": kind_of(stage), "done_at": time.time()}
+                if kind_of(stage) != "serve":
+                    state["stages"][stage.name] = result
+                    write_text_atomic(state_path, json.dumps(state, indent=1, default=str))
+            ctx.results[stage.name] = result
+            if is_training(stage):
+                ctx.last_trained = stage.name
+    except BaseException as e:
+        if ctx.parent:
+            end_run(uri, ctx.parent, "FAILED", tags={"error": f"stage {stage.name}: {type(e).__name__}: {e}"[:4000]})
+        raise
+    out.stages = ctx.results
+    if ctx.parent:
+        end_run(uri, ctx.parent, "FINISHED", tags=_summary_tags(ctx))
+    out.wall_s = time.monotonic() - t0
+    return out
+
+
+def _summary_tags(ctx: _Context) -> Dict[str, str]:
+    tags = {}
+    for name, r in ctx.results.items():
+        if r.get("mlflow_run_id"):
+            tags[f"stage.{name}.run_id"] = r["mlflow_run_id"]
+        if r.get("registered_model"):
+            tags["registered_model"] = f"models:/{r['registered_model']}/{r['model_version']}"
+    return tags
+
+
+def _run_stage(ctx: _Context, stage: StageConfig) -> Dict[str, Any]:
+    kind = kind_of(stage)
+    if is_training(stage):
+        return _train(ctx, stage)
+    return {"prepare": _prepare, "eval": _eval, "register": _register, "serve": _serve}[kind](ctx, stage)
+
+
+def _train(ctx: _Context, stage: StageConfig) -> Dict[str, Any]:
+    from minimind_ray.raytrain.driver import RunFinished, run
+    from minimind_ray.store.checkpoint import newest_complete
+
+    extra = [f"train.stage={kind_of(stage)}", f"name={ctx.pipe.name}-{stage.name}", "resume=auto"]
+    source = None
+    if stage.init_from == "previous":
+        source = ctx.results[ctx.last_trained]["checkpoint_dir"] if ctx.last_trained else None
+    elif stage.init_from != "none":
+        source = ctx.results[stage.init_from]["checkpoint_dir"] if stage.init_from in ctx.results else stage.init_from
+    if source:
+        extra.append(f"train.init_from={source}")
+    cfg = ctx.recipe(stage, extra)
+    try:
+        res = run(cfg, tags=ctx.tags(stage))
+    except RunFinished:  # trained to its end before, but killed before the pipeline wrote that down
+        from minimind_ray.raytrain.driver import _storage
+
+        run_dir = join(_storage(cfg), cfg.name)
+        latest = newest_complete(run_dir)
+        print(f"[{ctx.pipe.name}] stage {stage.name}: its run {cfg.name} had finished; using {latest.location} "
+              f"(its exports and registered version may be missing: the driver was stopped before writing them)",
+              flush=True)
+        return {"run_name": cfg.name, "run_dir": run_dir, "checkpoint_dir": latest.location,
+                "mlflow_run_id": latest.meta().mlflow_run_id, "exports": {}, "metrics": {}, "init_from": source}
+    return {"run_name": res.name, "run_dir": res.run_dir, "checkpoint_dir": res.checkpoint_dir,
+            "mlflow_run_id": res.mlflow_run_id, "exports": res.exports, "init_from": source,
+            "metrics": {k: v for k, v in res.metrics.items() if isinstance(v, (int, float))},
+            "model_version": res.metrics.get("model_version")}
+
+
+def _stage_run(ctx: _Context, stage: StageConfig, tags: Dict[str, str]) -> Optional[str]:
+    """The MLflow run of a stage that trains nothing (prepare, eval): a child, reopened on a rerun."""
+    if not (ctx.uri and ctx.parent):
+        return None
+    from minimind_ray.tracking.parents import start_parent
+
+    return start_parent(ctx.uri, ctx.experiment, f"pipeline-{kind_of(stage)}", f"{ctx.pipe.name}-{stage.name}",
+                        ctx.storage, {}, "", tags={**ctx.tags(stage), **tags})
+
+
+def _prepare(ctx: _Context, stage: StageConfig) -> Dict[str, Any]:
+    from minimind_ray.data.prepare import ensure_prepared
+    from minimind_ray.raytrain.driver import connect_ray
+    from minimind_ray.raytrain.lineage import TAG_DATA, TAG_MANIFEST, manifest_sha256
+    from minimind_ray.tokenizer import resolve_tokenizer
+    from minimind_ray.tracking.parents import end_run, record
+
+    cfg = ctx.recipe(stage, [])
+    tok = resolve_tokenizer(cfg.data.tokenizer, cfg.data.cache_dir, cfg.model.generation)
+    connect_ray(cfg)
+    prepared = ensure_prepared(cfg.data, tok)
+    sha = manifest_sha256(prepared)
+    run_id = _stage_run(ctx, stage, {TAG_DATA: redact(prepared), TAG_MANIFEST: sha or ""})
+    if run_id:
+        files = {} if is_uri(prepared) else {os.path.join(prepared, "manifest.json"): "data"}
+        record(ctx.uri, run_id, files=files)
+        end_run(ctx.uri, run_id, "FINISHED")
+    print(f"[{ctx.pipe.name}] prepared {redact(prepared)} (manifest sha256 {sha})", flush=True)
+    return {"prepared_dir": prepared, "manifest_sha256": sha, "mlflow_run_id": run_id}
+
+
+def _eval(ctx: _Context, stage: StageConfig) -> Dict[str, Any]:
+    from minimind_ray.evals.run import evaluate_task, metric_items
+    from minimind_ray.tracking.parents import end_run, record
+
+    model = ctx.model(stage)
+    scores: Dict[str, float] = {}
+    cache = ctx.recipe(next(s for s in ctx.pipe.stages if s.recipe), []).data.cache_dir
+    for task in stage.tasks:
+        res = evaluate_task(model["checkpoint_dir"], task, cache_dir=cache)
+        scores.update(metric_items(res))
+        print(f"[{ctx.pipe.name}] {res['task']}: " + ", ".join(f"{k} {v:.3f}" for k, v in metric_items(res).items()),
+              flush=True)
+    run_id = _stage_run(ctx, stage, {"minimind.evaluated.run_id": model.get("mlflow_run_id") or "",
+                                     "minimind.evaluated.checkpoint": redact(model["checkpoint_dir"])})
+    if run_id:
+        record(ctx.uri, run_id, metrics=scores)
+        end_run(ctx.uri, run_id, "FINISHED")
+        if model.get("mlflow_run_id"):  # beside the evaluated run's own curves, at its last step
+            record(ctx.uri, model["mlflow_run_id"], metrics=scores, step=int(model.get("metrics", {}).get("step", 0)))
+    return {"scores": scores, "mlflow_run_id": run_id, "model": model.get("run_name")}
+
+
+def _register(ctx: _Context, stage: StageConfig) -> Dict[str, Any]:
+    from minimind_ray.tracking.parents import register_version
+
+    model = ctx.model(stage)
+    name = stage.registered_model or f"minimind-{ctx.pipe.name}"
+    if not (ctx.uri and model.get("mlflow_run_id")):
+        print(f"[{ctx.pipe.name}] stage {stage.name}: nothing to register (untracked)", flush=True)
+        return {}
+    version = register_version(ctx.uri, name, model["mlflow_run_id"], {
+        TAG_PIPELINE: ctx.pipe.name, "minimind.pipeline.run_id": ctx.parent or "", TAG_STAGE: model["run_name"]})
+    print(f"[{ctx.pipe.name}] registered models:/{name}/{version} (run {model['mlflow_run_id']})", flush=True)
+    return {"registered_model": name, "model_version": version, "mlflow_run_id": model["mlflow_run_id"],
+            "model": model["run_name"]}
+
+
+def _serve(ctx: _Context, stage: StageConfig) -> Dict[str, Any]:
+    import argparse
+
+    from minimind_ray.serve.launch import add_arguments, serve_from_args
+
+    model = ctx.model(stage)
+    p = argparse.ArgumentParser(prog="serve stage")
+    add_arguments(p)
+    args = p.parse_args([model["checkpoint_dir"], *stage.serve_args])
+    args.rope_scaling = None  # as the weights record (the serve verb's default)
+    serve_from_args(args)
+    return {"served": model["checkpoint_dir"]}
+
+
+def print_pipeline(out: PipelineResult) -> None:
+    print(f"\n==== pipeline {out.name}: {len(out.stages)} stages ({len(out.skipped)} finished before), "
+          f"{out.wall_s:.0f}s ====")
+    for name, r in out.stages.items():
+        what = r.get("checkpoint_dir") or r.get("prepared_dir") or r.get("scores") or \
+            (f"models:/{r['registered_model']}/{r['model_version']}" if r.get("registered_model") else "")
+        print(f"{name:<12} {r.get('kind', ''):<9} {redact(str(what))}  MLflow {r.get('mlflow_run_id') or '-'}")
+    print(f"state: {redact(out.state_path)}")
+    if out.parent_run_id:
+        print(redact(f"MLflow parent run: {out.parent_run_id}  (tracking URI {out.tracking_uri}; make ui)"))

@@ -1,0 +1,58 @@
+"""What a run came from, as MLflow tags on its run: the prepared data (its manifest's sha256) and the run whose
+weights it starts from (``train.init_from``'s checkpoint records its MLflow run id). With them the path from the
+data to a registered model can be followed in the MLflow UI, one run to the next (docs/pipeline.md)."""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Dict, Optional
+
+from minimind_ray.fsio import filesystem, is_uri, join, redact
+
+TAG_MANIFEST = "minimind.data.manifest_sha256"
+TAG_DATA = "minimind.data.prepared_dir"
+TAG_INIT_FROM = "minimind.init_from"
+TAG_INIT_FROM_RUN = "minimind.init_from.run_id"
+TAG_TEACHER_RUN = "minimind.distill.teacher.run_id"
+
+
+def manifest_sha256(prepared_dir: str) -> Optional[str]:
+    """sha256 of the prepared directory's manifest.json: the data's identity (it lists every shard, its size and
+    row count, the tokenizer's hash and the settings that shaped the rows)."""
+    try:
+        fs, path = filesystem(join(prepared_dir, "manifest.json"))
+        with fs.open_input_stream(path) as f:
+            return hashlib.sha256(f.read()).hexdigest()
+    except (OSError, ValueError):
+        return None
+
+
+def source_run_id(weights: Optional[str]) -> Optional[str]:
+    """The MLflow run id recorded in the checkpoint a weights path names (a checkpoint, a run directory, or a file
+    of a run's ``export/`` directory), or None (a MiniMind .pth from elsewhere, an untracked run)."""
+    if not weights:
+        return None
+    from minimind_ray.store.checkpoint import CheckpointError
+    from minimind_ray.store.weights import resolve_checkpoint
+
+    candidates = [weights]
+    if not is_uri(weights) and Path(weights).parent.name == "export":  # runs/<name>/export/<file>
+        candidates.append(str(Path(weights).parent.parent))
+    for c in candidates:
+        try:
+            ck = resolve_checkpoint(c)
+        except (OSError, CheckpointError, ValueError):
+            continue
+        if ck is not None:
+            return ck.meta().mlflow_run_id
+    return None
+
+
+def lineage_tags(cfg, prepared_dir: str) -> Dict[str, str]:
+    """The tags of one training run: its data and what its weights came from (only what is known)."""
+    t = cfg.train
+    tags = {TAG_DATA: redact(prepared_dir), TAG_MANIFEST: manifest_sha256(prepared_dir),
+            TAG_INIT_FROM: redact(t.init_from) if t.init_from else None, TAG_INIT_FROM_RUN: source_run_id(t.init_from)}
+    if t.stage == "distill":
+        tags[TAG_TEACHER_RUN] = source_run_id(t.distill.teacher_weights)
+    return {k: v for k, v in tags.items() if v}

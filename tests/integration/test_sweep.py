@@ -1,0 +1,130 @@
+"""Sweeps with Ray Tune and ASHA (issue 23): pipelines/configs/sweep_tiny.yaml, 4 tiny trials (learning rates 3e-3,
+1e-3, 1e-5, 1e-6; 12 steps, 3 at once), ASHA comparing eval_loss from step 4. Its driver is SIGKILLed once a trial has
+finished and the last one has started, and the same command run again: the sweep resumes, the finished trial is not trained again, at least one
+trial is stopped early, and MLflow holds one parent run whose children are the trials, the best trial's values
+and score on the parent, and its recipe written as a ready YAML.
+
+The sweep's driver starts its own local Ray (with the dashboard: Ray Train's placement-group cleaner, which frees a
+stopped trial's workers, reads the state API), in a temporary directory of this test. The data and the built-in
+tokenizer come from the session's tiny_baseline cache (the same data settings)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+REPO = Path(__file__).resolve().parents[2]
+STEPS = 12  # ASHA's rungs at steps 4 and 8 (grace period 4, reduction factor 2)
+
+
+def _own_processes(marker: str):
+    """PIDs of processes whose command line names ``marker`` (this test's Ray temp dir)."""
+    out = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                if marker in (p / "cmdline").read_bytes().decode(errors="replace"):
+                    out.append(int(p.name))
+            except OSError:
+                pass
+    return out
+
+
+def _ray_did_not_start(log: str) -> bool:
+    """The driver's local Ray failed to start (its dashboard's modules have 30 s, which a machine at load 15-30 can
+    miss), before any trial: starting the same command again is what a user would do."""
+    return "failed to start" in log and "Trial status" not in log
+
+
+def test_asha_stops_weak_trials_and_the_sweep_resumes_after_its_driver_is_killed(tiny_baseline, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    from minimind_ray.config import load_config
+
+    ray_dir = tempfile.mkdtemp(prefix="mmrs", dir="/tmp")  # short: Ray's unix sockets live under it
+    env = {**os.environ, "RAY_TMPDIR": ray_dir}
+    env.pop("RAY_ADDRESS", None)
+    cmd = [sys.executable, "-m", "pipelines.sweep", "--config", "pipelines/configs/sweep_tiny.yaml",
+           "max_concurrent_trials=3", f"train.max_steps={STEPS}", f"checkpoint.storage_path={tmp_path}/runs",
+           f"data.cache_dir={tiny_baseline[0]['cache']}",  # the baseline's prepared data and built-in tokenizer
+           f"tracking.uri=sqlite:///{tmp_path}/mlflow.db"]
+    runs = tmp_path / "runs"
+    log = tmp_path / "first.log"
+    starts = 0
+
+    def launch():
+        nonlocal starts
+        starts += 1
+        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+    first = launch()
+    try:
+        deadline = time.monotonic() + 600
+        # killed once a trial has trained to its end and the last trial has started (so that the rerun has little
+        # left to train); a sweep that ends before that is run again all the same
+        while not (list(runs.glob("tiny-lr-*/sweep_trial.json")) and list(runs.glob("tiny-lr-*_00003"))):
+            if first.poll() is not None and _ray_did_not_start(log.read_text()) and starts < 3:
+                first = launch()  # a local Ray whose dashboard missed its start timeout, at load 15-30
+            if first.poll() is not None:
+                assert first.returncode == 0, log.read_text()[-4000:]
+                break
+            assert time.monotonic() < deadline, log.read_text()[-4000:]
+            time.sleep(0.2)
+        finished = {p.parent.name for p in runs.glob("tiny-lr-*/sweep_trial.json")}
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)  # the driver, its local Ray and the trials with it
+        first.wait(timeout=30)
+        for pid in _own_processes(ray_dir):  # whatever of that Ray outlived its process group
+            os.kill(pid, signal.SIGKILL)
+
+    t0 = time.monotonic()
+    for _ in range(3):
+        second = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+        out = second.stdout + second.stderr
+        if second.returncode == 0 or not _ray_did_not_start(out):
+            break
+    for pid in _own_processes(ray_dir):
+        os.kill(pid, signal.SIGKILL)
+    shutil.rmtree(ray_dir, ignore_errors=True)
+    assert second.returncode == 0, out[-5000:]
+    assert "resuming sweep tiny-lr" in out
+    print(f"\nsweep rerun after the kill: {time.monotonic() - t0:.0f}s; finished before the kill: {sorted(finished)}")
+
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    exp = client.get_experiment_by_name("minimind-pretrain")
+    every = client.search_runs([exp.experiment_id], max_results=100)
+    parents = [r for r in every if r.data.tags.get("minimind.kind") == "sweep"]
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+    p = parents[0]
+    trials = [r for r in every if r.data.tags.get("mlflow.parentRunId") == p.info.run_id]
+    assert len(trials) == 4 and all(r.info.run_name.startswith("tiny-lr-") for r in trials)
+    lrs = sorted(float(r.data.params["train.lr"]) for r in trials)
+    assert lrs == [1e-6, 1e-5, 1e-3, 3e-3]  # each trial's run carries its config
+    stopped = [r for r in trials if r.data.tags.get("minimind.sweep.stopped_early") == "true"]
+    done = [r for r in trials if r.info.status == "FINISHED"]
+    assert stopped and all(r.info.status == "KILLED" for r in stopped), [(r.info.run_name, r.info.status) for r in trials]
+    assert len(stopped) + len(done) == 4
+    assert all(int(r.data.tags["minimind.sweep.stopped_at_step"]) < STEPS for r in stopped)
+    # the trials that had finished before the kill were not trained again: their runs were never reopened
+    by_name = {r.info.run_name: r for r in trials}
+    assert finished and all("minimind.resumes" not in by_name[n].data.tags for n in finished)
+    # the best trial, on the parent and as a ready recipe
+    best = by_name[p.data.tags["best.run_name"]]
+    assert p.data.tags["best.run_id"] == best.info.run_id and best.info.status == "FINISHED"
+    scores = {r.info.run_name: r.data.metrics.get("eval/loss") for r in done}
+    assert best.info.run_name == min(scores, key=scores.get)
+    assert abs(float(p.data.tags["best.score"]) - p.data.metrics["best/eval_loss"]) < 1e-9
+    recipe = load_config(str(runs / "tiny-lr" / "best.yaml"))
+    assert recipe.train.lr == float(best.data.params["train.lr"]) and recipe.train.max_steps == STEPS and recipe.name is None
+    assert json.loads(p.data.tags["best.params.train.lr"]) == recipe.train.lr
