@@ -150,7 +150,11 @@ def test_grpo_defaults_are_minimind_and_other_stages_refuse_rl_data(grpo_cfg):
     ("train.grpo.rewards=[{name: exact_answer}, {name: nope}]", r"train.grpo.rewards\[1\].name: 'nope' is neither"),
     ("train.grpo.rewards=[{name: 'no_such_module_xyz:f'}]", r"rewards\[0\].name: cannot load reward"),
     ("train.grpo.rewards=[{name: reward_model, path: /no/such/dir}]", r"rewards\[0\].path: not a directory"),
-    ("train.grpo.rollout=vllm", "train.grpo.rollout: unknown rollout engine 'vllm'"),
+    ("train.grpo.rollout=vllm", r"train.grpo.rollout: 'vllm' is not one of \('torch', 'actors'\)"),
+    ("train.grpo.rollout_overlap=true", "train.grpo.rollout_overlap: .* needs rollout=actors"),
+    ("train.grpo.loss_agg=mean", r"train.grpo.loss_agg: 'mean' is not one of"),
+    ("train.grpo.kl_estimator=k4", r"train.grpo.kl_estimator: 'k4' is not one of"),
+    ("train.grpo.clip_high=0", r"train.grpo.clip_high: must be > 0"),
     ("train.init_from=null", "train.init_from: GRPO improves a trained policy"),
 ])
 def test_bad_grpo_settings_fail_naming_the_field(grpo_cfg, override, message):
@@ -160,7 +164,9 @@ def test_bad_grpo_settings_fail_naming_the_field(grpo_cfg, override, message):
 
 def test_grpo_recipes_load(base_pth, tmp_path):
     cfg = load_config(str(REPO / "pipelines/configs/demo_grpo.yaml"), [f"train.init_from={base_pth}"])
-    assert cfg.train.stage == "grpo" and [r.name for r in cfg.train.grpo.rewards][0] == "exact_answer"
+    g = cfg.train.grpo  # the sorting demo's settings (docs/rl.md): what the measured rise came from
+    assert cfg.train.stage == "grpo" and [r.name for r in g.rewards] == ["permutation_answer"]
+    assert (g.loss_type, g.clip_high, g.loss_agg, g.num_iterations, g.beta) == ("grpo", 0.28, "token-mean", 2, 0.0)
     # the 26M recipe names MiniMind's files: stand-ins for its prompts and its reward model's directory
     data, rm = tmp_path / "rlaif.jsonl", tmp_path / "internlm2-1_8b-reward"
     data.write_text("{}\n")
