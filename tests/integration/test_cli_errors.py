@@ -63,5 +63,5 @@ def test_item14_a_truncated_pth_exits_2_naming_it_and_debug_shows_the_traceback(
 def test_item15_an_unknown_export_format_exits_2_and_writes_nothing(weights, tmp_path):
     out = tmp_path / "export"
     line = refused("export", weights / "tiny.pth", "--out", out, "--format", "minimnd")
-    assert line == "error: export format(s) ['minimnd'] unknown; choose from minimind, hf, safetensors"
+    assert line == "error: export format(s) ['minimnd'] unknown; choose from minimind, hf, safetensors, gguf"
     assert not out.exists()

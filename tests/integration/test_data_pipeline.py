@@ -182,9 +182,11 @@ def test_sft_and_dpo_batches(env, fmt):
             assert x.shape == y.shape == (4, T)
             labelled = y != -100
             assert labelled.any(dim=1).all()
-            # every labelled row ends its answer with <|im_end|>\n
+            # every labelled row ends its answer with <|im_end|>\n, unless max_seq_len cut it: a stored row holds at
+            # most 64 tokens, so its last target (index 62) is labelled only when the answer went on past the row
             for row in range(4):
-                assert env["tok"].decode(y[row][labelled[row]].tolist()).endswith("<|im_end|>\n")
+                cut = int(labelled[row].nonzero().max()) == 64 - 2
+                assert cut or env["tok"].decode(y[row][labelled[row]].tolist()).endswith("<|im_end|>\n")
     st.close()
 
 
