@@ -19,6 +19,8 @@ from omegaconf import OmegaConf
 from minimind_ray.config_checks import ConfigError, check_bounds, config_field, need, read_yaml
 from minimind_ray.evals.config import EvalConfig, validate_eval
 from minimind_ray.rl.config import GRPOConfig, RewardConfig, validate_grpo  # noqa: F401 (RewardConfig: re-exported)
+from minimind_ray.rl.ppo_config import PPOConfig, validate_ppo
+from minimind_ray.rl.agent_config import AgentConfig, validate_agent
 from minimind_ray.fault_schedule import validate_faults
 from minimind_ray.fsio import is_uri
 from minimind_ray.stages import FORMATS, STAGE_NAMES, STAGES
@@ -61,7 +63,7 @@ class ModelConfig:
 class DataConfig:
     """Where the data is and how records become token sequences."""
 
-    format: str = _f("pretrain", "record format: pretrain {text} | sft {conversations} | dpo {chosen, rejected} | rlaif {conversations ending with the assistant turn to generate} | prompt {prompt, answer}")
+    format: str = _f("pretrain", "record format: pretrain {text} | sft {conversations} | dpo {chosen, rejected} | rlaif {conversations ending with the assistant turn to generate} | prompt {prompt, answer} | agent_rl {conversations with tools, gt} (MiniMind's agent_rl.jsonl)")
     train_path: List[str] = _f([], "jsonl(.gz)/parquet files, directories, globs or URIs; or a prepared directory with manifest.json; 'demo' = the built-in corpus (its file of data.format), 'demo:<name>' = one of its files (tool_sft, mc_eval, ...)")
     tokenizer: str = _f("auto", "'auto' = MiniMind's tokenizer of model.generation; 'minimind2' | 'minimind3' (fetched by name, sha256-checked; offline: MINIMIND_RAY_TOKENIZER_MIRROR); 'builtin' = trained on the demo corpus; or a directory with tokenizer.json")
     max_seq_len: int = _f(512, "tokens per training sequence", ge=8)
@@ -108,7 +110,7 @@ class DistillConfig:
 class TrainConfig:
     """The optimisation loop."""
 
-    stage: str = _f("pretrain", "objective plug-in: pretrain | sft | lora | dpo | distill | grpo")
+    stage: str = _f("pretrain", "objective plug-in: pretrain | sft | lora | dpo | distill | grpo | ppo | agent")
     init_from: Optional[str] = _f(None, "start weights: a MiniMind .pth or a checkpoint directory of an earlier run")
     global_batch_size: int = _f(64, "sequences per optimizer step, whatever the worker count", ge=1)
     micro_batch_size: int = _f(16, "sequences per forward/backward on one worker", ge=1)
@@ -142,6 +144,8 @@ class TrainConfig:
     dpo: DPOConfig = field(default_factory=DPOConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
 
 
 @dataclass
@@ -384,3 +388,7 @@ def validate(cfg: RunConfig) -> None:
         need(t.distill.teacher_weights is not None, "train.distill.teacher_weights", "distillation needs teacher weights")
     if t.stage == "grpo":
         validate_grpo(cfg)
+    if t.stage == "ppo":
+        validate_ppo(cfg)
+    if t.stage == "agent":
+        validate_agent(cfg)

@@ -245,7 +245,30 @@ def export_run_checkpoint(cfg, ckpt_dir: str, out_dir: Path) -> Dict[str, str]:
 
     model, _ = build_inference_model(str(ckpt_dir), merge_lora=False)
     stage = get_stage(cfg.train.stage).export_prefix
-    return _export_model(model, Path(out_dir), stage, ("minimind", "safetensors"), None)
+    paths = _export_model(model, Path(out_dir), stage, ("minimind", "safetensors"), None)
+    paths.update(export_parts(cfg, ckpt_dir, Path(out_dir), unwrap_model(model).cfg))
+    return paths
+
+
+def export_parts(cfg, ckpt_dir: str, out_dir: Path, model_cfg: ModelConfig) -> Dict[str, str]:
+    """The models a stage trains beside the policy, as MiniMind-named fp16 ``.pth`` files (PPO:
+    ``ppo_critic_<hidden>[_moe].pth``, the state dict of MiniMind's ``CriticModel``: ``model.*``, ``lm_head``,
+    ``value_head``; MiniMind itself keeps it as ``critic_model`` inside its ``ppo_actor_<hidden>_resume.pth``)."""
+    from minimind_ray.stages import get_stage
+    from minimind_ray.store.checkpoint import open_checkpoint
+
+    parts = get_stage(cfg.train.stage).parts
+    if not parts:
+        return {}
+    from minimind_ray.fsio import torch_save_atomic
+
+    stored, paths = open_checkpoint(str(ckpt_dir)), {}
+    suffix = f"{model_cfg.hidden_size}{'_moe' if model_cfg.use_moe else ''}"
+    for name, prefix in parts:
+        path = out_dir / f"{prefix}_{suffix}.pth"
+        torch_save_atomic({k: v.to(torch.float16) for k, v in stored.part_state(name).items()}, path)
+        paths[name] = str(path)
+    return paths
 
 
 def export_from_source(source: str, out, formats=("minimind", "hf"), preset: Optional[str] = None,

@@ -10,9 +10,10 @@ from dataclasses import dataclass
 from typing import Dict, Tuple
 
 # Record formats of the data pipeline (minimind_ray/data/formats.py says what each holds).
-FORMATS: Tuple[str, ...] = ("pretrain", "sft", "dpo", "rlaif", "prompt")
+FORMATS: Tuple[str, ...] = ("pretrain", "sft", "dpo", "rlaif", "prompt", "agent_rl")
 # Formats that hold prompts to sample completions for (RL), not text to imitate.
-RL_FORMATS: Tuple[str, ...] = ("rlaif", "prompt")
+RL_FORMATS: Tuple[str, ...] = ("rlaif", "prompt", "agent_rl")
+PROMPT_FORMATS: Tuple[str, ...] = ("rlaif", "prompt")  # single-turn prompts (grpo, ppo)
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,7 @@ class Stage:
     objective: str  # class name in minimind_ray.engine.objectives
     export_prefix: str  # MiniMind's file-name prefix for the weights (its trainers' naming)
     help: str
+    parts: Tuple[Tuple[str, str], ...] = ()  # (model trained beside the policy, MiniMind's file-name prefix for it)
 
 
 STAGES: Dict[str, Stage] = {s.name: s for s in (
@@ -30,8 +32,12 @@ STAGES: Dict[str, Stage] = {s.name: s for s in (
     Stage("lora", ("sft", "pretrain"), "LoRAObjective", "full_sft", "LoRA adapters on a frozen base"),
     Stage("dpo", ("dpo",), "DPOObjective", "dpo", "direct preference optimisation on chosen/rejected pairs"),
     Stage("distill", ("sft", "pretrain"), "DistillObjective", "full_dist", "distillation from a frozen teacher"),
-    Stage("grpo", RL_FORMATS, "GRPOObjective", "grpo", "GRPO/CISPO: sample completions, score them with rewards, "
-          "reinforce the better ones"),
+    Stage("grpo", PROMPT_FORMATS, "GRPOObjective", "grpo", "GRPO/CISPO: sample completions, score them with "
+          "rewards, reinforce the better ones"),
+    Stage("ppo", PROMPT_FORMATS, "PPOObjective", "ppo_actor", "PPO: an actor and a critic, GAE advantages of the "
+          "rewards, clipped policy and value losses", parts=(("critic", "ppo_critic"),)),
+    Stage("agent", ("agent_rl",), "AgentObjective", "agent", "agentic tool-use RL: multi-turn GRPO/CISPO rollouts "
+          "that call tools and read their results"),
 )}
 STAGE_NAMES: Tuple[str, ...] = tuple(STAGES)
 

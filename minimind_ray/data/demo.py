@@ -236,6 +236,51 @@ def _tool_record(rng: random.Random) -> dict:
         {"role": "assistant", "content": f"{a} plus {b} equals {a + b}."}]}
 
 
+# ---- the agent demo (stage agent, issue 24): "What is a plus b?" with the calculator offered; the right final answer
+# holds a + b. Its own stamp, so adding these files rewrote none of the corpus above. A pair in eight (by a hash) is
+# held out of the agent prompts; the tool-call evaluation asks held-out pairs that tool_sft.jsonl never uses either.
+AGENT_FILES = {"agent_rl": "agent_rl.jsonl", "toolcall_eval": "toolcall_eval.jsonl"}
+N_AGENT_RL, N_TOOLCALL_EVAL, _AGENT_VERSION = 2000, 200, 2  # 2: the eval's prompts have the system turn
+
+
+def _tool_sft_pairs(seed: int) -> set:
+    rng = random.Random(f"{seed}-tool")  # replays _tool_record's draws
+    return {(rng.randint(0, 99), rng.randint(0, 99)) for _ in range(N_TOOL_SFT)}
+
+
+def _write_agent_tasks(out_dir: str, seed: int) -> Dict[str, str]:
+    paths = {k: os.path.join(out_dir, v) for k, v in AGENT_FILES.items()}
+    stamp_path, stamp = os.path.join(out_dir, "agent_tasks.json"), {"version": _AGENT_VERSION, "seed": seed}
+    if os.path.exists(stamp_path) and all(os.path.exists(p) for p in paths.values()):
+        with open(stamp_path) as f:
+            if json.load(f) == stamp:
+                return paths
+    os.makedirs(out_dir, exist_ok=True)
+    held = lambda a, b: zlib.crc32(f"{a}+{b}".encode()) % 8 == 0  # noqa: E731
+    system = {"role": "system", "content": "You are MiniMind, a helpful assistant.", "tools": [CALCULATOR_TOOL]}
+    rng, tasks = random.Random(f"{seed}-agent"), []
+    while len(tasks) < N_AGENT_RL:
+        a, b = rng.randint(0, 99), rng.randint(0, 99)
+        if not held(a, b):
+            tasks.append({"conversations": [system, {"role": "user", "content": f"What is {a} plus {b}?"},
+                                            {"role": "assistant", "content": f"{a} plus {b} equals {a + b}."}],
+                          "gt": [a + b]})
+    unseen = sorted(p for p in ((a, b) for a in range(100) for b in range(100)) if held(*p)
+                    and p not in _tool_sft_pairs(seed))
+    ask = lambda q: [{k: v for k, v in system.items() if k != "tools"}, {"role": "user", "content": q}]  # noqa: E731
+    evals = [{"messages": ask(f"What is {a} plus {b}?"), "tools": [CALCULATOR_TOOL], "tool": "calculate",
+              "arguments": {"expression": f"{a} + {b}"}, "answer": a + b, "subject": "arithmetic"}
+             for a, b in rng.sample(unseen, N_TOOLCALL_EVAL)]
+    evals += [{"messages": ask(f"What is the capital of {c}?"), "tools": [CALCULATOR_TOOL], "tool": None,
+               "answer": cap, "subject": "no tool"} for c, _, cap, _ in COUNTRIES]  # offered, not needed
+    _write_jsonl(paths["agent_rl"], tasks)
+    _write_jsonl(paths["toolcall_eval"], evals)
+    with open(stamp_path + f".tmp{os.getpid()}", "w") as f:
+        json.dump(stamp, f)
+    os.replace(stamp_path + f".tmp{os.getpid()}", stamp_path)
+    return paths
+
+
 def _write_sort_tasks(paths: Dict[str, str], seed: int, n: int) -> None:
     """The RL demo's ``prompt`` records ("Sort: 7 2 9" with "2 7 9" as answer): ``n`` training prompts of
     trained multisets in ``paths["prompt"]``, and the held-out set beside it (``SORT_HELDOUT``): 300 held-out
@@ -287,7 +332,7 @@ def _write_jsonl(path: str, records) -> None:
     os.replace(tmp, path)
 
 
-DEMO_FILES = ("pretrain", "sft", "dpo", "prompt", "tool_sft", "sort_heldout", "mc_eval")  # demo:<name>
+DEMO_FILES = ("pretrain", "sft", "dpo", "prompt", "tool_sft", "sort_heldout", "mc_eval", *AGENT_FILES)  # demo:<name>
 
 
 def resolve_demo_path(path: str, data_format: str, cache_dir: str) -> str:
@@ -317,6 +362,7 @@ def write_demo_corpus(out_dir: str, seed: int = 0, n_pretrain: int = 40000, n_sf
     paths["tool_sft"] = os.path.join(out_dir, "tool_sft.jsonl")
     paths["sort_heldout"] = os.path.join(out_dir, SORT_HELDOUT)
     paths["mc_eval"] = os.path.join(out_dir, MC_EVAL)
+    paths.update(_write_agent_tasks(out_dir, seed))  # the agent demo's files: their own stamp
     stamp_path = os.path.join(out_dir, "demo.json")
     stamp = {"version": _VERSION, "seed": seed, "n_pretrain": n_pretrain, "n_sft": n_sft, "n_dpo": n_dpo,
              "n_prompt": n_prompt, "sft_sort_share": SFT_SORT_SHARE}

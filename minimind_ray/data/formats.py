@@ -1,6 +1,6 @@
 """Record formats: how a jsonl record becomes stored token rows, and a row a training batch.
 
-Five formats, following MiniMind's ``dataset/lm_dataset.py`` (83e52f6 / d65ef2c):
+Six formats, following MiniMind's ``dataset/lm_dataset.py`` (83e52f6 / d65ef2c):
 
 ``pretrain`` ``{"text": ...}``
     Each document is ``bos + ids + eos``. Packed (default): the documents of a shard are
@@ -30,10 +30,12 @@ Five formats, following MiniMind's ``dataset/lm_dataset.py`` (83e52f6 / d65ef2c)
     Both conversations rendered and labelled like SFT, each with its own assistant mask.
 
 ``rlaif`` ``{"conversations": [..., {"role": "assistant", ...}]}``, ``prompt`` ``{"prompt", "answer"}``
-    RL prompts (stage ``grpo``): MiniMind's ``rlaif.jsonl`` (the last turn, the assistant's, is the one
+    RL prompts (stages ``grpo``, ``ppo``): MiniMind's ``rlaif.jsonl`` (the last turn, the assistant's, is the one
     to generate; its content is kept as the reference answer), or a question with its known answer (a
     string or number). Rendered with the generation prompt; a longer prompt keeps its last ``max_seq_len``
     tokens (MiniMind's rule, counted ``truncated``). No random system prompt or thinking switch.
+    ``agent_rl`` ``{"conversations", "gt"}`` (stage ``agent``, MiniMind's agent_rl.jsonl): an rlaif conversation
+    with tools, its ``gt`` values and the messages and tools kept for the rollouts (data/agent_format.py).
 
 Bad input never reaches training silently. :func:`parse_line` and :func:`check_record`
 raise :class:`BadRecord` with a reason from :data:`REASONS`; the prepare job counts
@@ -48,6 +50,7 @@ import numpy as np
 import pyarrow as pa
 from jinja2.exceptions import TemplateError
 
+from minimind_ray.data.prompt_formats import agent_context, agent_problem, collate_prompts, gt_values
 from minimind_ray.stages import FORMATS, RL_FORMATS  # the one format list
 
 REASONS = {
@@ -69,7 +72,8 @@ ROLES = ("system", "user", "assistant", "tool")
 _BAD_TEXT = "text holds a lone surrogate (e.g. \\ud800), which is not Unicode and cannot be tokenized"
 COLUMNS = {"pretrain": ["ids"], "sft": ["ids", "mask"],  # stored list columns of each format
            "dpo": ["chosen_ids", "chosen_mask", "rejected_ids", "rejected_mask"],
-           "rlaif": ["prompt_ids", "answer_utf8"], "prompt": ["prompt_ids", "answer_utf8"]}
+           "rlaif": ["prompt_ids", "answer_utf8"], "prompt": ["prompt_ids", "answer_utf8"],
+           "agent_rl": ["prompt_ids", "answer_utf8", "context_utf8"]}
 
 
 class BadRecord(ValueError):
@@ -155,14 +159,16 @@ def check_record(fmt: str, rec: dict, max_chars: Optional[int] = None) -> None:
 
 def _check_prompt_record(fmt: str, rec: dict) -> int:
     """The rlaif/prompt checks of :func:`check_record`; returns the record's text length."""
-    if fmt == "rlaif":
+    if fmt in ("rlaif", "agent_rl"):
         _check_messages(rec, "conversations")
         conv = rec["conversations"]
         if conv and conv[-1]["role"] != "assistant":
             raise BadRecord("wrong_type", f"'conversations[-1].role' is {conv[-1]['role']!r}, expected 'assistant'")
         if len(conv) < 2:
             raise BadRecord("no_prompt", "'conversations' has no turn before the assistant's")
-        return sum(len(m["content"]) for m in conv)
+        if fmt == "agent_rl" and agent_problem(rec):
+            raise BadRecord(*agent_problem(rec))
+        return sum(len(m["content"]) for m in conv) + len(str(rec.get("gt", "")))
     for key, types, expected in (("prompt", (str,), "a string"), ("answer", (str, int, float), "a string or number")):
         if rec.get(key) is None:
             raise BadRecord("missing_field", f"field '{key}' missing")
@@ -331,17 +337,19 @@ class Encoder:
         return issues
 
     def _add_prompts(self, records: List[dict]) -> List[Tuple[int, str, str]]:
-        issues, texts, answers, kept = [], [], [], []
+        issues, texts, answers, kept, contexts = [], [], [], [], []
         for i, r in enumerate(records):
-            rlaif = self.fmt == "rlaif"
+            rlaif, agent = self.fmt != "prompt", self.fmt == "agent_rl"
             try:
                 texts.append(render_chat(self.tok, r["conversations"][:-1] if rlaif else
                                          [{"role": "user", "content": r["prompt"]}], add_generation_prompt=True))
-                answers.append(r["conversations"][-1]["content"] if rlaif else str(r["answer"]))
+                answers.append(json.dumps(gt_values(r), ensure_ascii=False) if agent else  # agent_rl: gt, and the
+                               r["conversations"][-1]["content"] if rlaif else str(r["answer"]))  # messages + tools
+                contexts.append(np.frombuffer(agent_context(r).encode("utf-8"), np.uint8) if agent else None)
                 kept.append(i)
             except BadRecord as e:
                 issues.append((i, e.reason, e.detail))
-        for i, ids, answer in zip(kept, self._encode(texts), answers):
+        for i, ids, answer, context in zip(kept, self._encode(texts), answers, contexts):
             try:
                 answer_bytes = np.frombuffer(answer.encode("utf-8"), dtype=np.uint8)
             except UnicodeEncodeError:  # a lone surrogate
@@ -353,6 +361,8 @@ class Encoder:
                 issues.append((i, "truncated", f"prompt longer than max_seq_len={self.L}: kept its last tokens"))
             self._rows["prompt_ids"].append(np.asarray(ids[-self.L:], dtype=self.dtype))
             self._rows["answer_utf8"].append(answer_bytes)
+            if context is not None:
+                self._rows["context_utf8"].append(context)
         return issues
 
     def take(self, final: bool = False) -> Optional[Dict[str, List[np.ndarray]]]:
@@ -421,7 +431,7 @@ def collate(fmt: str, rows: Dict[str, List[np.ndarray]], sample_ids: np.ndarray,
     import torch
 
     if fmt in RL_FORMATS:
-        return _collate_prompts(rows, sample_ids, pad_id)
+        return collate_prompts(rows, sample_ids, pad_id)
     sides = [""] if fmt != "dpo" else ["chosen_", "rejected_"]
     longest = max(len(r) - 1 for s in sides for r in rows[s + "ids"])
     T = min(max_seq_len, _round8(max(longest, 1)))
@@ -431,20 +441,3 @@ def collate(fmt: str, rows: Dict[str, List[np.ndarray]], sample_ids: np.ndarray,
         out[s + "input_ids"], out[s + "targets"] = x, y
     out["sample_ids"] = torch.from_numpy(np.asarray(sample_ids, dtype=np.int64))
     return out
-
-
-def _collate_prompts(rows: Dict[str, List[np.ndarray]], sample_ids: np.ndarray, pad_id: int) -> dict:
-    """rlaif/prompt rows -> ``prompt_ids`` (B, P) left-padded with ``pad_id``, ``prompt_mask`` (B, P)
-    (1 = a prompt token), ``answer_utf8`` (B, A) zero-padded bytes, ``answer_len`` (B,), ``sample_ids``."""
-    import torch
-
-    prompts, answers = rows["prompt_ids"], rows["answer_utf8"]
-    B, P, A = len(prompts), max(len(p) for p in prompts), max(1, max(len(a) for a in answers))
-    ids, mask, utf8 = np.full((B, P), pad_id, np.int64), np.zeros((B, P), np.int64), np.zeros((B, A), np.uint8)
-    for i, (p, a) in enumerate(zip(prompts, answers)):
-        ids[i, P - len(p):], mask[i, P - len(p):] = p, 1
-        utf8[i, :len(a)] = a
-    return {"prompt_ids": torch.from_numpy(ids), "prompt_mask": torch.from_numpy(mask),
-            "answer_utf8": torch.from_numpy(utf8),
-            "answer_len": torch.tensor([len(a) for a in answers], dtype=torch.int64),
-            "sample_ids": torch.from_numpy(np.asarray(sample_ids, dtype=np.int64))}

@@ -77,6 +77,20 @@ class Objective:
     def end_step(self, state, out) -> None:
         """After the step's updates (every rank): an objective with state of its own updates it here."""
 
+    def trained_parts(self) -> Dict[str, Tuple[nn.Module, float]]:
+        """Models besides the policy that this objective trains (PPO's critic), by name: (module, peak lr). The
+        state gives each its own DDP wrapper, AdamW, lr schedule and checkpoint file (engine/state.py:TrainedPart)
+        and hands the wrapped modules back through ``bind_parts``, for ``loss_sum`` to run forward through."""
+        return {}
+
+    def bind_parts(self, forward_modules: Dict[str, nn.Module]) -> None:
+        pass
+
+    def keep_update(self, state) -> bool:
+        """After an update's backward, before its optimizer steps (every rank, the same answer on each): False drops
+        this update's gradients and every later update of the step (PPO's early stop on KL)."""
+        return True
+
     def state_dict(self) -> Dict:
         """The objective's own state for checkpoints (Stateful; empty for the stateless ones)."""
         return {}
@@ -260,8 +274,84 @@ class GRPOObjective(Objective):
         self.plan.load_state_dict(sd)
 
 
+# --------------------------------------------------------------------------- PPO (issue 24): the rl/ppo*.py pieces
+
+
+class PPOObjective(Objective):
+    """PPO with a critic (MiniMind's train_ppo.py; rl/ppo.py, rl/ppo_step.py, docs/rl.md). ``prepare`` samples one
+    completion per prompt, scores it with the reward terms, and turns the score on its last token (and, with
+    ``kl_penalty: reward``, the per-token KL) into GAE advantages over the critic's values; ``update_plan`` makes
+    ``ppo_update_iters`` passes of ``mini_batches`` updates; ``loss_sum`` is the clipped policy loss, kl_coef x
+    the k3 KL to a frozen copy of the initial weights and vf_coef x the clipped value loss, per completion token;
+    ``keep_update`` stops the step's updates when their approximate KL exceeds early_stop_kl. The critic (a value
+    head on a copy of the initial policy) is a trained part: its own DDP wrapper, AdamW at critic_lr, and
+    ``critic.pth`` in every checkpoint."""
+
+    name = "ppo"
+
+    def setup(self, model: nn.Module, device: torch.device) -> None:
+        from minimind_ray.rl.ppo import CriticModel
+        from minimind_ray.rl.ppo_step import PPOPlan
+        from minimind_ray.rl.rewards import build_rewards
+
+        p = self.cfg.train.ppo
+        self.reference = _frozen_copy(model).to(device) if p.kl_coef > 0 else None
+        self.critic = self.critic_forward = CriticModel(model, seed=self.cfg.train.seed)
+        with torch.random.fork_rng(devices=[]):  # loading a reward model must not move the sampling RNG
+            self.rewards = build_rewards(p.rewards, device, run_name=self.cfg.name)
+        self.plan = PPOPlan(self.cfg)
+
+    def trained_parts(self) -> Dict[str, Tuple[nn.Module, float]]:
+        return {"critic": (self.critic, self.cfg.train.ppo.critic_lr)}
+
+    def bind_parts(self, forward_modules: Dict[str, nn.Module]) -> None:
+        self.critic_forward = forward_modules["critic"]
+
+    def prepare(self, state, batches: List[Batch], step: int) -> List[Batch]:
+        return self.plan.prepare(state, batches, step, rewards=self.rewards, reference=self.reference,
+                                 critic=self.critic)
+
+    def update_plan(self, batches: List[Batch]) -> List[List[List[Batch]]]:
+        return self.plan.updates(batches)
+
+    def weight(self, batch: Batch) -> int:
+        return int(batch["completion_mask"].sum())  # MiniMind's losses are means over the completion tokens
+
+    def metric_weight(self, batch: Batch) -> int:
+        return int(batch.get("metric_rows", batch["completion_mask"].new_zeros(())).item())
+
+    def loss_sum(self, model, batch):
+        return self.plan.loss_sum(model, self.critic_forward, batch)
+
+    def keep_update(self, state) -> bool:
+        return self.plan.keep_update(state)
+
+    def end_step(self, state, out) -> None:
+        self.plan.end_step(state, out)
+
+
+class AgentObjective(GRPOObjective):
+    """Agentic tool-use RL (MiniMind's train_agent.py; rl/agent*.py, rl/tools.py, docs/rl.md): GRPO/CISPO as the grpo
+    objective computes it (train.grpo), on multi-turn trajectories in which the policy calls tools (train.agent.tools,
+    run in a worker process with a time limit) and reads their results; only the policy's own tokens carry loss, and
+    a trajectory's reward is the sum of train.agent.rewards (MiniMind's answer, format and repetition terms)."""
+
+    name = "agent"
+
+    def setup(self, model: nn.Module, device: torch.device) -> None:
+        from minimind_ray.rl.agent_rewards import build_agent_rewards
+        from minimind_ray.rl.agent_step import AgentPlan
+        from minimind_ray.rl.tools import ToolBox
+
+        a, g = self.cfg.train.agent, self.cfg.train.grpo
+        self.reference = _frozen_copy(model).to(device) if g.beta > 0 else None
+        with torch.random.fork_rng(devices=[]):  # loading a reward model must not move the sampling RNG
+            self.rewards = build_agent_rewards(a.rewards, device, run_name=self.cfg.name)
+        self.plan = AgentPlan(self.cfg, ToolBox(a.tools, a.max_tool_response_chars))
+
+
 OBJECTIVE_CLASSES = {c.__name__: c for c in (Objective, SFTObjective, LoRAObjective, DPOObjective, DistillObjective,
-                                             GRPOObjective)}
+                                             GRPOObjective, PPOObjective, AgentObjective)}
 
 
 def build_objective(cfg: RunConfig) -> Objective:

@@ -1,7 +1,8 @@
 """Everything one rank's training depends on, built once and saved/restored as a whole.
 
 :class:`TrainState` holds the model (plain, DDP-wrapped and maybe compiled), the stage
-objective, the optimizer, the lr scheduler, the data stream, the step and the RNG. Each part
+objective, the optimizer, the lr scheduler, the data stream, the step, the RNG, and the models a
+stage trains beside the policy with their own optimizers (:class:`TrainedPart`: PPO's critic). Each part
 follows the ``state_dict()``/``load_state_dict()`` contract (torchtitan's ``Stateful``), and
 :meth:`TrainState.save` / :meth:`TrainState.restore` map them onto the checkpoint layout that
 ``minimind_ray/store/checkpoint.py`` owns. No Ray here: a world of 1 needs no process group,
@@ -41,6 +42,43 @@ class RNGState:
 
 
 @dataclass
+class TrainedPart:
+    """A model trained beside the policy (PPO's critic, ``Objective.trained_parts``): its own DDP wrapper, AdamW
+    with its own lr, the policy's lr schedule, gradient clipping on its own; its weights are a file of their own in
+    every checkpoint (``<name>.pth``), its optimizer and schedule a section of ``train_state.pt``."""
+
+    model: torch.nn.Module
+    ddp_model: torch.nn.Module
+    params: List[torch.nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+
+    @classmethod
+    def build(cls, module, lr: float, cfg: RunConfig, world: int, device, total_steps: int, comm) -> "TrainedPart":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        t = cfg.train
+        module.to(device)
+        ddp = module
+        if world > 1:
+            ddp = DDP(module, device_ids=[device.index] if device.type == "cuda" else None,
+                      forward_sync_buffers=False, gradient_as_bucket_view=True)
+            ddp.register_comm_hook(None, comm.hook)
+        params = [p for p in module.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t, total_steps))
+        return cls(module, ddp, params, optimizer, scheduler)
+
+    def train_state(self) -> Dict[str, Any]:
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+
+    def load(self, model_state: Dict[str, Any], train_state: Dict[str, Any]) -> None:
+        self.model.load_state_dict(model_state, strict=True)
+        self.optimizer.load_state_dict(train_state["optimizer"])
+        self.scheduler.load_state_dict(train_state["scheduler"])
+
+
+@dataclass
 class TrainState:
     cfg: RunConfig
     rank: int
@@ -60,6 +98,7 @@ class TrainState:
     comm: Optional[CommTimer] = None
     step: int = 0  # optimizer steps done
     rng: RNGState = field(default_factory=RNGState)
+    parts: Dict[str, TrainedPart] = field(default_factory=dict)  # models trained beside the policy (PPO's critic)
 
     @classmethod
     def build(cls, cfg: RunConfig, prepared_dir: str, rank: int = 0, world: int = 1,
@@ -103,17 +142,23 @@ class TrainState:
             raise ValueError(f"{prepared_dir}: {dataset.num_sequences('train')} training sequences "
                              f"make no full global batch of {t.global_batch_size}")
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t, total_steps))
+        parts = {name: TrainedPart.build(module, lr, cfg, world, device, total_steps, comm)
+                 for name, (module, lr) in objective.trained_parts().items()}
+        objective.bind_parts({name: part.ddp_model for name, part in parts.items()})
         return cls(cfg=cfg, rank=rank, world=world, device=device, model=model, ddp_model=ddp_model,
                    forward_model=forward_model, objective=objective, params=params, optimizer=optimizer,
                    scheduler=scheduler, dataset=dataset, stream=stream, total_steps=total_steps,
-                   autocast=autocast_for(t.precision, device), comm=comm)
+                   autocast=autocast_for(t.precision, device), comm=comm, parts=parts)
 
     # ---- Stateful
 
     def state_dict(self) -> Dict[str, Any]:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(), "data": self.stream.state_dict(), "step": self.step,
-                "rng": self.rng.state_dict(), "objective": self.objective.state_dict()}
+        sd = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+              "scheduler": self.scheduler.state_dict(), "data": self.stream.state_dict(), "step": self.step,
+              "rng": self.rng.state_dict(), "objective": self.objective.state_dict()}
+        if self.parts:  # only stages that train a second model have the key: the others' state is as before
+            sd["parts"] = {n: {"model": p.model.state_dict(), **p.train_state()} for n, p in self.parts.items()}
+        return sd
 
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
         from minimind_ray.store.pth import load_pth
@@ -126,6 +171,13 @@ class TrainState:
         if sd.get("rng") is not None:  # a checkpoint of a smaller world has none for this rank
             self.rng.load_state_dict(sd["rng"])
         self.objective.load_state_dict(sd.get("objective") or {})  # older checkpoints: none
+        for name, part in self.parts.items():
+            if not {"model", "optimizer", "scheduler"} <= set((sd.get("parts") or {}).get(name, {})):
+                from minimind_ray.store.checkpoint import CheckpointError
+
+                raise CheckpointError(f"the checkpoint holds no {name!r} (a model stage {self.cfg.train.stage!r} "
+                                      f"trains beside the policy); it was not written by this stage")
+            part.load(sd["parts"][name]["model"], sd["parts"][name])
 
     # ---- the checkpoint layout (minimind_ray/store/checkpoint.py)
 
@@ -140,17 +192,22 @@ class TrainState:
                                   data_state=self.stream.state_dict(), world_size=self.world,
                                   mlflow_run_id=mlflow_run_id, stage=self.cfg.train.stage,
                                   total_steps=self.total_steps, config=to_dict(self.cfg), prepared_dir=prepared_dir)
-            write_shared_files(ckpt_dir, model_state=self.model.state_dict(),
-                               train_state={"optimizer": self.optimizer.state_dict(),
-                                            "scheduler": self.scheduler.state_dict(),
-                                            "objective": self.objective.state_dict()}, meta=meta)
+            train_state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                           "objective": self.objective.state_dict()}
+            if self.parts:
+                train_state["parts"] = {n: p.train_state() for n, p in self.parts.items()}
+            write_shared_files(ckpt_dir, model_state=self.model.state_dict(), train_state=train_state, meta=meta,
+                               part_states={n: p.model.state_dict() for n, p in self.parts.items()})
 
     def restore(self, stored):
         """Continue from a verified :class:`~minimind_ray.store.checkpoint.StoredCheckpoint`; returns its
         :class:`~minimind_ray.store.checkpoint.CheckpointMeta`."""
         meta = stored.meta()
         train_state = stored.train_state()
+        parts = {n: {"model": stored.part_state(n), **(train_state.get("parts") or {}).get(n, {})}
+                 for n in self.parts if stored.has_part(n)}
         self.load_state_dict({"model": stored.model_state(), "optimizer": train_state["optimizer"],
                               "scheduler": train_state["scheduler"], "data": meta.data_state, "step": meta.step,
-                              "rng": stored.rng(self.rank), "objective": train_state.get("objective")})
+                              "rng": stored.rng(self.rank), "objective": train_state.get("objective"),
+                              "parts": parts})
         return meta

@@ -1,12 +1,13 @@
 """One optimizer step of one rank: the same for every stage, every world size, with or without Ray.
 
     batches = objective.prepare(batches)                             (RL: rollouts, rewards; else as is)
-    for each update of objective.update_plan(batches)                (one, but GRPO's passes x mini-batches)
+    for each update of objective.update_plan(batches)                (one, but GRPO's and PPO's passes x mini-batches)
         weight  = all-reduce(sum of the micro-batches' loss units)  (target tokens, pairs, completions)
         for each micro-batch (no_sync on all but the last):
             loss = objective.loss_sum(mb) * world / weight + aux / n_micro ; backward
-        clip the global gradient norm ; AdamW
-    scheduler ; objective.end_step (GRPO's adaptive KL)
+        objective.keep_update? else drop this and every later update (PPO's early stop on KL)
+        clip the global gradient norm ; AdamW                      (and each trained part's: PPO's critic)
+    scheduler(s) ; objective.end_step (GRPO's adaptive KL)
 
 DDP averages gradients over ranks; scaling each rank's summed loss by ``world / weight``
 turns that average into the gradient of the mean over the *global* batch, so a 1-worker
@@ -80,6 +81,16 @@ class StepOutput:
     metric_weight: torch.Tensor = None  # what ``extras`` are means over (all-reduced); None = ``weight``
 
 
+def _no_sync(state, parts, sync: bool):
+    """No gradient all-reduce on this micro-batch: DDP's no_sync of the policy and of every trained part."""
+    if sync:
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    for m in [state.ddp_model, *(part.ddp_model for part in parts)]:
+        stack.enter_context(m.no_sync())
+    return stack
+
+
 def _global_units(obj, micro_batches, world: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
     """(the update's loss units (>= 1), its metric units), summed over ranks in one all-reduce (float64)."""
     local = [float(sum(obj.weight(b) for b in micro_batches)), float(sum(obj.metric_weight(b) for b in micro_batches))]
@@ -105,7 +116,11 @@ def train_step(state, batches: List[Dict[str, torch.Tensor]], step: int) -> Step
     extras: Dict[str, torch.Tensor] = {}
     tokens_local = 0
     clip = state.cfg.train.grad_clip
+    parts = list(getattr(state, "parts", {}).values())  # models trained beside the policy (PPO's critic)
+    grad_norm, stopped = torch.zeros((), device=device), False
     for p, updates in enumerate(passes):
+        if stopped:
+            break
         for micro_batches in updates:
             w, mw = _global_units(obj, micro_batches, world, device)  # the update's mean is over the global batch
             if p == 0:
@@ -116,7 +131,7 @@ def train_step(state, batches: List[Dict[str, torch.Tensor]], step: int) -> Step
             for i, mb in enumerate(micro_batches):
                 mb = to_device(mb, device)
                 sync = world == 1 or i == n_micro - 1
-                with (contextlib.nullcontext() if sync else state.ddp_model.no_sync()), state.autocast():
+                with _no_sync(state, parts, sync), state.autocast():
                     loss_sum, aux, extra = obj.loss_sum(state.forward_model, mb)
                     loss = loss_sum * scale + aux / n_micro
                 loss.backward()
@@ -125,11 +140,22 @@ def train_step(state, batches: List[Dict[str, torch.Tensor]], step: int) -> Step
                 tokens_local += obj.tokens(mb)
                 for k, v in extra.items():
                     extras[k] = extras.get(k, 0.0) + v.detach().double()
+            if not obj.keep_update(state):  # the same answer on every rank: no rank steps alone
+                for opt in [state.optimizer, *(part.optimizer for part in parts)]:
+                    opt.zero_grad(set_to_none=True)
+                stopped = True
+                break
             grad_norm = torch.nn.utils.clip_grad_norm_(state.params, clip if clip > 0 else float("inf"))
             state.optimizer.step()
             state.optimizer.zero_grad(set_to_none=True)
+            for part in parts:  # clipped on its own, as MiniMind clips actor and critic
+                torch.nn.utils.clip_grad_norm_(part.params, clip if clip > 0 else float("inf"))
+                part.optimizer.step()
+                part.optimizer.zero_grad(set_to_none=True)
     lr = state.scheduler.get_last_lr()[0]  # the lr this step used
     state.scheduler.step()
+    for part in parts:
+        part.scheduler.step()
     state.step = step
     out = StepOutput(step, loss_local, weight, aux_local, extras, tokens_local, grad_norm, lr, metric_weight)
     obj.end_step(state, out)

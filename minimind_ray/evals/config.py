@@ -7,7 +7,7 @@ from typing import List, Optional
 
 from minimind_ray.config_checks import ConfigError, check_bounds, config_field as _f, need
 
-TASKS = ("ceval", "cmmlu", "mc", "gen")
+TASKS = ("ceval", "cmmlu", "mc", "gen", "toolcall")
 
 
 @dataclass
@@ -16,7 +16,8 @@ class EvalTaskConfig:
 
     task: str = _f("mc", "ceval | cmmlu (a benchmark folder in its own layout, letters scored as lm-eval does) | "
                          "mc (jsonl {question, choices, answer}: the choice texts scored) | gen (jsonl {prompt, "
-                         "answer}: greedy and sampled exact match)")
+                         "answer}: greedy and sampled exact match) | toolcall (jsonl {prompt, tools, tool, arguments}: "
+                         "the tool called and its arguments' validity)")
     data: str = _f("", "ceval: a folder with val/<subject>_val.csv and dev/<subject>_dev.csv; cmmlu: test/<subject>.csv "
                        "and dev/<subject>.csv; mc/gen: a jsonl file; 'demo:<name>' = a file of the built-in corpus")
     name: Optional[str] = _f(None, "the task's name in reports and MLflow (eval/<name>/acc); None = the task kind, or "
@@ -75,13 +76,15 @@ def validate_task(t: EvalTaskConfig, where: str = "") -> None:
         need(t.samples >= t.k, f"{where}k", f"pass@{t.k} needs samples >= {t.k}, got samples={t.samples}")
     if t.task in ("ceval", "cmmlu") and t.fewshot_data:
         raise ConfigError(f"{where}fewshot_data: {t.task} takes its shots from the folder's dev split")
+    need(t.task != "toolcall" or t.shots == 0, f"{where}shots", "toolcall prompts are conversations with their tools: "
+                                                                  "no shots")
 
 
 def task_name(t: EvalTaskConfig) -> str:
     """The name a task's scores are reported under."""
     if t.name:
         return t.name
-    if t.task in ("mc", "gen"):
+    if t.task in ("mc", "gen", "toolcall"):
         stem = t.data.split(":", 1)[1] if t.data.startswith("demo:") else t.data.rstrip("/").rsplit("/", 1)[-1]
         return stem.split(".", 1)[0] or t.task
     return t.task

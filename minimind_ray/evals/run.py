@@ -4,8 +4,9 @@ call (docs/evaluation.md).
 
     items  = tasks.load_items(task, tokenizer)            (prompts as lm-eval builds them; bad rows counted)
     batches of batch_size items, in order of context length (fixed for a task: the same whatever the workers)
-    each batch -> scoring.choice_logprobs (mc) / scoring.generate_batch (gen)   here, or parallel.score_on_ray
+    each batch -> scoring.choice_logprobs (mc) / scoring.generate_batch (gen, toolcall)  here, or parallel.score_on_ray
     per question: pred = argmax(sum log p), pred_norm = argmax(sum log p / len(choice)) -> acc, acc_norm, stderr
+    per tool-use prompt: the reply's first <tool_call>: the tool named, its arguments valid (and as expected)
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import torch
 
 from minimind_ray.evals.config import EvalTaskConfig, task_name, validate_task
 from minimind_ray.evals.scoring import encode_question, score_batch
-from minimind_ray.evals.tasks import GenItem, MCItem, load_items
+from minimind_ray.evals.tasks import GenItem, MCItem, ToolCallItem, load_items
 
 
 def resolve_data(task: EvalTaskConfig, cache_dir: str = "data_cache") -> EvalTaskConfig:
@@ -35,7 +36,7 @@ def resolve_data(task: EvalTaskConfig, cache_dir: str = "data_cache") -> EvalTas
 
 
 def encode_items(items: list, tokenizer, kind: str) -> list:
-    if kind == "gen":
+    if kind in ("gen", "toolcall"):
         return [tokenizer.encode(it.context) for it in items]
     return [encode_question(tokenizer, it.context, it.continuations) for it in items]
 
@@ -43,7 +44,7 @@ def encode_items(items: list, tokenizer, kind: str) -> list:
 def make_batches(encoded: list, kind: str, batch_size: int, subjects: Optional[List[str]] = None) -> List[List[int]]:
     """Item indices in batches, a subject at a time (its few-shot prompts share their prefix: scoring.choice_logprobs
     computes it once per batch), longest contexts first (less padding, and the slowest batches start first)."""
-    length = (lambda i: len(encoded[i])) if kind == "gen" else (lambda i: len(encoded[i][0]))
+    length = (lambda i: len(encoded[i])) if kind in ("gen", "toolcall") else (lambda i: len(encoded[i][0]))
     subject = (lambda i: subjects[i]) if subjects else (lambda i: "")
     order = sorted(range(len(encoded)), key=lambda i: (subject(i), -length(i), i))
     return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
@@ -118,6 +119,69 @@ def aggregate_gen(items: List[GenItem], greedy: List[str], sampled: List[List[st
     return out
 
 
+def _same_value(got, want) -> bool:
+    """An argument as expected: numbers equal, texts equal but for case and spacing ("3+4" is "3 + 4")."""
+    if isinstance(want, str) and isinstance(got, str):
+        return "".join(got.split()).casefold() == "".join(want.split()).casefold()
+    if isinstance(want, (int, float)) and isinstance(got, (int, float)) and not isinstance(got, bool):
+        return math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-9)
+    return got == want
+
+
+def judge_tool_call(item: ToolCallItem, reply: str) -> dict:
+    """What the reply's first call gets right: ``called``, ``name`` (the expected tool, or no call when none is
+    expected), ``valid`` (its arguments suit the tool's schema, rl/tools.py:check_arguments), ``match`` (they equal
+    the expected arguments, when given), and ``exact``: all of these."""
+    from minimind_ray.rl.tools import check_arguments, parse_tool_calls, tool_schemas
+
+    calls, bad = parse_tool_calls(reply)
+    first = calls[0] if calls else None
+    if item.tool is None:
+        return {"called": bool(calls), "bad_blocks": bad, "name": not calls and not bad, "exact": not calls and not bad}
+    name = first is not None and first["name"] == item.tool
+    why = check_arguments(tool_schemas(item.tools)[item.tool], first["arguments"]) if name else "wrong or no tool"
+    match = (name and isinstance(first["arguments"], dict) and set(first["arguments"]) == set(item.arguments)
+             and all(_same_value(first["arguments"][k], v) for k, v in item.arguments.items())
+             ) if item.arguments is not None else None
+    return {"called": bool(calls), "bad_blocks": bad, "name": name, "valid": why is None, "invalid_reason": why,
+            "match": match, "exact": name and why is None and match is not False}
+
+
+def aggregate_toolcall(items: List[ToolCallItem], greedy: List[str], sampled: List[List[str]], task) -> dict:
+    """acc: the greedy reply right in every respect (judge_tool_call's ``exact``); name_acc, args_valid (over the
+    prompts that expect a call), args_match (over those with expected arguments), call_rate; pass@1 / pass@k of
+    ``exact`` over the samples."""
+    judged = [judge_tool_call(it, g) for it, g in zip(items, greedy)]
+    k = task.k or task.samples
+
+    def mean(xs):
+        return sum(xs) / len(xs) if xs else None
+
+    def scores(rows):
+        want = [i for i in rows if items[i].tool is not None]
+        out = {"acc": mean([float(judged[i]["exact"]) for i in rows]), "n": len(rows),
+               "name_acc": mean([float(judged[i]["name"]) for i in rows]),
+               "args_valid": mean([float(judged[i]["valid"]) for i in want]),
+               "args_match": mean([float(judged[i]["match"]) for i in want if items[i].arguments is not None]),
+               "call_rate": mean([float(judged[i]["called"]) for i in rows])}
+        if task.samples:
+            hits = [sum(judge_tool_call(items[i], x)["exact"] for x in sampled[i]) for i in rows]
+            out.update({"pass@1": mean([c / task.samples for c in hits]),
+                        "pass@k": mean([pass_at_k(task.samples, c, k) for c in hits])})
+        return out
+
+    by_subject: Dict[str, List[int]] = {}
+    for i, it in enumerate(items):
+        by_subject.setdefault(it.subject, []).append(i)
+    out = {**scores(range(len(items))), "acc_stderr": _stderr([float(j["exact"]) for j in judged]),
+           "subjects": {s: scores(rows) for s, rows in sorted(by_subject.items())},
+           "details": [{"where": it.where, "subject": it.subject, "tool": it.tool, "reply": g, **j}
+                       for it, g, j in zip(items, greedy, judged)]}
+    if task.samples:
+        out.update({"k": k, "samples": task.samples})
+    return out
+
+
 def evaluate_task(weights: str, task: EvalTaskConfig, *, preset: Optional[str] = None,
                   tokenizer: Optional[str] = None, device: Optional[str] = None, workers: int = 0,
                   cache_dir: str = "data_cache", model=None, tok=None, rope_scaling: Optional[dict] = None) -> dict:
@@ -150,13 +214,13 @@ def evaluate_task(weights: str, task: EvalTaskConfig, *, preset: Optional[str] =
                    for i, job in enumerate(jobs)]
     seconds = time.perf_counter() - t0
     out = {"task": task_name(task), "kind": task.task}
-    if task.task == "gen":
+    if task.task in ("gen", "toolcall"):
         greedy, sampled = [None] * len(items), [None] * len(items)
         for b, (g, s) in zip(batches, results):
             for i, gi, si in zip(b, g, s):
                 greedy[i] = tok.decode(gi, skip_special_tokens=True)
                 sampled[i] = [tok.decode(x, skip_special_tokens=True) for x in si]
-        out.update(aggregate_gen(items, greedy, sampled, task))
+        out.update((aggregate_gen if task.task == "gen" else aggregate_toolcall)(items, greedy, sampled, task))
     else:
         logprobs = [None] * len(items)
         for b, rows in zip(batches, results):
@@ -175,6 +239,8 @@ def metric_items(result: dict) -> Dict[str, float]:
     if result["kind"] == "gen":
         keys = {"greedy_acc": result.get("greedy_acc"), "pass_at_1": result.get("pass@1"),
                 f"pass_at_{result.get('k')}": result.get("pass@k")}
+    elif result["kind"] == "toolcall":
+        keys = {k: result.get(k) for k in ("acc", "name_acc", "args_valid", "args_match", "call_rate")}
     else:
         keys = {"acc": result.get("acc"), "acc_norm": result.get("acc_norm")}
     return {f"eval/{name}/{k}": float(v) for k, v in keys.items() if v is not None}

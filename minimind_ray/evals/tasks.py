@@ -11,6 +11,10 @@ Four tasks (docs/evaluation.md):
 ``mc``     jsonl ``{"question", "choices": [...], "answer": index or letter}`` (any number of choices): the
            choice texts are scored after ``Question: <question>\\nAnswer:`` (lm-eval's ARC layout).
 ``gen``    jsonl ``{"prompt", "answer"}`` (the GRPO ``prompt`` format): completions are generated and checked.
+``toolcall`` jsonl ``{"prompt" or "messages", "tools": [OpenAI function schemas], "tool": name or null, "arguments"}``:
+           the conversation and its tools through the chat template; the reply's ``<tool_call>`` is checked (the
+           tool named, its arguments against the tool's schema and, when given, against ``arguments``; ``tool:
+           null`` expects no call). MiniMind's scripts/eval_toolcall.py shows its cases; this scores them.
 
 Prompts follow lm-eval's ``fewshot_context``: raw text is ``description + shots + question``, each shot
 ``question + target_delimiter + answer + fewshot_delimiter``; with the chat template the description is the
@@ -74,6 +78,16 @@ class GenItem:
     subject: str
     context: str
     answer: str
+    where: str
+
+
+@dataclass
+class ToolCallItem:
+    subject: str
+    context: str  # the conversation with its tools, through the chat template, ending in the generation prompt
+    tools: List[dict]
+    tool: Optional[str]  # the tool a right reply calls; None: a right reply calls none
+    arguments: Optional[dict]  # the arguments a right call passes (None: any valid ones)
     where: str
 
 
@@ -161,7 +175,7 @@ def jsonl_records(path: str, bad: BadRows, kind: str) -> List[Tuple[dict, str]]:
                 continue
             try:
                 rec = parse_line(raw, MAX_LINE_CHARS)
-                out.append((_mc_record(rec) if kind == "mc" else _gen_record(rec), where))
+                out.append(({"mc": _mc_record, "gen": _gen_record, "toolcall": _toolcall_record}[kind](rec), where))
             except BadRecord as e:
                 bad.bad(where, e.reason, e.detail)
     return out
@@ -200,6 +214,37 @@ def _gen_record(rec: dict) -> dict:
         raise BadRecord("missing_field", "field 'prompt' is empty")
     _check_text({"prompt": prompt, "answer": str(answer)})
     return {**rec, "answer": str(answer)}
+
+
+def _toolcall_record(rec: dict) -> dict:
+    from minimind_ray.rl.tools import tool_schemas
+
+    prompt, messages, tools = rec.get("prompt"), rec.get("messages"), rec.get("tools")
+    if prompt is None and messages is None:
+        raise BadRecord("missing_field", "field 'prompt' (or 'messages') missing")
+    if messages is None:
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise BadRecord("wrong_type", "'prompt' must be a non-empty text")
+        messages = [{"role": "user", "content": prompt}]
+    if not isinstance(messages, list) or not messages or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages):
+        raise BadRecord("wrong_type", "'messages' must be a list of {role, content} texts")
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except ValueError:
+            raise BadRecord("wrong_type", "'tools' is a string that is not JSON") from None
+    if not isinstance(tools, list) or not tools or len(tool_schemas(tools)) != len(tools):
+        raise BadRecord("wrong_type" if tools is not None else "missing_field",
+                        "'tools' must be a list of function schemas, each with a name")
+    tool, args = rec.get("tool"), rec.get("arguments")
+    if tool is not None and (not isinstance(tool, str) or tool not in tool_schemas(tools)):
+        raise BadRecord("bad_answer", f"field 'tool' is {tool!r}, not one of the tools offered {sorted(tool_schemas(tools))}")
+    if args is not None and not isinstance(args, dict):
+        raise BadRecord("wrong_type", f"'arguments' is {type(args).__name__}, expected an object")
+    _check_text({f"messages[{i}]": m["content"] for i, m in enumerate(messages)})
+    return {**rec, "messages": messages, "tools": tools, "tool": tool, "arguments": args}
 
 
 # --------------------------------------------------------------------------- prompts
@@ -265,6 +310,10 @@ def load_items(cfg: EvalTaskConfig, tokenizer) -> Tuple[list, BadRows]:
     if not os.path.isfile(cfg.data):
         raise DataError(f"{cfg.data}: no such file (task {cfg.task} reads a jsonl file)")
     records = jsonl_records(cfg.data, bad, cfg.task)
+    if cfg.task == "toolcall":  # always the chat template: the tools are rendered into the system turn
+        return [ToolCallItem(rec.get("subject", task_name(cfg)), tokenizer.apply_chat_template(
+            rec["messages"], add_generation_prompt=True, tools=rec["tools"]), rec["tools"], rec["tool"],
+            rec["arguments"], where) for rec, where in (records[:cfg.limit] if cfg.limit else records)], bad
     shot_pool = records if not cfg.fewshot_data else jsonl_records(cfg.fewshot_data, BadRows("skip"), cfg.task)
     if cfg.shots and cfg.shots > len(shot_pool) - (0 if cfg.fewshot_data else 1):
         raise DataError(f"{cfg.fewshot_data or cfg.data}: {cfg.shots} shots asked, {len(shot_pool)} records there")

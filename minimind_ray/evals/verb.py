@@ -4,6 +4,7 @@
                               [--workers N] [--out result.json]
     minimind-ray eval WEIGHTS --task mc --data questions.jsonl        (choice texts scored)
     minimind-ray eval WEIGHTS --task gen --data prompts.jsonl --samples 16   (greedy acc, pass@1, pass@16)
+    minimind-ray eval WEIGHTS --task toolcall --data tool_prompts.jsonl       (the tool called, its arguments valid)
     minimind-ray eval WEIGHTS --config task.yaml [flags override it]  (an EvalTaskConfig YAML)
     minimind-ray eval WEIGHTS [--data PREPARED_DIR]                   (loss and perplexity, as before)
 
@@ -33,7 +34,8 @@ def add_arguments(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--preset", help="model preset for a bare .pth (default: inferred from shapes)")
     sp.add_argument("--tokenizer", help="minimind2 | minimind3 | auto | builtin | a tokenizer dir (default: the run's)")
     sp.add_argument("--task", choices=("loss", *TASKS), default=None,
-                    help="ceval | cmmlu | mc | gen, or loss (the default without --config: loss and perplexity)")
+                    help="ceval | cmmlu | mc | gen | toolcall, or loss (the default without --config: loss and "
+                         "perplexity)")
     sp.add_argument("--config", help="a task YAML (EvalTaskConfig fields; the flags below override it)")
     sp.add_argument("--data", help="the task's files (docs/evaluation.md); for loss: a prepared dir (default: the "
                                    "eval split of the run the weights come from)")
@@ -86,7 +88,15 @@ def _fmt(x: Optional[float]) -> str:
 
 def format_table(res: dict) -> str:
     """The result as a plain table: one row per subject, then the whole task."""
-    if res["kind"] == "gen":
+    if res["kind"] == "toolcall":
+        cols = ("acc", "name_acc", "args_valid", "args_match", "call_rate")
+        rows = [(s, r) for s, r in res["subjects"].items()] if len(res["subjects"]) > 1 else []
+        rows.append((f"all ({res['task']})", res))
+        lines = [f"{'subject':<28} {'n':>6} " + " ".join(f"{c:>10}" for c in cols)]
+        lines += [f"{name:<28} {r['n']:>6} " + " ".join(f"{_fmt(r.get(c)):>10}" for c in cols) for name, r in rows]
+        if res.get("pass@1") is not None:
+            lines.append(f"sampled: pass@1 {_fmt(res['pass@1'])}  pass@{res['k']} {_fmt(res['pass@k'])}")
+    elif res["kind"] == "gen":
         cols = "greedy_acc pass@1 pass@k".split()
         rows = [(s, r["n"], [r.get(c) for c in cols]) for s, r in res["subjects"].items()] if len(
             res["subjects"]) > 1 else []

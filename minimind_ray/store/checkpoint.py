@@ -7,6 +7,7 @@ One directory per ``ray.train.report(..., checkpoint=...)``::
     train_state.pt     optimizer + scheduler state (torch.save, weights_only-loadable)
     meta.json          :class:`CheckpointMeta`: step, epoch, data position, world size, MLflow run id, config
     rng/rank_<r>.pt    RNG states of every rank (each rank writes its own)
+    <part>.pth         a model a stage trains beside the policy (PPO: critic.pth, MiniMind's CriticModel keys)
     COMPLETE.json      written last by rank 0: the file list with sizes, the ranks, the step
 
 Every rank writes into its own local staging directory; Ray Train uploads them all into the
@@ -87,15 +88,18 @@ def write_rank_files(ckpt_dir, rank: int, rng: Dict[str, Any]) -> None:
 
 
 def write_shared_files(ckpt_dir, *, model_state: Dict[str, torch.Tensor], train_state: Dict[str, Any],
-                       meta: CheckpointMeta) -> None:
-    """Rank 0 writes the shared state, then the COMPLETE marker listing every file."""
+                       meta: CheckpointMeta, part_states: Optional[Dict[str, Dict[str, torch.Tensor]]] = None) -> None:
+    """Rank 0 writes the shared state (and each part's weights, ``<name>.pth``), then the COMPLETE marker listing
+    every file."""
     from minimind_ray.model.minimind import clean_state_dict
 
     ckpt_dir = Path(ckpt_dir)
-    torch_save_atomic({k: v.detach().cpu() for k, v in clean_state_dict(model_state).items()}, ckpt_dir / MODEL)
+    parts = {f"{name}.pth": sd for name, sd in (part_states or {}).items()}
+    for name, sd in [(MODEL, model_state), *parts.items()]:
+        torch_save_atomic({k: v.detach().cpu() for k, v in clean_state_dict(sd).items()}, ckpt_dir / name)
     torch_save_atomic(train_state, ckpt_dir / TRAIN_STATE)
     write_json_atomic(ckpt_dir / META, redact_obj(meta.to_json()))  # a URI's credentials never reach storage
-    files = {name: (ckpt_dir / name).stat().st_size for name in (MODEL, TRAIN_STATE, META)}
+    files = {name: (ckpt_dir / name).stat().st_size for name in (MODEL, TRAIN_STATE, META, *parts)}
     write_json_atomic(ckpt_dir / COMPLETE, {"files": files, "rng_ranks": list(range(meta.world_size)),
                                             "step": meta.step})
 
@@ -158,6 +162,15 @@ class StoredCheckpoint:
 
     def train_state(self) -> Dict[str, Any]:
         return _torch_load(self.fs, f"{self.path}/{TRAIN_STATE}", f"{self.location}/{TRAIN_STATE}")
+
+    def has_part(self, name: str) -> bool:
+        return f"{name}.pth" in self.record["files"]
+
+    def part_state(self, name: str) -> Dict[str, torch.Tensor]:
+        """The weights of a model trained beside the policy (``critic``), verified like every listed file."""
+        if not self.has_part(name):
+            raise CheckpointError(f"{self.location}: holds no {name}.pth (not written by a stage that trains a {name})")
+        return _torch_load(self.fs, f"{self.path}/{name}.pth", f"{self.location}/{name}.pth")
 
     def rng(self, rank: int) -> Optional[Dict[str, Any]]:
         """This rank's RNG state, or None when the checkpoint came from a smaller world."""

@@ -103,7 +103,8 @@ def test_every_26m_recipe_runs_from_a_user_directory(ray_session, workdir, monke
 MINIMIND3_CHAIN = (("pretrain_minimind3", "pretrain_768.pth"), ("sft_minimind3", "full_sft_768.pth"),
                    ("pretrain_minimind3_moe", "pretrain_768_moe.pth"), ("sft_minimind3_moe", "full_sft_768_moe.pth"),
                    ("lora_minimind3", "lora_768.pth"), ("dpo_minimind3", "dpo_768.pth"),
-                   ("grpo_minimind3", "grpo_768.pth"), ("distill_minimind3", "full_dist_768.pth"))
+                   ("grpo_minimind3", "grpo_768.pth"), ("distill_minimind3", "full_dist_768.pth"),
+                   ("ppo_minimind3", "ppo_actor_768.pth"), ("agent_minimind3", "agent_768.pth"))
 # Runtime-only overrides (train.max_steps, micro_batch_size, the cluster), plus what a 64M/198M CPU step must
 # cut: one sequence per step instead of up to 1024, 64 tokens each.
 CPU3 = ["cluster.use_gpu=false", "cluster.num_workers=1", "train.max_steps=2", "train.global_batch_size=1",
@@ -112,6 +113,12 @@ CPU3 = ["cluster.use_gpu=false", "cluster.num_workers=1", "train.max_steps=2", "
 # internlm2-1_8b-reward (1.8B parameters, remote code), which no CI machine has: its three rule terms stay.
 GRPO_CPU = ["train.grpo.max_gen_len=8",
             "train.grpo.rewards=[{name: length}, {name: think_format}, {name: repetition}]"]
+# PPO and the agent stage likewise (the agent's trajectories up to 96 tokens; its reward terms without the model)
+PPO_CPU = ["train.ppo.max_gen_len=8", "train.ppo.rewards=[{name: length}, {name: think_format}, {name: repetition}]"]
+AGENT_CPU = ["train.grpo.max_gen_len=8", "train.agent.max_total_len=96",
+             "train.agent.rewards=[{name: tool_tags}, {name: tool_calls}, {name: reply_format}, {name: gt_answer}, "
+             "{name: unfinished}, {name: repetition}]"]
+CPU_RL = {"grpo": GRPO_CPU, "ppo_": PPO_CPU, "agent": AGENT_CPU}
 
 
 def _write_minimind3_data(d: Path) -> None:
@@ -124,6 +131,12 @@ def _write_minimind3_data(d: Path) -> None:
     rlaif = [{"conversations": [{"role": "user", "content": f"What is {i} plus {i}?"},
                                 {"role": "assistant", "content": ""}]} for i in range(8)]
     (d / "rlaif.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rlaif))
+    from minimind_ray.rl.tools import BUILTIN_TOOLS
+
+    system = {"role": "system", "content": "", "tools": json.dumps([BUILTIN_TOOLS["calculate_math"][1]])}
+    agent = [{"conversations": [system, {"role": "user", "content": f"{i} + {i} = ?"}, {"role": "assistant",
+                                "content": f"{2 * i}"}], "gt": [2 * i]} for i in range(8)]  # MiniMind's agent_rl
+    (d / "agent_rl.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in agent))
 
 
 def _train_in_process(workdir: Path, recipe: str, *extra):
@@ -164,7 +177,10 @@ MINIMIND3_DEFAULTS = {
     "dpo_minimind3": (1, 4, 1, 4e-8, 1024, "dpo.jsonl", "full_sft_768.pth"),
     "grpo_minimind3": (1, 2, 1, 3e-7, 768, "rlaif.jsonl", "full_sft_768.pth"),
     "distill_minimind3": (6, 32, 1, 5e-6, 340, "sft_t2t_mini.jsonl", "full_sft_768.pth"),
+    "ppo_minimind3": (1, 2, 1, 3e-7, 768, "rlaif.jsonl", "full_sft_768.pth"),
+    "agent_minimind3": (1, 2, 1, 3e-7, 1024, "agent_rl.jsonl", "full_sft_768.pth"),
 }
+RL_RECIPES = ("grpo_minimind3", "ppo_minimind3", "agent_minimind3")  # a cosine to lr/10 over optimizer steps
 
 
 def test_minimind3_recipes_hold_minimind_defaults():
@@ -180,13 +196,21 @@ def test_minimind3_recipes_hold_minimind_defaults():
         assert d["train_path"] == [f"data/{data}"] and t.get("init_from") == (init and f"out/{init}"), recipe
         assert (t["beta2"], t["weight_decay"], t["grad_clip"], d["tokenizer"]) == (0.999, 0.01, 1.0, "minimind3")
         assert r["model"]["preset"] == ("minimind3-moe" if recipe.endswith("_moe") else "minimind3"), recipe
-        if recipe != "grpo_minimind3":  # GRPO: a cosine to lr/10 over optimizer steps (CosineAnnealingLR)
+        if recipe not in RL_RECIPES:  # the RL trainers: a cosine to lr/10 over optimizer steps (CosineAnnealingLR)
             assert (t["lr_schedule"], t["warmup_steps"]) == ("minimind", 0), recipe
     for name in ("dpo_26m", "dpo_minimind3"):  # MiniMind's DPO beta since d65ef2c, in both generations' recipes
         assert OmegaConf.load(REPO / "pipelines" / "configs" / f"{name}.yaml").train.dpo.beta == 0.15
     g = OmegaConf.load(REPO / "pipelines" / "configs" / "grpo_minimind3.yaml").train
     assert (g.grpo.num_generations, g.grpo.max_gen_len, g.grpo.beta, g.grpo.loss_type, g.grpo.epsilon,
             g.grpo.epsilon_high, g.min_lr_ratio) == (6, 1024, 0.1, "cispo", 0.2, 5.0, 0.1)
+    p = OmegaConf.load(REPO / "pipelines" / "configs" / "ppo_minimind3.yaml").train
+    assert (p.ppo.critic_lr, p.ppo.clip_epsilon, p.ppo.vf_coef, p.ppo.kl_coef, p.ppo.gamma, p.ppo.lam,
+            p.ppo.cliprange_value, p.ppo.ppo_update_iters, p.ppo.early_stop_kl, p.ppo.max_gen_len, p.min_lr_ratio) == (
+        5e-7, 0.2, 0.5, 0.02, 1.0, 0.95, 0.2, 2, 0.25, 1024, 0.1)
+    a = OmegaConf.load(REPO / "pipelines" / "configs" / "agent_minimind3.yaml").train
+    assert (a.grpo.num_generations, a.grpo.max_gen_len, a.grpo.beta, a.grpo.loss_type, a.grpo.epsilon_high,
+            a.agent.max_turns, a.agent.max_total_len, a.agent.reward_clip, a.min_lr_ratio) == (
+        4, 768, 0.1, "cispo", 5.0, 3, 2500, 3.0, 0.1)
     dist = OmegaConf.load(REPO / "pipelines" / "configs" / "distill_minimind3.yaml").train.distill
     assert (dist.teacher_preset, dist.teacher_weights, dist.alpha, dist.temperature) == (
         "minimind3-moe", "out/full_sft_768_moe.pth", 0.5, 1.5)
@@ -198,7 +222,8 @@ def test_every_minimind3_recipe_trains_from_a_user_directory(ray_session, tmp_pa
     (tmp_path / "out").mkdir()
     monkeypatch.chdir(tmp_path)  # the recipes' relative data/ and out/ paths are the user's
     for recipe, export_as in MINIMIND3_CHAIN:
-        cfg, state, pth = _train_in_process(tmp_path, recipe, *(GRPO_CPU if recipe.startswith("grpo") else ()))
+        rl = next((v for k, v in CPU_RL.items() if recipe.startswith(k)), ())
+        cfg, state, pth = _train_in_process(tmp_path, recipe, *rl)
         assert state.step == 2 and cfg.data.tokenizer == "minimind3", recipe
         assert state.model.cfg.preset == ("minimind3-moe" if recipe.endswith("_moe") else "minimind3"), recipe
         assert pth.name == export_as, recipe  # MiniMind's name for what this stage writes

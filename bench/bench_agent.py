@@ -1,0 +1,167 @@
+"""The agent demo's measured result (not a test): a calculator the small model learns to call.
+
+  1. the starting model (a short tool SFT of a demo SFT model: pipelines/configs/demo_tool_sft.yaml, run here from
+     ``--sft`` unless ``--tool-sft`` names one): the eval verb's ``toolcall`` task on demo:toolcall_eval (200
+     held-out "What is a plus b?" with the calculator offered, and 26 questions that need no tool), and whole
+     greedy agent trajectories on the same 200 (rl/agent.py: the tool run, its result read back): how many call the
+     tool, how many end with the right sum, and the mean of MiniMind's reward;
+  2. ``minimind-ray agent --config pipelines/configs/demo_agent.yaml train.init_from=<tool SFT run>``, timed;
+  3. the same measurements of the agent model, and the run's reward curve from MLflow (10-step means).
+
+Usage:  .venv/bin/python bench/bench_agent.py --sft runs/<demo-sft-run> [--tool-sft runs/<run>] [--agent runs/<run>]
+                                              [overrides of demo_agent.yaml ...]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def toolcall_scores(weights: str, cache_dir: str, max_new_tokens: int) -> dict:
+    from minimind_ray.evals.config import EvalTaskConfig
+    from minimind_ray.evals.run import evaluate_task
+
+    task = EvalTaskConfig(task="toolcall", data="demo:toolcall_eval", max_new_tokens=max_new_tokens, batch_size=50)
+    return evaluate_task(weights, task, cache_dir=cache_dir)
+
+
+def agent_scores(weights: str, cfg) -> dict:
+    """Greedy trajectories of the arithmetic prompts of demo:toolcall_eval through the agent stage's own rollout."""
+    import torch
+
+    from minimind_ray.data.demo import resolve_demo_path
+    from minimind_ray.generate import tokenizer_for_weights
+    from minimind_ray.rl.agent import agent_rollout
+    from minimind_ray.rl.agent_rewards import answer_calls, build_agent_rewards, final_answer, gt_found, \
+        score_trajectories
+    from minimind_ray.rl.rollout import SamplingParams, TorchRollout
+    from minimind_ray.rl.tools import ToolBox
+    from minimind_ray.store.weights import build_inference_model
+
+    model, lw = build_inference_model(weights, "demo", device="cpu")
+    tok = tokenizer_for_weights(lw, "builtin")
+    path = resolve_demo_path("demo:toolcall_eval", "", os.path.abspath(cfg.data.cache_dir))
+    recs = [r for r in map(json.loads, open(path)) if r["subject"] == "arithmetic"]
+    engine, box = TorchRollout(), ToolBox(cfg.train.agent.tools)
+    engine.update_policy(model, 0)
+    params = SamplingParams(cfg.train.grpo.max_gen_len, 0.0, eos_id=tok.eos_id, pad_id=tok.pad_id)  # greedy
+    terms = build_agent_rewards(cfg.train.agent.rewards)
+    trajs = []
+    for i in range(0, len(recs), 25):
+        chunk = recs[i:i + 25]
+        msgs = [[{**r["messages"][0], "tools": r["tools"]}, *r["messages"][1:]] for r in chunk]
+        prompts = [tok.encode(tok.apply_chat_template(m, add_generation_prompt=True, tools=r["tools"]))
+                   for m, r in zip(msgs, chunk)]
+        width = max(len(p) for p in prompts)
+        as_bytes = [json.dumps({"messages": m, "tools": r["tools"]}).encode() for m, r in zip(msgs, chunk)]
+        answers = [json.dumps([str(r["answer"])]).encode() for r in chunk]
+
+        def padded(rows):
+            out = torch.zeros((len(rows), max(len(x) for x in rows)), dtype=torch.uint8)
+            for j, x in enumerate(rows):
+                out[j, :len(x)] = torch.tensor(list(x), dtype=torch.uint8)
+            return out, torch.tensor([len(x) for x in rows])
+
+        mb = {"prompt_ids": torch.tensor([[tok.pad_id] * (width - len(p)) + p for p in prompts]),
+              "prompt_mask": torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts]),
+              "sample_ids": torch.arange(i, i + len(chunk))}
+        (mb["context_utf8"], mb["context_len"]), (mb["answer_utf8"], mb["answer_len"]) = padded(as_bytes), padded(answers)
+        got, _ = agent_rollout(mb, engine=engine, params=params, group_size=1, toolbox=box, tokenizer=tok,
+                               max_turns=cfg.train.agent.max_turns, max_total_len=cfg.train.agent.max_total_len,
+                               seed=0, step=0, device="cpu")
+        trajs += got
+    box.close()
+    rewards, _ = score_trajectories(terms, trajs, cfg.train.agent.reward_clip)
+    n = len(trajs)
+    return {"n": n, "called": sum(bool(answer_calls(t)) for t in trajs) / n,
+            "correct": sum(all(gt_found(final_answer(t), t.gt, "exact")) for t in trajs) / n,
+            "reward": sum(rewards) / n, "example": trajs[0].turns}
+
+
+def reward_curve(tracking_uri: str, run_id: str) -> dict:
+    from mlflow.tracking import MlflowClient
+
+    from minimind_ray.tracking.names import history
+
+    client = MlflowClient(tracking_uri)
+    keys = ("rl/reward", "rl/reward_gt_answer", "rl/reward_tool_calls", "rl/answer_correct", "rl/called_tool",
+            "rl/tool_errors", "rl/turns", "rl/reward_std", "rl/completion_len", "rl/rollout_s", "perf/step_time_s")
+    return {k.split("/", 1)[1]: dict(history(client, run_id, k)) for k in keys}
+
+
+def train(stage_cfg):
+    from minimind_ray.raytrain.driver import run
+
+    t0 = time.time()
+    res = run(stage_cfg)
+    return res, time.time() - t0
+
+
+def report(title: str, tc: dict, ag: dict) -> None:
+    sub = tc["subjects"]
+    print(f"{title:<26} toolcall acc {tc['acc']:6.1%} (arithmetic {sub['arithmetic']['acc']:6.1%}: name "
+          f"{sub['arithmetic']['name_acc']:6.1%}, args valid {sub['arithmetic']['args_valid']:6.1%}, args as expected "
+          f"{sub['arithmetic']['args_match']:6.1%}; no tool {sub['no tool']['acc']:6.1%}) | agent, greedy: called "
+          f"{ag['called']:6.1%}, right sum {ag['correct']:6.1%}, reward {ag['reward']:.3f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sft", required=True, help="the demo SFT run (directory)")
+    ap.add_argument("--tool-sft", help="an existing tool SFT run (else demo_tool_sft.yaml is run from --sft)")
+    ap.add_argument("--agent", help="an existing agent run to measure instead of training one")
+    ap.add_argument("--config", default="pipelines/configs/demo_agent.yaml")
+    ap.add_argument("overrides", nargs="*", help="applied to the agent recipe, e.g. train.max_steps=20")
+    args = ap.parse_args()
+
+    from minimind_ray.config import load_config
+
+    tool_sft = args.tool_sft
+    if tool_sft is None:
+        res, wall = train(load_config("pipelines/configs/demo_tool_sft.yaml", [f"train.init_from={args.sft}"]))
+        tool_sft = res.run_dir
+        print(f"tool SFT: {res.run_dir} in {wall:.0f} s wall")
+    cfg = load_config(args.config, [f"train.init_from={tool_sft}", *args.overrides])
+    tokens = cfg.train.grpo.max_gen_len
+    before = toolcall_scores(tool_sft, cfg.data.cache_dir, tokens), agent_scores(tool_sft, cfg)
+    wall = None
+    if args.agent is None:
+        res, wall = train(cfg)
+        agent_dir, run_id, uri = res.run_dir, res.mlflow_run_id, res.tracking_uri
+    else:
+        from minimind_ray.store.checkpoint import newest_complete
+
+        agent_dir = args.agent
+        meta = newest_complete(agent_dir).meta()
+        run_id = meta.mlflow_run_id
+        uri = meta.config["tracking"]["uri"] or os.environ.get("MLFLOW_TRACKING_URI") or \
+            f"sqlite:///{os.path.abspath('mlflow.db')}"
+    after = toolcall_scores(agent_dir, cfg.data.cache_dir, tokens), agent_scores(agent_dir, cfg)
+    print("\n==== the calculator demo (demo:toolcall_eval: held-out sums) ====")
+    report("tool SFT (before)", *before)
+    report("agent (after)", *after)
+    print(f"greedy example before: {before[1]['example']}\n               after:  {after[1]['example']}")
+    if wall is not None:
+        print(f"agent run: {cfg.train.max_steps} steps in {wall:.0f} s wall (Ray's start, prepare, training, export)")
+    if run_id:
+        curve = reward_curve(uri, run_id)
+        steps = sorted(curve["reward"])
+        print("\nsteps     reward  gt_answer  tool_calls  right sum  called  tool errors  turns  group std  "
+              "own tokens  rollout_s  step_s")
+        for lo in range(0, len(steps), 10):
+            block = steps[lo:lo + 10]
+            m = {k: sum(v.get(s, float("nan")) for s in block) / len(block) for k, v in curve.items()}
+            print(f"{block[0]:>3}-{block[-1]:<4} {m['reward']:7.3f}  {m['reward_gt_answer']:9.3f}  "
+                  f"{m['reward_tool_calls']:10.3f}  {m['answer_correct']:9.1%}  {m['called_tool']:6.1%}  "
+                  f"{m['tool_errors']:11.3f}  {m['turns']:5.2f}  {m['reward_std']:9.3f}  {m['completion_len']:10.1f}  "
+                  f"{m['rollout_s']:9.2f}  {m['step_time_s']:6.2f}")
+
+
+if __name__ == "__main__":
+    main()

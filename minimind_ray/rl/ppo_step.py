@@ -1,0 +1,167 @@
+"""One PPO step's plan, for the ppo objective (engine/objectives.py:PPOObjective); the math is in rl/ppo.py.
+
+    prepare(step)   each micro-batch: one completion per prompt from the current policy (its own seed,
+                    rollout.row_seeds), the reward terms' sum, the behaviour and reference log-probs, the critic's
+                    values, per-token rewards, GAE; then the advantages whitened over the global batch's tokens
+    updates()       ppo_update_iters passes, each of mini_batches optimizer updates over row slices of the rollouts
+    loss_sum()      policy + kl_coef * KL + vf_coef * value loss, summed over the update's completion tokens (the
+                    engine divides by their all-reduced count: MiniMind's token means, at any world size)
+    keep_update()   the update's approximate KL, all-reduced; above early_stop_kl this update and the rest are dropped
+    end_step()      the applied updates' means of each loss term, as metrics
+"""
+from __future__ import annotations
+
+import time
+from typing import Dict, List
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from minimind_ray.rl.grpo import completion_logprobs, eos_mask, sequence_mean
+
+Batch = Dict[str, Tensor]
+TERMS = ("policy_loss", "value_loss", "kl", "approx_kl", "clip_fraction")  # summed per update, in this order
+
+
+def _slice(batch: Batch, lo: int, hi: int, keep_metrics: bool) -> Batch:
+    """Rows lo:hi of a rolled-out micro-batch; its metric sums (and metric_rows) stay with one slice only."""
+    out = {k: v[lo:hi] for k, v in batch.items() if not k.startswith("metric_") and v.dim() > 0}
+    if keep_metrics:
+        out.update({k: v for k, v in batch.items() if k.startswith("metric_")})
+    out["metric_rows"] = torch.tensor(batch["completion_mask"].shape[0] if keep_metrics else 0)
+    return out
+
+
+class PPOPlan:
+    def __init__(self, cfg):
+        self.cfg, self.p = cfg, cfg.train.ppo
+        self.engine = self.tokenizer = None
+        self._update = None  # this update's sums (TERMS, tokens), this rank
+        self._applied = torch.zeros(len(TERMS) + 1, dtype=torch.float64)  # the step's applied updates, all ranks
+        self._updates, self._stopped = 0, False
+
+    def _params(self):
+        from minimind_ray.rl.rollout import SamplingParams
+
+        p = self.p
+        return SamplingParams(p.max_gen_len, p.temperature, p.top_p, p.top_k, self.tokenizer.eos_id,
+                              self.tokenizer.pad_id)
+
+    def prepare(self, state, batches: List[Batch], step: int, *, rewards, reference, critic) -> List[Batch]:
+        from minimind_ray.rl.grpo import _score, run_tokenizer
+        from minimind_ray.rl.ppo import gae, token_rewards, whiten
+        from minimind_ray.rl.rollout import TorchRollout, row_seeds
+
+        if self.engine is None:
+            self.engine, self.tokenizer = TorchRollout(state.autocast), run_tokenizer(self.cfg, state.dataset.manifest)
+        p, dev, t0 = self.p, state.device, time.perf_counter()
+        self.engine.update_policy(state.model, step)
+        params = self._params()
+        out = []
+        for mb in batches:
+            prompt_ids, prompt_mask = mb["prompt_ids"].to(dev), mb["prompt_mask"].to(dev)
+            roll = self.engine.generate(prompt_ids, prompt_mask, params,
+                                        seeds=row_seeds(self.cfg.train.seed, step, mb["sample_ids"], 1).to(dev))
+            ids = roll.completion_ids
+            mask = eos_mask(ids, params.eos_id, roll.completion_mask)
+            scores, per_term = _score(self.tokenizer, rewards, mb, ids, mask, 1)
+            b = {"input_ids": torch.cat([prompt_ids, ids], dim=1),
+                 "attention_mask": torch.cat([prompt_mask.long(), mask.long()], dim=1),
+                 "completion_mask": mask, "old_logp": roll.logprobs.float() * mask}
+            R = mask.shape[1]
+            with torch.no_grad(), state.autocast():
+                if reference is not None:
+                    b["ref_logp"] = completion_logprobs(reference, b["input_ids"], b["attention_mask"], R)[0] * mask
+                b["old_values"] = critic(b["input_ids"], b["attention_mask"])[:, -R - 1:-1].float() * mask
+            kl = b["old_logp"] - b["ref_logp"] if p.kl_penalty == "reward" and reference is not None else None
+            b["advantages"], b["returns"] = gae(token_rewards(scores, mask, kl, p.kl_coef), b["old_values"], mask,
+                                                p.gamma, p.lam)
+            metrics = {"reward": scores.sum(), "completion_len": mask.sum(), "truncated_fraction": roll.truncated.sum(),
+                       "value": sequence_mean(b["old_values"], mask).sum(),
+                       "returns": sequence_mean(b["returns"], mask).sum()}
+            metrics.update({f"reward_{k}": v.sum() for k, v in per_term.items()})
+            b.update({f"metric_{k}": v.double() for k, v in metrics.items()})
+            out.append(b)
+        if p.whiten_advantages:
+            mean, var = self._global_moments(out, state)
+            for b in out:
+                b["advantages"] = whiten(b["advantages"], b["completion_mask"], mean, var)
+        scale = self.cfg.train.global_batch_size / state.world  # the meter's mean over completions -> per step
+        out[0]["metric_rollout_s"] = torch.tensor((time.perf_counter() - t0) * scale, dtype=torch.float64, device=dev)
+        return out
+
+    @staticmethod
+    def _global_moments(out: List[Batch], state):
+        """Mean and population variance of every completion token's advantage in the global batch (one all-reduce)."""
+        stats = torch.zeros(3, dtype=torch.float64, device=state.device)
+        for b in out:
+            a, m = b["advantages"].double(), b["completion_mask"].double()
+            stats += torch.stack([m.sum(), (a * m).sum(), (a * a * m).sum()])
+        if state.world > 1:
+            dist.all_reduce(stats)
+        n, s, sq = (float(x) for x in stats)
+        mean = s / max(n, 1.0)
+        return mean, max(sq / max(n, 1.0) - mean * mean, 0.0)
+
+    def updates(self, batches: List[Batch]) -> List[List[List[Batch]]]:
+        """``ppo_update_iters`` passes, each ``mini_batches`` updates: update j of a pass trains on the j-th row slice
+        of every micro-batch (the same slices on every rank and pass)."""
+        p, passes = self.p, []
+        for it in range(p.ppo_update_iters):
+            updates = []
+            for j in range(p.mini_batches):
+                update = []
+                for b in batches:
+                    n = b["completion_mask"].shape[0]
+                    update.append(_slice(b, n * j // p.mini_batches, n * (j + 1) // p.mini_batches,
+                                         keep_metrics=(it == 0 and j == 0)))
+                updates.append(update)
+            passes.append(updates)
+        return passes
+
+    def loss_sum(self, model, critic, batch: Batch):
+        from minimind_ray.rl.ppo import ppo_token_losses
+
+        p, mask = self.p, batch["completion_mask"]
+        R = mask.shape[1]
+        logp, aux = completion_logprobs(model, batch["input_ids"], batch["attention_mask"], R)
+        values = critic(batch["input_ids"], batch["attention_mask"])[:, -R - 1:-1]
+        t = ppo_token_losses(logp, batch["old_logp"], batch.get("ref_logp"), batch["advantages"], values,
+                             batch["old_values"], batch["returns"], p.clip_epsilon, p.cliprange_value)
+        kl_weight = p.kl_coef if p.kl_penalty == "loss" else 0.0  # kl_penalty: reward put it into the rewards
+        per_token = t["policy"] + kl_weight * t["kl"] + p.vf_coef * t["value"]
+        sums = torch.stack([(t[k] * mask).sum().detach() for k in ("policy", "value", "kl", "approx_kl", "clipped")]
+                           + [mask.sum()]).double()
+        self._update = sums if self._update is None else self._update + sums
+        extras = {k[len("metric_"):]: v for k, v in batch.items() if k.startswith("metric_")}
+        return (per_token * mask).sum(), aux, extras
+
+    def keep_update(self, state) -> bool:
+        sums, self._update = self._update, None
+        if sums is None:
+            sums = torch.zeros(len(TERMS) + 1, dtype=torch.float64, device=state.device)
+        if state.world > 1:
+            dist.all_reduce(sums)
+        sums = sums.cpu()
+        approx_kl = float(sums[3] / sums[-1].clamp_min(1.0))
+        if self.p.early_stop_kl is not None and approx_kl > self.p.early_stop_kl:
+            self._stopped = True
+            return False
+        self._applied += sums
+        self._updates += 1
+        return True
+
+    def end_step(self, state, out) -> None:
+        """The applied updates' token means of each loss term, as metric sums the interval meter averages over
+        completions (each rank adds its share of the step's completions)."""
+        share = float(out.metric_weight) / state.world
+        means = self._applied[:-1] / self._applied[-1].clamp_min(1.0)
+        values = dict(zip(TERMS, means.tolist()))
+        if self.p.kl_coef == 0:
+            values.pop("kl")
+        values.update(updates=float(self._updates), early_stopped=float(self._stopped))
+        for k, v in values.items():
+            out.extras[k] = torch.tensor(v * share, dtype=torch.float64, device=state.device)
+        self._applied.zero_()
+        self._updates, self._stopped = 0, False
