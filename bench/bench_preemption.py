@@ -8,9 +8,10 @@ perf/preemption_ask_ms) and the per-step cost it implies at each cadence.
 
 Part ``drain``: a cluster/local cluster (head + 2 worker nodes, one trainslot each), the tiny run elastic 1..2
 workers, Ray's default watcher poll (5 s) unless --poll-s; when step --at is trained, worker node 2 is drained with
-a deadline of --deadline-s (``ray drain-node``, as cluster/spot/notice_watcher.py would). It reports: drain -> the
-ranks see the notice -> the notice's checkpoint saved -> the group restarted -> the first step after, the steps
-lost, and the final weights against the same run without a drain.
+a deadline of --deadline-s (``ray drain-node``, as cluster/spot/notice_watcher.py would) and killed at the deadline
+(as the provider would). It reports: drain -> the ranks see the notice -> the notice's checkpoint saved -> the node
+gone -> the first step after the restart (on the node left), the steps lost, and the final weights against the same
+run without a drain.
 
     .venv/bin/python bench/bench_preemption.py --part cost --steps 60 --repeats 3
     .venv/bin/python bench/bench_preemption.py --part drain --deadline-s 30
@@ -28,6 +29,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+os.environ.setdefault("RAY_DASHBOARD_SUBPROCESS_MODULE_WAIT_READY_TIMEOUT", "120")  # a busy machine misses 30 s
 sys.path.insert(0, str(REPO))
 
 
@@ -121,7 +123,7 @@ def drain(args) -> None:
     try:
         twin, _ = driver("twin")
         assert twin.wait(timeout=900) == 0, (tmp / "twin.log").read_text()[-3000:]
-        p, samples = driver("drained", f"train.faults=[{args.at + 1}:slow:0:{args.stall_s}]")
+        p, samples = driver("drained", *([f"train.faults=[{args.at + 1}:slow:0:{args.stall_s}]"] if args.stall_s else []))
         while not any(x["step"] >= args.at for x in lines(samples)):
             assert p.poll() is None, (tmp / "drained.log").read_text()[-3000:]
             time.sleep(0.05)
@@ -133,6 +135,9 @@ def drain(args) -> None:
                         "--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "bench",
                         "--deadline-remaining-seconds", str(args.deadline_s)], env=env, check=True)
         t_accepted = time.time()
+        time.sleep(max(0.0, t_drain + args.deadline_s - time.time()))
+        _sh("kill_node.sh", "2", "--state-dir", state, env=env, timeout=60)  # the provider takes the node back
+        t_killed = time.time()
         assert p.wait(timeout=900) == 0, (tmp / "drained.log").read_text()[-3000:]
         (marker,) = (tmp / "runs" / "drained" / ".preemption").glob("step-*.json")
         notice = json.loads(marker.read_text())
@@ -149,6 +154,7 @@ def drain(args) -> None:
         print(f"| `ray drain-node` returned (accepted) | {t_accepted - t_drain:.1f} |")
         print(f"| the ranks saw the notice (step {notice['step']}) | {notice['noticed_at'] - t_drain:.1f} |")
         print(f"| the notice's checkpoint saved and reported | {notice['checkpointed_at'] - t_drain:.1f} |")
+        print(f"| node 2 killed (the deadline) | {t_killed - t_drain:.1f} |")
         if first_after:
             print(f"| the first step after the restart (1 worker) | {first_after - t_drain:.1f} |")
         print(f"steps lost: {trained_before - notice['step']} (trained up to {trained_before}, restored "

@@ -51,7 +51,8 @@ def test_asha_stops_weak_trials_and_the_sweep_resumes_after_its_driver_is_killed
     from minimind_ray.config import load_config
 
     ray_dir = tempfile.mkdtemp(prefix="mmrs", dir="/tmp")  # short: Ray's unix sockets live under it
-    env = {**os.environ, "RAY_TMPDIR": ray_dir}
+    # the dashboard's modules get 120 s to start instead of 30 (a machine at load 15-40 misses 30)
+    env = {**os.environ, "RAY_TMPDIR": ray_dir, "RAY_DASHBOARD_SUBPROCESS_MODULE_WAIT_READY_TIMEOUT": "120"}
     env.pop("RAY_ADDRESS", None)
     cmd = [sys.executable, "-m", "pipelines.sweep", "--config", "pipelines/configs/sweep_tiny.yaml",
            "max_concurrent_trials=3", f"train.max_steps={STEPS}", f"checkpoint.storage_path={tmp_path}/runs",
