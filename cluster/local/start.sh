@@ -84,6 +84,9 @@ find_ray
 # paths are capped at 107 bytes, which leaves about 40 for the temp dir.
 [[ ${#STATE} -le 36 ]] || refuse "state dir '$STATE' is too long for Ray's socket paths (max 36 chars); use --state-dir /tmp/<short>"
 export RAY_USAGE_STATS_ENABLED=0
+# The head's dashboard modules get 120 s to come up instead of Ray's 30: a busy 2-core machine (load 15-40)
+# misses 30 s and the head fails to start.
+export RAY_DASHBOARD_SUBPROCESS_MODULE_WAIT_READY_TIMEOUT="${RAY_DASHBOARD_SUBPROCESS_MODULE_WAIT_READY_TIMEOUT:-120}"
 # Read by each node's `ray start` when it gets SIGTERM. With Ray's default (30 s) a head
 # that ever ran a job waits the full 30 s: the detached actors left on it never let the
 # drain finish.

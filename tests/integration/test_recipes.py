@@ -2,7 +2,8 @@
 MiniMind-format data under the recipe's own relative paths (``data/*.jsonl``, ``out/*.pth``), with
 MiniMind's tokenizer fetched by name (through the test mirror), to step 2, with CPU overrides only.
 
-The chain is the user's: pretrain -> its exported ``pretrain_512.pth`` starts SFT -> SFT's
+The chain is the user's (pretrain through Ray Train, the later stages on the in-process engine each worker
+runs): pretrain -> its exported ``pretrain_512.pth`` starts SFT -> SFT's
 ``full_sft_512.pth`` starts LoRA, DPO and distillation (whose teacher, ``full_sft_768.pth``, is a
 freshly initialised 104M minimind2 here). Sequences are cut to 64 tokens so a 26M step costs seconds.
 
@@ -85,14 +86,23 @@ def test_every_26m_recipe_runs_from_a_user_directory(ray_session, workdir, monke
     assert sorted(ck.model_state()) == sorted(build_model(ModelConfig(**preset_values("minimind2-small"))).state_dict())
     shutil.copy(res.exports["pth"], workdir / "out" / "pretrain_512.pth")
 
-    res, _ = _run(workdir, "sft_26m", monkeypatch)
-    shutil.copy(res.exports["pth"], workdir / "out" / "full_sft_512.pth")
+    # SFT, LoRA, DPO and distillation from the exports before them on one in-process engine (the code every Ray
+    # Train worker runs): the Ray layer does not depend on the stage, and pretrain above ran it; a worker group's
+    # start costs 10-60 s on 2 cores, four times over
+    cfg, state, pth = _train_in_process(workdir, "sft_26m", "data.eval_fraction=0", "train.global_batch_size=2")
+    assert state.step == 2 and pth.name == "full_sft_512.pth" and cfg.train.init_from == "out/pretrain_512.pth"
+    shutil.copy(pth, workdir / "out" / "full_sft_512.pth")
     save_pth(build_model(ModelConfig(**preset_values("minimind2")), seed=3), str(workdir / "out" / "full_sft_768.pth"))
 
-    for recipe in ("lora_26m", "dpo_26m", "distill_26m"):
-        res, ck = _run(workdir, recipe, monkeypatch)
-        if recipe == "lora_26m":
-            assert any(".lora." in k for k in ck.model_state())
+    for recipe, export_as in (("lora_26m", "lora_512.pth"), ("dpo_26m", "dpo_512.pth"),
+                              ("distill_26m", "full_dist_512.pth")):
+        cfg, state, pth = _train_in_process(workdir, recipe, "data.eval_fraction=0", "train.global_batch_size=2")
+        assert state.step == 2 and cfg.model.preset == "minimind2-small" and pth.name == export_as, recipe
+        if recipe == "lora_26m":  # MiniMind's LoRA file: the adapters alone
+            assert read_pth(str(pth)) and all(".lora." in k for k in read_pth(str(pth)))
+        if recipe == "distill_26m":  # the teacher: the 104M minimind2 from out/full_sft_768.pth, frozen
+            teacher = state.objective.teacher
+            assert teacher.cfg.hidden_size == 768 and not any(p.requires_grad for p in teacher.parameters())
 
 
 # The minimind-3 chain (MiniMind @ d65ef2c): its data files' names, its weights' names, the MoE SFT as the

@@ -1,7 +1,10 @@
-"""SFT, LoRA, DPO and distillation on the same loop: real Ray, 2 gloo workers, tiny preset.
+"""SFT, LoRA, DPO and distillation on the same loop, tiny preset.
 
-Every stage run here has a crash injected after its first checkpoint, so each also shows
-that the stage resumes from its checkpoint through the shared machinery.
+SFT and LoRA run on real Ray (2 gloo workers) with a crash injected after their first checkpoint, so they also
+show that a stage resumes from its checkpoint through the shared machinery. DPO and distillation add nothing
+to the Ray layer (their frozen reference and teacher are built by the objective, in every worker, from files):
+they run on one in-process engine, the code each Ray Train worker runs, stopped after step 4 and restored from
+that checkpoint, which must end exactly where a straight run ends.
 """
 from __future__ import annotations
 
@@ -88,8 +91,72 @@ def test_lora_changes_only_adapters_on_two_workers(ray_session, shared):
     assert moved > 10 * 2e-2, moved
 
 
-def test_dpo_margin_grows_on_hand_made_pairs(ray_session, shared, tmp_path_factory):
-    d = tmp_path_factory.mktemp("dpo_data")
+class _Metrics:
+    """Each step's metrics (log_interval 1) from the engine's hooks; saves and stops after ``stop_at``."""
+
+    def __init__(self, state=None, stop_at=None, ckpt=None, prepared=None):
+        from minimind_ray.engine import Hooks
+
+        outer = self
+
+        class H(Hooks):
+            def on_metrics(self, step, metrics, per_step_loss, is_checkpoint):
+                outer.by_step[step] = dict(metrics)
+
+            def on_checkpoint(self, step, metrics):
+                if step == stop_at:
+                    state.save(ckpt, mlflow_run_id=None, prepared_dir=prepared)
+                    raise KeyboardInterrupt  # stop here, as a crash would
+
+        self.by_step, self.hooks = {}, H()
+
+    def series(self, key):
+        return [(s, m[key]) for s, m in sorted(self.by_step.items())]
+
+
+def run_in_process(shared, tmp_path, *overrides):
+    """The stage on one in-process engine, straight and stopped at step 4 then restored: (straight state, its
+    per-step metrics, the restored state, the metrics of both halves)."""
+    import random
+
+    from minimind_ray.data.prepare import ensure_prepared
+    from minimind_ray.engine import TrainState, run
+    from minimind_ray.store.checkpoint import open_checkpoint
+    from minimind_ray.tokenizer import resolve_tokenizer
+
+    cfg = load_config("pipelines/configs/tiny.yaml", [
+        f"train.max_steps={STEPS}", "checkpoint.interval=2", "train.log_interval=1", "train.global_batch_size=8",
+        "train.micro_batch_size=4", f"data.cache_dir={shared['cache']}", "tracking.enabled=false",
+        f"train.init_from={shared['base_pth']}", "train.warmup_steps=1", *overrides])
+    prepared = ensure_prepared(cfg.data, resolve_tokenizer(cfg.data.tokenizer, cfg.data.cache_dir))
+    threads, py_rng = torch.get_num_threads(), random.getstate()
+    try:
+        with torch.random.fork_rng(devices=[]):  # the engine seeds and sizes this process as its own
+            straight = TrainState.build(cfg, prepared)
+            seen = _Metrics()
+            run(straight, seen.hooks)
+            first = TrainState.build(cfg, prepared)
+            halves = _Metrics(first, stop_at=4, ckpt=tmp_path / "ck", prepared=prepared)
+            with pytest.raises(KeyboardInterrupt):
+                run(first, halves.hooks)
+            first.stream.close()
+            resumed = TrainState.build(cfg, prepared)
+            assert resumed.restore(open_checkpoint(tmp_path / "ck")).step == 4
+            run(resumed, halves.hooks)
+    finally:
+        torch.set_num_threads(threads)
+        random.setstate(py_rng)
+    return straight, seen, resumed, halves
+
+
+def _same_weights(a, b):
+    sa, sb = a.model.state_dict(), b.model.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_dpo_margin_grows_on_hand_made_pairs(ray_session, shared, tmp_path):
+    d = tmp_path / "dpo_data"
+    d.mkdir()
     pairs = []
     for i in range(64):
         q = f"What is {i} plus {i}?"
@@ -98,43 +165,45 @@ def test_dpo_margin_grows_on_hand_made_pairs(ray_session, shared, tmp_path_facto
                                    {"role": "assistant", "content": "I refuse to count, sorry, bananas."}]})
     f = d / "pairs.jsonl"
     f.write_text("\n".join(json.dumps(p, ensure_ascii=False) for p in pairs) + "\n")
-    dpo = ("train.stage=dpo", "data.format=dpo", f"data.train_path=[{f}]", "train.lr=3e-3", "train.dpo.beta=0.5",
-           "train.log_interval=1")
-    res = run_stage(shared, "dpo", *dpo)
-    assert_resumed_once(shared, "dpo")
-    # the restarted workers rebuilt the same frozen reference (a copy of init_from, not of the checkpoint):
-    # the run ends exactly where an uninterrupted one does
-    clean = run_stage(shared, "dpo-no-crash", *dpo, crash=False)
-    w_clean = final_weights(clean)
-    assert all(torch.equal(v, w_clean[k]) for k, v in final_weights(res).items())
-    margins = loss_history(shared, res.mlflow_run_id, "train/reward_margin")
-    acc = loss_history(shared, res.mlflow_run_id, "train/reward_accuracy")
+    straight, seen, resumed, halves = run_in_process(
+        shared, tmp_path, "train.stage=dpo", "data.format=dpo", f"data.train_path=[{f}]", "train.lr=3e-3",
+        "train.dpo.beta=0.5")
+    # the restored engine rebuilt the same frozen reference (a copy of init_from, not of the checkpoint): the
+    # run ends exactly where the straight one does
+    assert _same_weights(straight, resumed)
+    assert halves.series("loss") == seen.series("loss")
+    margins, acc = seen.series("reward_margin"), seen.series("reward_accuracy")
+    assert [s for s, _ in margins] == list(range(1, STEPS + 1))
     assert margins[-1][1] > margins[0][1] + 0.1, margins
     assert acc[-1][1] >= 0.9
     # the reference never enters the checkpoint: model.pth holds the policy's keys only
-    w = final_weights(res)
+    from minimind_ray.store.checkpoint import open_checkpoint
+
+    w = open_checkpoint(tmp_path / "ck").model_state()
     assert set(w) == set(build_model(load_config("pipelines/configs/tiny.yaml").model).state_dict())
 
 
-def test_distillation_from_a_frozen_teacher(ray_session, shared):
+def test_distillation_from_a_frozen_teacher(ray_session, shared, tmp_path):
+    from minimind_ray.store.checkpoint import open_checkpoint
     from minimind_ray.store.pth import save_pth
 
     # a teacher that is not the student's starting point: the KL starts well above 0 and has work to do
-    teacher = shared["base"] / "teacher.pth"
+    teacher = tmp_path / "teacher.pth"
     save_pth(build_model(load_config("pipelines/configs/tiny.yaml").model, seed=12), str(teacher), dtype=torch.float32)
     before = torch.load(teacher, weights_only=True)
-    res = run_stage(shared, "distill", "train.stage=distill", "data.format=sft",
-                    f"train.distill.teacher_weights={teacher}", "train.lr=3e-3", "train.log_interval=1")
-    assert_resumed_once(shared, "distill")
-    losses = loss_history(shared, res.mlflow_run_id)
-    kl = loss_history(shared, res.mlflow_run_id, "train/kl")
-    ce = loss_history(shared, res.mlflow_run_id, "train/ce")
+    straight, seen, resumed, halves = run_in_process(
+        shared, tmp_path, "train.stage=distill", "data.format=sft", f"train.distill.teacher_weights={teacher}",
+        "train.lr=3e-3")
+    assert _same_weights(straight, resumed) and halves.series("loss") == seen.series("loss")
+    losses, kl, ce = seen.series("loss"), seen.series("kl"), seen.series("ce")
     assert [s for s, _ in losses] == list(range(1, STEPS + 1))
     assert kl and ce and all(v >= 0 for _, v in kl)
     assert kl[0][1] > 0.1 and kl[-1][1] < kl[0][1], kl  # the student moves towards the teacher
     after = torch.load(teacher, weights_only=True)
     assert all(torch.equal(v, after[k]) for k, v in before.items())  # the teacher's weights are read, never written
-    w = final_weights(res)
+    teacher_model = straight.objective.teacher
+    assert not any(p.requires_grad for p in teacher_model.parameters())
+    w = open_checkpoint(tmp_path / "ck").model_state()
     assert set(w) == set(before), "the teacher must not enter the student's checkpoint"
     # loss = alpha * CE + (1 - alpha) * T^2 * KL with MiniMind's alpha 0.5 (per-token means)
     assert losses[-1][1] == pytest.approx(0.5 * ce[-1][1] + 0.5 * kl[-1][1], rel=1e-4)
