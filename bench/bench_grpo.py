@@ -68,6 +68,11 @@ def bench_rollouts(args, base_overrides) -> None:
     """Steps of the recipe with each rollout engine, one after another in this run."""
     from minimind_ray.config import load_config
 
+    from minimind_ray.raytrain.driver import connect_ray
+
+    # one local Ray for the three runs, started with room for the largest (the workers and the 2 rollout actors):
+    # a Ray the in-worker run started would hold no CPUs for the actors, which would wait for them forever
+    connect_ray(load_config(args.config, [*base_overrides, "train.grpo.rollout=actors", "train.grpo.rollout_actors=2"]))
     rows = []
     for label, extra in (("in-worker sampling", []),
                          ("rollout actors (2)", ["train.grpo.rollout=actors", "train.grpo.rollout_actors=2"]),
