@@ -10,19 +10,13 @@ Usage:  .venv/bin/python bench/mlflow_lineage_shot.py --store sqlite:///$PWD/mlf
 from __future__ import annotations
 
 import argparse
-import os
-import socket
-import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from mlflow_browser import mlflow_ui_browser  # noqa: E402
 
 
 def main() -> None:
@@ -34,33 +28,14 @@ def main() -> None:
     args = ap.parse_args()
 
     from mlflow.tracking import MlflowClient
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
 
     client = MlflowClient(args.store)
     parent = client.get_run(args.parent)
     exp = parent.info.experiment_id
-    port = free_port()
-    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-    server = subprocess.Popen([str(Path(sys.executable).with_name("mlflow")), "ui", "--backend-store-uri", args.store,
-                               "--host", "127.0.0.1", "--port", str(port), "--workers", "1"], env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        for _ in range(240):
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
-                break
-            except OSError:
-                time.sleep(0.5)
-        opts = webdriver.ChromeOptions()
-        for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                     "--disable-component-update", "--disable-sync", "--no-first-run", "--window-size=1800,1300"):
-            opts.add_argument(flag)
-        opts.binary_location = "/usr/bin/chromium"
-        browser = webdriver.Chrome(service=Service("/usr/bin/chromedriver"), options=opts)
+    with mlflow_ui_browser(args.store, window="1800,1300") as (ui, browser):
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        root = f"http://127.0.0.1:{port}/#/experiments/{exp}"
+        root = f"{ui}/#/experiments/{exp}"
         pages = [("runs", f"{root}/runs"), ("parent", f"{root}/runs/{args.parent}")]
         pages += [(client.get_run(c).info.run_name, f"{root}/runs/{c}") for c in args.child]
         for name, url in pages:
@@ -75,10 +50,6 @@ def main() -> None:
                 time.sleep(3)
             browser.save_screenshot(str(out / f"{name}.png"))
             print(f"{name}: {out / f'{name}.png'}  ({browser.title})")
-        browser.quit()
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
 
 
 if __name__ == "__main__":
