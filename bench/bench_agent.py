@@ -1,10 +1,11 @@
-"""The agent demo's measured result (not a test): a calculator the small model learns to call.
+"""The agent demo's measured result (not a test): a calculator the small model learns to use.
 
-  1. the starting model (a short tool SFT of a demo SFT model: pipelines/configs/demo_tool_sft.yaml, run here from
+  1. the starting model (a tool SFT of a demo SFT model: pipelines/configs/demo_tool_sft.yaml, run here from
      ``--sft`` unless ``--tool-sft`` names one): the eval verb's ``toolcall`` task on demo:toolcall_eval (200
-     held-out "What is a plus b?" with the calculator offered, and 26 questions that need no tool), and whole
-     greedy agent trajectories on the same 200 (rl/agent.py: the tool run, its result read back): how many call the
-     tool, how many end with the right sum, and the mean of MiniMind's reward;
+     held-out sums "What is 3 plus 8 plus 5?" of three or four digits with the calculator offered, and 26
+     questions that need no tool), and whole greedy agent trajectories on the same 200 (rl/agent.py: the tool run,
+     its result read back): how many call the tool with the question's digits, how many end with the right sum
+     (by the number of digits), how many of the right calls read the result back, and the mean reward;
   2. ``minimind-ray agent --config pipelines/configs/demo_agent.yaml train.init_from=<tool SFT run>``, timed;
   3. the same measurements of the agent model, and the run's reward curve from MLflow (10-step means).
 
@@ -79,8 +80,14 @@ def agent_scores(weights: str, cfg) -> dict:
     box.close()
     rewards, _ = score_trajectories(terms, trajs, cfg.train.agent.reward_clip)
     n = len(trajs)
-    return {"n": n, "called": sum(bool(answer_calls(t)) for t in trajs) / n,
-            "correct": sum(all(gt_found(final_answer(t), t.gt, "exact")) for t in trajs) / n,
+    right = [all(gt_found(final_answer(t), t.gt, "exact")) for t in trajs]
+    good_call = [any(json.loads(resp).get("result") == r["answer"] for resp in t.responses) for r, t in zip(recs, trajs)]
+    by_len = {}
+    for r, ok in zip(recs, right):
+        by_len.setdefault(len(r["arguments"]["expression"].split("+")), []).append(ok)
+    return {"n": n, "called": sum(bool(answer_calls(t)) for t in trajs) / n, "correct": sum(right) / n,
+            "good_call": sum(good_call) / n, "read_back": sum(r for r, g in zip(right, good_call) if g) / max(1, sum(good_call)),
+            "by_len": {k: sum(v) / len(v) for k, v in sorted(by_len.items())},
             "reward": sum(rewards) / n, "example": trajs[0].turns}
 
 
@@ -105,10 +112,12 @@ def train(stage_cfg):
 
 def report(title: str, tc: dict, ag: dict) -> None:
     sub = tc["subjects"]
+    by_len = ", ".join(f"{k} digits {v:6.1%}" for k, v in ag["by_len"].items())
     print(f"{title:<26} toolcall acc {tc['acc']:6.1%} (arithmetic {sub['arithmetic']['acc']:6.1%}: name "
           f"{sub['arithmetic']['name_acc']:6.1%}, args valid {sub['arithmetic']['args_valid']:6.1%}, args as expected "
-          f"{sub['arithmetic']['args_match']:6.1%}; no tool {sub['no tool']['acc']:6.1%}) | agent, greedy: called "
-          f"{ag['called']:6.1%}, right sum {ag['correct']:6.1%}, reward {ag['reward']:.3f}")
+          f"{sub['arithmetic']['args_match']:6.1%}; no tool {sub['no tool']['acc']:6.1%})\n{'':<26} agent, greedy: "
+          f"called {ag['called']:6.1%}, the right sum from the tool {ag['good_call']:6.1%}, read back "
+          f"{ag['read_back']:6.1%} of those, right sum {ag['correct']:6.1%} ({by_len}), reward {ag['reward']:.3f}")
 
 
 def main() -> None:
@@ -143,7 +152,7 @@ def main() -> None:
         uri = meta.config["tracking"]["uri"] or os.environ.get("MLFLOW_TRACKING_URI") or \
             f"sqlite:///{os.path.abspath('mlflow.db')}"
     after = toolcall_scores(agent_dir, cfg.data.cache_dir, tokens), agent_scores(agent_dir, cfg)
-    print("\n==== the calculator demo (demo:toolcall_eval: held-out sums) ====")
+    print("\n==== the calculator demo (demo:toolcall_eval: 200 held-out sums of 3 or 4 digits) ====")
     report("tool SFT (before)", *before)
     report("agent (after)", *after)
     print(f"greedy example before: {before[1]['example']}\n               after:  {after[1]['example']}")

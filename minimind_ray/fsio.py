@@ -40,15 +40,29 @@ def join(base: PathLike, name: str) -> str:
     return base.rstrip("/") + "/" + name if is_uri(base) else os.path.join(base, name)
 
 
+def _umask() -> int:
+    """This process's umask, read without changing it (os.umask sets as it reads: not thread-safe)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    return 0o022
+
+
 def atomic_write(path: PathLike, write_fn: Callable[[str], Any]) -> None:
     """Call ``write_fn(tmp_path)`` on a temporary file beside ``path``, then rename it to ``path``.
 
     A crash or an exception leaves ``path`` as it was (absent or the previous version)
-    and removes the temporary file: never half a file."""
+    and removes the temporary file: never half a file. The file gets the mode any new file gets here
+    (0666 less the umask), not mkstemp's 0600: an export or a checkpoint is for others to read too."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     os.close(fd)
+    os.chmod(tmp, 0o666 & ~_umask())
     try:
         write_fn(tmp)
         os.replace(tmp, path)

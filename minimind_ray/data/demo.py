@@ -22,13 +22,15 @@ and hence the prepare cache key, stay stable across runs.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import random
 import zlib
 from typing import Dict, List
 
-_VERSION = 3  # 2: sorting in the SFT mix, sorting RL prompts, tool-call chats, eval sets; 3: sorting subjects
+_VERSION = 4  # 2: sorting in the SFT mix, sorting RL prompts, tool-call chats, eval sets; 3: sorting subjects;
+#            4: the tool chats add three or four digits
 
 COUNTRIES = [  # (English, Chinese, capital, 首都)
     ("France", "法国", "Paris", "巴黎"), ("China", "中国", "Beijing", "北京"), ("Japan", "日本", "Tokyo", "东京"),
@@ -222,30 +224,49 @@ CALCULATOR_TOOL = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
 
 
-N_TOOL_SFT = 1000
+N_TOOL_SFT = 4000
+SUM_TERMS = (3, 4)  # single digits a calculator question adds: one token each, so a call can copy them
+
+
+def sum_question(digits: List[int]) -> str:
+    return "What is " + " plus ".join(map(str, digits)) + "?"
+
+
+def sum_expression(digits: List[int]) -> str:
+    return " + ".join(map(str, digits))
+
+
+def is_heldout_sum(digits: List[int]) -> bool:
+    """One digit sequence in eight (by a hash) is held out of the tool SFT chats and the agent prompts."""
+    return zlib.crc32(sum_expression(digits).encode()) % 8 == 0
+
+
+def _trained_sum(rng: random.Random) -> List[int]:
+    while True:
+        digits = [rng.randrange(10) for _ in range(rng.choice(SUM_TERMS))]
+        if not is_heldout_sum(digits):
+            return digits
 
 
 def _tool_record(rng: random.Random) -> dict:
-    a, b = rng.randint(0, 99), rng.randint(0, 99)
+    digits = _trained_sum(rng)
     return {"conversations": [
         {"role": "system", "content": "You are MiniMind, a helpful assistant.", "tools": [CALCULATOR_TOOL]},
-        {"role": "user", "content": f"What is {a} plus {b}?"},
+        {"role": "user", "content": sum_question(digits)},
         {"role": "assistant", "content": "",
-         "tool_calls": [{"name": "calculate", "arguments": {"expression": f"{a} + {b}"}}]},
-        {"role": "tool", "content": json.dumps({"result": a + b})},
-        {"role": "assistant", "content": f"{a} plus {b} equals {a + b}."}]}
+         "tool_calls": [{"name": "calculate", "arguments": {"expression": sum_expression(digits)}}]},
+        {"role": "tool", "content": json.dumps({"result": sum(digits)})},
+        {"role": "assistant", "content": f"The answer is {sum(digits)}."}]}
 
 
-# ---- the agent demo (stage agent, issue 24): "What is a plus b?" with the calculator offered; the right final answer
-# holds a + b. Its own stamp, so adding these files rewrote none of the corpus above. A pair in eight (by a hash) is
-# held out of the agent prompts; the tool-call evaluation asks held-out pairs that tool_sft.jsonl never uses either.
+# ---- the agent demo (stage agent, issue 24): "What is 3 plus 8 plus 5?" with the calculator offered; the right
+# final answer holds the sum. The demo model cannot add three or four digits itself (no training file has such sums)
+# and copies a digit far more reliably than a whole-number token (docs/rl.md), so the skill to learn is the tool's
+# use: copy the digits into the call and the result into the answer. Its own stamp, so these files rewrite none of
+# the corpus above. The held-out sums (is_heldout_sum) are in no agent prompt and no tool SFT chat; the tool-call
+# evaluation asks 200 of them.
 AGENT_FILES = {"agent_rl": "agent_rl.jsonl", "toolcall_eval": "toolcall_eval.jsonl"}
-N_AGENT_RL, N_TOOLCALL_EVAL, _AGENT_VERSION = 2000, 200, 2  # 2: the eval's prompts have the system turn
-
-
-def _tool_sft_pairs(seed: int) -> set:
-    rng = random.Random(f"{seed}-tool")  # replays _tool_record's draws
-    return {(rng.randint(0, 99), rng.randint(0, 99)) for _ in range(N_TOOL_SFT)}
+N_AGENT_RL, N_TOOLCALL_EVAL, _AGENT_VERSION = 2000, 200, 3  # 2: the eval's prompts have the system turn; 3: digit sums
 
 
 def _write_agent_tasks(out_dir: str, seed: int) -> Dict[str, str]:
@@ -256,21 +277,21 @@ def _write_agent_tasks(out_dir: str, seed: int) -> Dict[str, str]:
             if json.load(f) == stamp:
                 return paths
     os.makedirs(out_dir, exist_ok=True)
-    held = lambda a, b: zlib.crc32(f"{a}+{b}".encode()) % 8 == 0  # noqa: E731
     system = {"role": "system", "content": "You are MiniMind, a helpful assistant.", "tools": [CALCULATOR_TOOL]}
-    rng, tasks = random.Random(f"{seed}-agent"), []
-    while len(tasks) < N_AGENT_RL:
-        a, b = rng.randint(0, 99), rng.randint(0, 99)
-        if not held(a, b):
-            tasks.append({"conversations": [system, {"role": "user", "content": f"What is {a} plus {b}?"},
-                                            {"role": "assistant", "content": f"{a} plus {b} equals {a + b}."}],
-                          "gt": [a + b]})
-    unseen = sorted(p for p in ((a, b) for a in range(100) for b in range(100)) if held(*p)
-                    and p not in _tool_sft_pairs(seed))
+    rng = random.Random(f"{seed}-agent")
+    tasks = []
+    for _ in range(N_AGENT_RL):
+        digits = _trained_sum(rng)
+        tasks.append({"conversations": [system, {"role": "user", "content": sum_question(digits)},
+                                        {"role": "assistant", "content": f"The answer is {sum(digits)}."}],
+                      "gt": [sum(digits)]})
     ask = lambda q: [{k: v for k, v in system.items() if k != "tools"}, {"role": "user", "content": q}]  # noqa: E731
-    evals = [{"messages": ask(f"What is {a} plus {b}?"), "tools": [CALCULATOR_TOOL], "tool": "calculate",
-              "arguments": {"expression": f"{a} + {b}"}, "answer": a + b, "subject": "arithmetic"}
-             for a, b in rng.sample(unseen, N_TOOLCALL_EVAL)]
+    evals = []
+    for n in SUM_TERMS:  # as many of each length
+        unseen = [list(d) for d in itertools.product(range(10), repeat=n) if is_heldout_sum(list(d))]
+        evals += [{"messages": ask(sum_question(d)), "tools": [CALCULATOR_TOOL], "tool": "calculate",
+                   "arguments": {"expression": sum_expression(d)}, "answer": sum(d), "subject": "arithmetic"}
+                  for d in rng.sample(unseen, N_TOOLCALL_EVAL // len(SUM_TERMS))]
     evals += [{"messages": ask(f"What is the capital of {c}?"), "tools": [CALCULATOR_TOOL], "tool": None,
                "answer": cap, "subject": "no tool"} for c, _, cap, _ in COUNTRIES]  # offered, not needed
     _write_jsonl(paths["agent_rl"], tasks)

@@ -298,3 +298,30 @@ def test_agent_stage_saves_and_restores_bit_for_bit(agent_prepared, tmp_path):
     a, b = straight.model.state_dict(), resumed.model.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert all(math.isfinite(m["loss"]) for m in seen.by_step.values())
+
+
+def test_the_demo_tool_chats_and_agent_prompts_fit_their_recipes_and_hold_out_the_eval_sums():
+    """The calculator demo's files against its recipes: every tool SFT chat fits demo_tool_sft.yaml's max_seq_len
+    whole (a cut chat trains no final answer: seen once, when 4-digit sums made the chats 647 tokens for a limit of
+    640), every agent prompt fits demo_agent.yaml's and leaves room for a call, its result and an answer, and no
+    evaluated sum is in a training file."""
+    from omegaconf import OmegaConf
+
+    from minimind_ray.data.demo import resolve_demo_path
+    from minimind_ray.tokenizer import resolve_tokenizer
+
+    tok = resolve_tokenizer("builtin", "data_cache")
+    read = lambda name: [json.loads(x) for x in open(resolve_demo_path(f"demo:{name}", "", "data_cache"))]  # noqa: E731
+    recipe = lambda name: OmegaConf.load(f"pipelines/configs/{name}.yaml")  # noqa: E731
+    chats = [r["conversations"] for r in read("tool_sft")]
+    longest_chat = max(len(tok.encode(tok.apply_chat_template(c, tools=c[0]["tools"]))) for c in chats)
+    assert longest_chat <= recipe("demo_tool_sft").data.max_seq_len
+    tasks = [r["conversations"][:2] for r in read("agent_rl")]
+    longest_prompt = max(len(tok.encode(tok.apply_chat_template(c, add_generation_prompt=True, tools=c[0]["tools"])))
+                         for c in tasks)
+    agent = recipe("demo_agent")
+    assert longest_prompt <= agent.data.max_seq_len
+    assert longest_chat <= agent.train.agent.max_total_len  # a trajectory has room for the chat the tool SFT taught
+    evaluated = {r["messages"][-1]["content"] for r in read("toolcall_eval") if r["tool"]}
+    trained = {c[1]["content"] for c in chats} | {c[1]["content"] for c in tasks}
+    assert len(evaluated) == 200 and not evaluated & trained

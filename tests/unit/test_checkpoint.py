@@ -54,6 +54,22 @@ def test_atomic_write_leaves_nothing_when_the_write_fails(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_atomic_writes_get_the_mode_of_any_new_file_not_mkstemps_0600(tmp_path):
+    import os
+    import stat
+
+    from minimind_ray.fsio import write_text_atomic
+
+    old = os.umask(0o027)
+    try:
+        write_text_atomic(tmp_path / "a.json", "{}")
+        (tmp_path / "plain").write_text("{}")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "a.json").stat().st_mode) == stat.S_IMODE((tmp_path / "plain").stat().st_mode) \
+        == 0o640
+
+
 def test_verify_refuses_incomplete_checkpoints(run_dir):
     newest = ck.latest_checkpoint(run_dir)
     assert ck.open_checkpoint(newest).step == 8
