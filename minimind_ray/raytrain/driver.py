@@ -132,27 +132,45 @@ def worker_resources(cfg: RunConfig, use_gpu: bool) -> Dict[str, float]:
 
 
 def check_resources(cfg: RunConfig, use_gpu: bool) -> None:
-    """Wait up to cluster.resource_timeout_s for the worker group to fit, then fail with what is missing.
+    """Wait up to cluster.resource_timeout_s for the worker group and what runs beside it (the evaluation task,
+    GRPO's rollout actors) to fit, then fail with what is missing.
 
-    Ray Train V2 would otherwise wait for resources forever; this turns a request the
-    cluster cannot hold (4 GPU workers on a CPU cluster) into an error in seconds."""
+    Ray Train V2 would otherwise wait for resources forever, and a rollout actor Ray cannot place waits forever
+    too; this turns a request the cluster cannot hold (4 GPU workers on a CPU cluster) into an error in seconds."""
     import ray
+
+    from minimind_ray.raytrain.runtime_env import side_cpus
 
     need_workers = cfg.cluster.min_workers or cfg.cluster.num_workers
     per = worker_resources(cfg, use_gpu)
+    need = {k: v * need_workers for k, v in per.items()}
+    g = cfg.train.grpo
+    actors = cfg.train.stage == "grpo" and g.rollout == "actors"
+    beside = {"CPU": side_cpus(cfg), "GPU": g.rollout_actors * g.rollout_actor_gpus if actors else 0.0}
+    for k, v in beside.items():
+        if v:
+            need[k] = need.get(k, 0.0) + v
     deadline = time.monotonic() + cfg.cluster.resource_timeout_s
     while True:
         total = ray.cluster_resources()
-        short = {k: (v * need_workers, total.get(k, 0.0)) for k, v in per.items() if total.get(k, 0.0) < v * need_workers}
+        short = {k: (n, total.get(k, 0.0)) for k, n in need.items() if total.get(k, 0.0) < n}
         if not short:
             return
         if time.monotonic() >= deadline:
             detail = ", ".join(f"{k}: need {n:g}, cluster has {h:g}" for k, (n, h) in short.items())
+            workers_fit = all(total.get(k, 0.0) >= v * need_workers for k, v in per.items())
+            if workers_fit and actors:
+                raise ClusterTooSmall(
+                    f"train.grpo.rollout_actors: the cluster holds the {need_workers} worker(s) of {per} but not "
+                    f"{g.rollout_actors} rollout actor(s) of {g.rollout_actor_cpus:g} CPU / {g.rollout_actor_gpus:g} "
+                    f"GPU beside them ({detail}); waited {cfg.cluster.resource_timeout_s:g}s "
+                    f"(cluster.resource_timeout_s). Lower train.grpo.rollout_actors or rollout_actor_cpus/gpus, use "
+                    f"train.grpo.rollout=torch, or add nodes.")
             field = "cluster.use_gpu" if "GPU" in short else "cluster.num_workers"
             raise ClusterTooSmall(
-                f"{field}: the cluster cannot hold {need_workers} worker(s) of {per} ({detail}); waited "
-                f"{cfg.cluster.resource_timeout_s:g}s (cluster.resource_timeout_s). Lower cluster.num_workers, "
-                f"set cluster.use_gpu=false, or add nodes.")
+                f"{field}: the cluster cannot hold {need_workers} worker(s) of {per} and what runs beside them "
+                f"({detail}); waited {cfg.cluster.resource_timeout_s:g}s (cluster.resource_timeout_s). Lower "
+                f"cluster.num_workers, set cluster.use_gpu=false, or add nodes.")
         time.sleep(min(2.0, max(0.1, deadline - time.monotonic())))
 
 

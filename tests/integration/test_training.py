@@ -128,6 +128,25 @@ def test_a_request_the_cluster_cannot_hold_fails_fast(ray_session, shared):
     assert time.monotonic() - t0 < 60
 
 
+def test_rollout_actors_the_cluster_cannot_place_fail_fast_naming_the_field(ray_session, tmp_path):
+    """Workers that fit with rollout actors beside them that do not (the session's Ray has 4 CPUs: 2 workers, 3
+    actors of 1 CPU) is an error naming train.grpo.rollout_actors, not an actor left pending forever."""
+    from minimind_ray.config import load_config
+    from minimind_ray.model.minimind import build_model
+    from minimind_ray.raytrain.driver import ClusterTooSmall, check_resources
+    from minimind_ray.store.pth import save_pth
+
+    base = tmp_path / "base.pth"
+    save_pth(build_model(load_config(None, ["data.train_path=[demo]", "model.preset=tiny"]).model, seed=0), str(base))
+    grpo = lambda *extra: load_config(None, [  # noqa: E731
+        "data.train_path=[demo]", "model.preset=tiny", "train.stage=grpo", "data.format=prompt",
+        f"train.init_from={base}", "cluster.num_workers=2", "cluster.resource_timeout_s=0.5", "train.grpo.rollout=actors",
+        *extra])
+    check_resources(grpo("train.grpo.rollout_actors=2"), use_gpu=False)  # 2 + 2 CPUs: fits
+    with pytest.raises(ClusterTooSmall, match=r"^train\.grpo\.rollout_actors: .* 3 rollout actor\(s\)"):
+        check_resources(grpo("train.grpo.rollout_actors=3"), use_gpu=False)
+
+
 def test_a_schedule_of_mixed_faults_recovers_bit_for_bit(baseline, shared):
     """Issue 16: one run meets three faults of different kinds at three steps: an exception on rank 0 at
     step 3 (before the first checkpoint: back to step 0), a SIGKILL of rank 1 at step 6 (back to 4, even
