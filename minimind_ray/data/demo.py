@@ -10,8 +10,9 @@ visibly learns it within minutes on 2 CPU cores. Measured with the ``demo`` pres
 "The capital of France is" with " Paris. The capital of Peru is Lima.".
 
 The SFT mix also holds digit-sorting tasks ("Sort: 7 2 9" -> "2 7 9", the RL demo's skill). Beside
-the training files lie ``tool_sft.jsonl`` (chats that call a calculator tool, ``CALCULATOR_TOOL``: about
-600 tokens each with the builtin tokenizer, too long for the demo SFT's 128, so apart) and two evaluation sets that no training
+the training files lie ``tool_sft.jsonl`` (chats that call a calculator tool, ``CALCULATOR_TOOL``, for a sum of
+three or four digits: about 645 tokens each with the builtin tokenizer, too long for the demo SFT's 128, so apart),
+the agent demo's prompts and tool-call evaluation (held-out sums), and two evaluation sets that no training
 file holds: held-out sorting prompts (other multisets, and a longer length) and a multiple-choice set
 about the demo world's facts. A recipe or the eval verb names any of them as ``demo:<name>``.
 
