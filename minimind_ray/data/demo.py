@@ -211,11 +211,16 @@ def is_heldout_multiset(digits: List[int]) -> bool:
     return zlib.crc32(sort_answer(digits).encode()) % 8 == 0
 
 
-def _trained_digits(rng: random.Random) -> List[int]:
+def _draw_digits(rng: random.Random, lengths, held_out) -> List[int]:
+    """Random digits of one of ``lengths``, drawn again while ``held_out(digits)``."""
     while True:
-        digits = [rng.randrange(10) for _ in range(rng.choice(SORT_LENGTHS))]
-        if not is_heldout_multiset(digits):
+        digits = [rng.randrange(10) for _ in range(rng.choice(lengths))]
+        if not held_out(digits):
             return digits
+
+
+def _trained_digits(rng: random.Random) -> List[int]:
+    return _draw_digits(rng, SORT_LENGTHS, is_heldout_multiset)
 
 
 # ---- tool calls: a calculator the assistant calls when the conversation offers it (the chat template renders
@@ -243,10 +248,7 @@ def is_heldout_sum(digits: List[int]) -> bool:
 
 
 def _trained_sum(rng: random.Random) -> List[int]:
-    while True:
-        digits = [rng.randrange(10) for _ in range(rng.choice(SUM_TERMS))]
-        if not is_heldout_sum(digits):
-            return digits
+    return _draw_digits(rng, SUM_TERMS, is_heldout_sum)
 
 
 def _tool_record(rng: random.Random) -> dict:
