@@ -159,6 +159,10 @@ class Tokenizer:
     def token_to_id(self, token: str) -> Optional[int]:
         return self._hf.token_to_id(token)
 
+    def id_to_token(self, token_id: int) -> Optional[str]:
+        """The vocabulary's own spelling of one token (byte-level BPE: 'Ġ' for a space), None past the vocabulary."""
+        return self._hf.id_to_token(int(token_id))
+
     def apply_chat_template(self, messages: List[dict], add_generation_prompt: bool = False, **kw) -> str:
         """Render a conversation to text. ``kw`` reaches the template as variables: ``tools``,
         ``enable_thinking`` (MiniMind2), ``open_thinking`` (minimind-3), ...; the special

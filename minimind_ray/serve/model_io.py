@@ -63,8 +63,8 @@ class TokenPieces:
     def __call__(self, token_id: int) -> Tuple[str, list]:
         hit = self.cache.get(token_id)
         if hit is None:
-            # the vocabulary string of an id: HF tokenizers has it; the project's Tokenizer has no public call
-            raw = self.tok._hf.id_to_token(int(token_id)) or ""
+            # the vocabulary's spelling of the id (byte-level: one character per byte), mapped back to its bytes
+            raw = self.tok.id_to_token(token_id) or ""
             data = bytes(self.byte_of[c] for c in raw) if all(c in self.byte_of for c in raw) else raw.encode()
             hit = self.cache[token_id] = (data.decode("utf-8", errors="replace"), list(data))
         return hit
