@@ -48,13 +48,14 @@ def _kind_of(path: str) -> str:
 
 class SequenceClassifierReward:
     def __init__(self, path: str, device, clip: float = 3.0, max_length: int = 1024, batch_size: int = 16,
-                 trust_remote_code: bool = False):
+                 trust_remote_code: bool = False, dtype: str = "float32"):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         self.tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         if self.tok.pad_token is None:  # batched scoring pads; a model without a pad token reads the last real one
             self.tok.pad_token = self.tok.eos_token or self.tok.unk_token
-        self.model = AutoModelForSequenceClassification.from_pretrained(path, trust_remote_code=trust_remote_code)
+        self.model = AutoModelForSequenceClassification.from_pretrained(path, trust_remote_code=trust_remote_code,
+                                                                        dtype=getattr(torch, dtype))
         if self.model.config.pad_token_id is None:
             self.model.config.pad_token_id = self.tok.pad_token_id
         self.model.to(device).eval().requires_grad_(False)

@@ -153,6 +153,10 @@ def test_sequence_classifier_reward_scores_each_completion_with_the_model(classi
     one_by_one = load_reward_model(str(classifier_dir), batch_size=1, clip=0.01)
     assert one_by_one([PROMPT] * 3, completions, [""] * 3) == pytest.approx(
         [max(-0.01, min(0.01, g)) for g in got], abs=1e-6)
+    # a large reward model loads in half precision, as GetScoreReward's (MiniMind loads its reward model in fp16)
+    half = load_reward_model(str(classifier_dir), dtype="bfloat16")
+    assert half.model.dtype == torch.bfloat16
+    assert half([PROMPT] * 3, completions, [""] * 3) == pytest.approx(got, abs=0.05)
 
 
 TINY_SCORE_MODULE = '''
