@@ -534,9 +534,11 @@ def test_tool_choice_none_forced_and_malformed_replies(served, tool_model):
     from minimind_ray.data.demo import CALCULATOR_TOOL
     from minimind_ray.serve.model_io import render_chat
 
-    _, tok, _ = tool_model
+    model, tok, _ = tool_model
     client = served["guarded"]
-    msgs = tool_turn("What is 3 plus 4?")
+    # the demo's own question shape (sums of three or four digits): the tool model was trained until its
+    # greedy reply to this one is a well-formed call (a two-digit sum is outside its chats)
+    msgs = tool_turn("What is 3 plus 8 plus 5?")
     off = client.chat.completions.create(model="tool-tiny", messages=msgs, tools=[CALCULATOR_TOOL], tool_choice="none",
                                          temperature=0, max_tokens=30)
     assert off.usage.prompt_tokens == len(tok.encode(render_chat(tok, msgs)))  # no tools in the prompt
@@ -544,12 +546,18 @@ def test_tool_choice_none_forced_and_malformed_replies(served, tool_model):
     named = client.chat.completions.create(
         model="tool-tiny", messages=msgs, tools=[CALCULATOR_TOOL], temperature=0, max_tokens=40,
         tool_choice={"type": "function", "function": {"name": "calculate"}})
-    assert named.choices[0].message.tool_calls[0].function.name == "calculate"
+    # the forced start is the one the model writes unforced: the same call follows
+    want = calls_in(tool_replies(model, tok)[0])[0]["function"]
+    got = named.choices[0].message.tool_calls[0].function
+    assert (got.name, json.loads(got.arguments)) == ("calculate", json.loads(want["arguments"]))
     # the untrained model of the run, forced to call: whatever it writes is no valid call, so it comes back as
     # text (and a warning), never a 500
     weird = chat(served["client"], msgs, tools=[CALCULATOR_TOOL], tool_choice="required", temperature=0, max_tokens=8)
     assert weird.choices[0].message.content.startswith('<tool_call>\n{"name": "')
     assert not weird.choices[0].message.tool_calls and weird.choices[0].finish_reason in ("stop", "length")
+    weird = chat(served["client"], msgs, tools=[CALCULATOR_TOOL], temperature=0, max_tokens=8,
+                 tool_choice={"type": "function", "function": {"name": "calculate"}})
+    assert weird.choices[0].message.content.startswith('<tool_call>\n{"name": "calculate", "arguments": ')
 
 
 # --------------------------------------------------------------------------- API key
