@@ -1,10 +1,11 @@
 """SFT, LoRA, DPO and distillation on the same loop, tiny preset.
 
-SFT and LoRA run on real Ray (2 gloo workers) with a crash injected after their first checkpoint, so they also
-show that a stage resumes from its checkpoint through the shared machinery. DPO and distillation add nothing
-to the Ray layer (their frozen reference and teacher are built by the objective, in every worker, from files):
-they run on one in-process engine, the code each Ray Train worker runs, stopped after step 4 and restored from
-that checkpoint, which must end exactly where a straight run ends.
+LoRA runs on real Ray (2 gloo workers: DDP over a model whose base is frozen) with a crash injected after its
+first checkpoint, so it also shows that a stage resumes from its checkpoint through the shared machinery. SFT,
+DPO and distillation add nothing to the Ray layer (SFT's loss mask lives in the batch; DPO's frozen reference and
+the teacher are built by the objective, in every worker, from files): they run on one in-process engine, the code
+each Ray Train worker runs, stopped after step 4 and restored from that checkpoint, which must end exactly where a
+straight run ends. SFT through Ray Train is trained by test_serve.py and killed and resumed by test_pipeline.py.
 """
 from __future__ import annotations
 
@@ -40,10 +41,13 @@ def assert_resumed_once(shared, name):
     assert attempts == {0, 4}, f"expected one restart from step 4, saw attempts {attempts}"
 
 
-def test_sft_lowers_assistant_loss_and_resumes(ray_session, shared):
-    res = run_stage(shared, "sft", "train.stage=sft", "data.format=sft", "train.lr=3e-3")
-    assert_resumed_once(shared, "sft")
-    losses = loss_history(shared, res.mlflow_run_id)
+def test_sft_lowers_assistant_loss_and_resumes(shared, tmp_path):
+    """SFT on the in-process engine, straight and stopped at step 4 then restored: the same end, bit for bit.
+    (SFT through Ray Train, and its resume after a killed driver, run in test_pipeline.py and test_serve.py.)"""
+    straight, seen, resumed, halves = run_in_process(shared, tmp_path, "train.stage=sft", "data.format=sft",
+                                                     "train.lr=3e-3")
+    assert _same_weights(straight, resumed) and halves.series("loss") == seen.series("loss")
+    losses = seen.series("loss")
     assert [s for s, _ in losses] == list(range(1, STEPS + 1))
     assert losses[-1][1] < losses[0][1] - 0.5, losses
 
