@@ -95,16 +95,33 @@ from .local_cluster import cluster_env  # noqa: E402,F401  (a fixture for the te
 
 @pytest.fixture(scope="session")
 def tiny_baseline(ray_session, tmp_path_factory):
-    """The uninterrupted 2-worker tiny run that recovery tests compare with, trained once per session:
+    """The uninterrupted 2-worker tiny run that recovery tests compare with, trained once per test run:
     (its shared dirs, the result, its final weights, its per-step losses). A run's weights do not depend
     on its name, storage, tracking or fault settings, so any run of helpers.run_tiny's training settings
-    must end bit-identical to it."""
+    must end bit-identical to it.
+
+    Under pytest-xdist the workers share one: the first to ask trains it under a file lock in the run's
+    common temp root and leaves its result there; the others wait on the lock and read it (the run's
+    files and MLflow store are on disk, read by path)."""
+    import fcntl
+    import pickle
+
     from .helpers import final_weights, loss_history, new_shared, run_tiny
 
-    shared = new_shared(tmp_path_factory, "baseline")
-    # It also evaluates its checkpoints on the side (eval.tasks never change what is trained): the demo's
-    # multiple-choice set at every checkpoint, and a task whose file is missing, which must fail alone
-    # (tests/integration/test_evals.py reads what they left).
-    res = run_tiny(shared, "baseline-2w", "eval.interval=4", "eval.tasks=[{task: mc, data: 'demo:mc_eval', limit: 24}, "
-                   "{task: gen, data: /nonexistent/prompts.jsonl, name: missing}]")
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    root = tmp_path_factory.getbasetemp().parent if worker else tmp_path_factory.getbasetemp()
+    done = root / "tiny_baseline.pkl"
+    with open(root / "tiny_baseline.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if done.exists():
+            shared, res = pickle.loads(done.read_bytes())
+        else:
+            shared = new_shared(tmp_path_factory, "baseline")
+            # It also evaluates its checkpoints on the side (eval.tasks never change what is trained): the demo's
+            # multiple-choice set at every checkpoint, and a task whose file is missing, which must fail alone
+            # (tests/integration/test_evals.py reads what they left).
+            res = run_tiny(shared, "baseline-2w", "eval.interval=4",
+                           "eval.tasks=[{task: mc, data: 'demo:mc_eval', limit: 24}, "
+                           "{task: gen, data: /nonexistent/prompts.jsonl, name: missing}]")
+            done.write_bytes(pickle.dumps((shared, res)))
     return shared, res, final_weights(res), loss_history(shared, res.mlflow_run_id)

@@ -30,10 +30,22 @@ def _ports_free(ports) -> bool:
     return True
 
 
+def _port_range() -> tuple:
+    """The base ports this test process may use: pytest-xdist's workers (gw0, gw1, ...) each take their own
+    slice of 20000-26000, so two clusters started at once never reach for the same ports (a block spans up
+    to base + 900)."""
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    index = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0)
+    span = 6000 // count // 100 * 100
+    lo = 20000 + index * span
+    return lo, lo + span - 1000
+
+
 def _free_base(worker_nodes: int = 1) -> int:
     """A base port whose whole block (start.sh's layout) is free; below the ephemeral range."""
+    lo, hi = _port_range()
     for _ in range(50):
-        base = random.randrange(20000, 26000, 100)
+        base = random.randrange(lo, hi, 100)
         block = list(range(base, base + 3)) + [base + 10 + 10 * k + j for k in range(worker_nodes + 1) for j in range(6)]
         block += list(range(base + 500, base + 600 + 100 * worker_nodes))
         if _ports_free(block):
