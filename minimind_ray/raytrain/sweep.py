@@ -11,7 +11,8 @@
 
 Killed and started again, the same command restores Tune's experiment (``Tuner.restore``): finished trials are
 not run again, unfinished ones resume from their checkpoints (the runs' own resume rule), and a trial whose run
-had finished although Tune did not record it yet reports its stored score instead of training again.
+had finished although Tune did not record it yet reports its stored score instead of training again. ASHA's rungs
+come back too (raytrain/asha.py): a resumed trial is compared with the scores recorded before the kill.
 """
 from __future__ import annotations
 
@@ -139,8 +140,10 @@ def _trial(params: Dict[str, Any], ctx: Dict[str, Any]) -> None:
 
 def _tuner(sweep: SweepConfig, base: RunConfig, ctx: Dict[str, Any], storage: str, need: Dict[str, float], n: int):
     from ray import tune
-    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
+    from ray.tune.schedulers import FIFOScheduler
     from ray.tune.search import BasicVariantGenerator
+
+    from minimind_ray.raytrain.asha import ResumableASHA
 
     key = ctx["metric_key"] or sweep.metric
     trainable = tune.with_resources(tune.with_parameters(_trial, ctx=ctx), {"CPU": need["trial"]})
@@ -150,8 +153,10 @@ def _tuner(sweep: SweepConfig, base: RunConfig, ctx: Dict[str, Any], storage: st
         return tune.Tuner.restore(exp_dir, trainable, resume_unfinished=True, resume_errored=True)
     s = sweep.scheduler
     # stop_last_trials=False: a trial that reaches max_t ends by itself (exports, its MLflow run FINISHED); ASHA's
-    # default stops it at that report, killing its process before the run's end is written
-    scheduler = (ASHAScheduler(time_attr="step", max_t=s.max_steps or base.train.max_steps, grace_period=s.grace_period,
+    # default stops it at that report, killing its process before the run's end is written. Its rungs are kept in the
+    # sweep's storage: Tune's own experiment state does not keep them (raytrain/asha.py)
+    scheduler = (ResumableASHA(join(storage, f"{sweep.name}.asha_rungs.json"), time_attr="step",
+                               max_t=s.max_steps or base.train.max_steps, grace_period=s.grace_period,
                                reduction_factor=s.reduction_factor, stop_last_trials=False)
                  if s.kind == "asha" else FIFOScheduler())
     return tune.Tuner(

@@ -117,6 +117,10 @@ def test_asha_stops_weak_trials_and_the_sweep_resumes_after_its_driver_is_killed
     assert stopped and all(r.info.status == "KILLED" for r in stopped), [(r.info.run_name, r.info.status) for r in trials]
     assert len(stopped) + len(done) == 4
     assert all(int(r.data.tags["minimind.sweep.stopped_at_step"]) < STEPS for r in stopped)
+    # ASHA's rungs outlived the kill: every trial's step-4 score is there, those of the trials that reported after
+    # the restore too (Tune keeps no scheduler state; raytrain/asha.py)
+    rungs = {m: r for m, r in json.loads((runs / "tiny-lr.asha_rungs.json").read_text())["brackets"][0]}
+    assert sorted(rungs[4]) == sorted(r.data.tags["minimind.sweep.trial_id"] for r in trials), rungs
     # the trials that had finished before the kill were not trained again: their runs were never reopened
     by_name = {r.info.run_name: r for r in trials}
     assert finished and all("minimind.resumes" not in by_name[n].data.tags for n in finished)
