@@ -26,9 +26,17 @@ def shared(tmp_path_factory):
     return new_shared(tmp_path_factory, "tracking_training")
 
 
-def test_one_run_with_params_metrics_artifacts_and_a_registered_version(ray_session, shared, mlflow_server):
-    res = run_tiny(shared, "tracked", f"tracking.uri={mlflow_server.uri}", "tracking.registered_model=tiny-tracked",
+def test_one_run_with_params_metrics_artifacts_and_a_registered_version(ray_session, shared, mlflow_server, capfd):
+    """One tracked run with a worker-group restart, through a tracking URI that holds a user and password (issue 11,
+    item 2: sent as HTTP basic auth, which this server ignores): one MLflow run with its params, metrics, artifacts
+    and registered version, and the password nowhere: not in MLflow's params, tags or config artifact, not in any
+    file the run wrote (meta.json, the export index), not in what the run printed."""
+    secret = "s3cr3t-Pa55"
+    res = run_tiny(shared, "tracked", f"tracking.uri={mlflow_server.uri.replace('http://', f'http://alice:{secret}@')}",
+                   "tracking.registered_model=tiny-tracked",
                    "train.fail_at_step=6")  # a worker-group restart mid-run must not make a second run
+    printed = capfd.readouterr()
+    assert secret not in printed.out + printed.err
     _, attempts = sample_record(shared, "tracked")
     assert attempts == {0, 4}, f"the injected failure at step 6 must restart the group from step 4: {attempts}"
     uri = mlflow_server.uri
@@ -42,6 +50,8 @@ def test_one_run_with_params_metrics_artifacts_and_a_registered_version(ray_sess
     assert run["info"]["run_id"] == res.mlflow_run_id and run["info"]["status"] == "FINISHED"
     params = {p["key"]: p["value"] for p in run["data"]["params"]}
     assert params["model.preset"] == "tiny" and params["train.global_batch_size"] == "16"
+    assert params["tracking.uri"] == mlflow_server.uri.replace("http://", "http://***@")
+    assert secret not in json.dumps(run)
     tags = {t["key"]: t["value"] for t in run["data"]["tags"]}
     assert {"world_size", "device_type", "torch.version", "ray.version", "mlflow.source.git.commit"} <= set(tags)
     hist = rest(uri, f"/api/2.0/mlflow/metrics/get-history?run_id={res.mlflow_run_id}&metric_key=train/loss")["metrics"]
@@ -60,6 +70,13 @@ def test_one_run_with_params_metrics_artifacts_and_a_registered_version(ray_sess
     assert "plots/loss.png" in listing("plots")
     versions = rest(uri, "/api/2.0/mlflow/model-versions/search?filter=name%3D%27tiny-tracked%27")["model_versions"]
     assert versions and versions[0]["run_id"] == res.mlflow_run_id
+    with urllib.request.urlopen(f"{uri}/get-artifact?path=config/config.yaml&run_uuid={res.mlflow_run_id}",
+                                timeout=10) as r:
+        config_yaml = r.read().decode()
+    assert "***@127.0.0.1" in config_yaml and secret not in config_yaml
+    written = [p for p in Path(res.run_dir).rglob("*") if p.is_file()]
+    assert any(p.name == "meta.json" for p in written)
+    assert not [p for p in written if secret.encode() in p.read_bytes()]
 
 
 def test_training_survives_the_tracking_server_going_down(ray_session, shared, mlflow_server):
@@ -88,27 +105,3 @@ def test_training_survives_the_tracking_server_going_down(ray_session, shared, m
     ckpts = [p for p in Path(res.run_dir).glob("checkpoint_*") if p.is_dir()]
     assert len(ckpts) >= 2 and all(open_checkpoint(p).step for p in ckpts)
     assert open_checkpoint(latest_checkpoint(Path(res.run_dir))).step == STEPS
-
-
-def test_credentials_in_the_tracking_uri_are_never_written_or_printed(ray_session, shared, mlflow_server, capfd):
-    """Issue 11, item 2: a tracking URI with a user and password (sent as HTTP basic auth, which this server
-    ignores) works, and the password appears nowhere: not in MLflow's params, tags or config artifact, not
-    in any file the run wrote (meta.json, the export index), not in what the run printed."""
-    secret = "s3cr3t-Pa55"
-    uri = mlflow_server.uri.replace("http://", f"http://alice:{secret}@")
-    res = run_tiny(shared, "with-credentials", f"tracking.uri={uri}", "cluster.num_workers=1", steps=4, ckpt_every=2)
-    printed = capfd.readouterr()
-    assert secret not in printed.out + printed.err
-    assert res.mlflow_run_id
-    run = rest(mlflow_server.uri, f"/api/2.0/mlflow/runs/get?run_id={res.mlflow_run_id}")["run"]
-    assert run["info"]["status"] == "FINISHED"
-    params = {p["key"]: p["value"] for p in run["data"]["params"]}
-    assert params["tracking.uri"] == mlflow_server.uri.replace("http://", "http://***@")
-    assert secret not in json.dumps(run)
-    with urllib.request.urlopen(f"{mlflow_server.uri}/get-artifact?path=config/config.yaml&run_uuid={res.mlflow_run_id}",
-                                timeout=10) as r:
-        config_yaml = r.read().decode()
-    assert "***@127.0.0.1" in config_yaml and secret not in config_yaml
-    written = [p for p in Path(res.run_dir).rglob("*") if p.is_file()]
-    assert any(p.name == "meta.json" for p in written)
-    assert not [p for p in written if secret.encode() in p.read_bytes()]
