@@ -3,7 +3,14 @@ reading of out-of-memory messages (memory_errors.py). No Ray.
 
 The measured side is ``peak_mem_gb``, the metric the engine's loop reports (peak RSS on CPU), of a fresh
 process that trains a few steps on the fixture's prepared data (sequences of 32 tokens), so that nothing
-earlier in the test session counts in its peak."""
+earlier in the test session counts in its peak.
+
+That process is not a Ray worker: what it holds before its first tensor (torch's and the engine's pages, ~0.25-0.35
+GiB, part of it shared-library pages whose count in RSS varies with what the page cache holds, so with what else
+runs on the machine) is less than the 0.5 GiB the estimate allows a Ray Train worker. So the estimate is held
+against what training added to the peak (the peak less the process's own runtime, measured in it) on top of the
+runtime it allows, and that allowance against the measured runtime. (Held against the raw peak, the ratios were
+1.14-1.18 here beside other processes, and the test failed 1 run in 2 under pytest-xdist.)"""
 from __future__ import annotations
 
 import json
@@ -25,6 +32,11 @@ CASES = [("tiny", 256), ("minimind2-small", 16)]
 # from the same imported process, as a fresh worker's would, and no case sees another's memory.
 MEASURE = r"""
 import dataclasses, json, os, sys
+
+
+def status_gib(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":")) / 2**20  # kB -> GiB
 from minimind_ray.config import ModelConfig
 from minimind_ray.engine import Hooks, TrainState, run
 from minimind_ray.engine.memory import estimate
@@ -36,6 +48,7 @@ def measure(preset, micro):
     cfg = fixture_config(max_steps=2, micro_batch_size=micro, global_batch_size=micro, precision="fp32",
                          log_interval=1, threads_per_worker=1)
     cfg = dataclasses.replace(cfg, model=ModelConfig(**preset_values(preset)))
+    anon_at_start = status_gib("RssAnon")  # the imported process's own heap, copied at fork
     peaks = []
 
     class Peak(Hooks):
@@ -44,7 +57,10 @@ def measure(preset, micro):
 
     run(TrainState.build(cfg, PREPARED), Peak())
     e = estimate(cfg, micro, "cpu")
-    return {"preset": preset, "micro": micro, "measured_gib": max(peaks), "estimate_gib": e.total / 2**30,
+    # the code and library pages training touched (mapped files: no tensor lives there)
+    runtime = anon_at_start + status_gib("RssFile")
+    return {"preset": preset, "micro": micro, "measured_gib": max(peaks), "runtime_gib": runtime,
+            "estimate_gib": e.total / 2**30, "runtime_estimate_gib": e.parts["runtime"] / 2**30,
             "parts": {k: round(v / 2**30, 3) for k, v in e.parts.items()}}
 
 
@@ -63,7 +79,7 @@ for preset, micro in json.loads(sys.argv[1]):
 """
 
 
-def test_the_estimate_is_within_15_percent_of_the_measured_cpu_peak():
+def test_the_estimate_is_within_15_percent_of_the_measured_cpu_peak_less_the_process_runtime():
     """tiny at 256 x 32 tokens: the logits dominate (vocab 6400, hidden 64); minimind2-small at 16 x 32:
     weights, gradients and AdamW dominate (25.8M parameters)."""
     p = subprocess.run([sys.executable, "-c", MEASURE, json.dumps(CASES)], cwd=REPO, capture_output=True, text=True,
@@ -72,9 +88,13 @@ def test_the_estimate_is_within_15_percent_of_the_measured_cpu_peak():
     results = [json.loads(line) for line in p.stdout.strip().splitlines() if line.startswith("{")]
     assert [(r["preset"], r["micro"]) for r in results] == CASES
     for r in results:
-        print(f"{r['preset']} micro {r['micro']} x 32: measured {r['measured_gib']:.3f} GiB, estimate "
-              f"{r['estimate_gib']:.3f} GiB {r['parts']}")
-        assert 0.85 < r["estimate_gib"] / r["measured_gib"] < 1.15, r
+        trained = r["measured_gib"] - r["runtime_gib"]
+        print(f"{r['preset']} micro {r['micro']} x 32: measured {r['measured_gib']:.3f} GiB ({r['runtime_gib']:.3f} "
+              f"the process's own), estimate {r['estimate_gib']:.3f} GiB {r['parts']}, ratio "
+              f"{r['estimate_gib'] / (trained + r['runtime_estimate_gib']):.3f}")
+        assert 0.85 < r["estimate_gib"] / (trained + r["runtime_estimate_gib"]) < 1.15, r
+        # the allowance covers a bare process (a Ray worker holds more: ~0.45 GiB, engine/memory.py)
+        assert 0.15 < r["runtime_gib"] < r["runtime_estimate_gib"], r
 
 
 def _cfg(*over):
