@@ -38,10 +38,14 @@ class ResumableASHA(ASHAScheduler):
         try:
             fs, p = filesystem(self.state_path)
             with fs.open_input_stream(p) as f:
-                saved = json.loads(f.read())
+                text = f.read()
         except FileNotFoundError:
             return  # a new sweep
-        brackets = saved["brackets"]
+        try:
+            brackets = json.loads(text)["brackets"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{self.state_path}: not ASHA's saved rungs ({type(e).__name__}: {e}); it is written "
+                             f"by the sweep itself: move it away to resume with empty rungs") from None
         if len(brackets) != len(self._brackets):
             raise ValueError(f"{self.state_path}: {len(brackets)} ASHA brackets saved, the sweep has {len(self._brackets)}")
         for bracket, rungs in zip(self._brackets, brackets):

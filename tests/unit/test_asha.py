@@ -56,3 +56,12 @@ def test_rungs_of_another_shape_are_refused_naming_the_file(tmp_path):
     with pytest.raises(ValueError) as e:
         s.on_trial_add(None, _trial(0))
     assert str(path) in str(e.value) and "[8, 2]" in str(e.value)
+
+
+def test_a_damaged_rungs_file_is_refused_naming_it(tmp_path):
+    path = tmp_path / "asha_rungs.json"
+    path.write_text('{"brackets": [[[8, {}')  # cut mid-write by something other than the sweep
+    s = _ready(ResumableASHA(str(path), **SETTINGS))
+    with pytest.raises(ValueError, match="not ASHA's saved rungs") as e:
+        s.on_trial_add(None, _trial(0))
+    assert str(path) in str(e.value)
