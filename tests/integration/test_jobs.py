@@ -16,7 +16,7 @@ import pytest
 from minimind_ray.store.checkpoint import open_checkpoint
 
 from .helpers import assert_exactly_once, sample_record
-from .local_cluster import RAY_BIN, REPO, _free_base, _sh
+from .local_cluster import RAY_BIN, REPO, _free_base, _sh, start_cluster
 
 pytestmark = pytest.mark.integration
 
@@ -36,14 +36,8 @@ def _wait_for(what: str, cond, driver: subprocess.Popen, log: Path, timeout: flo
         time.sleep(0.2)
 
 
-def _start(*args: str, env: dict, tries: int = 3) -> None:
-    """cluster/local/start.sh, tried again when a node does not come up: on a machine at load average 20-30,
-    `ray start` failed now and then (its raylet has 30 s to register, its dashboard modules 30 s to start);
-    start.sh stops what it started before it exits, so a retry starts clean."""
-    for _ in range(tries):
-        r = _sh("start.sh", *args, env=env, timeout=240)
-        if r.returncode == 0:
-            return
+def _start(*args: str, env: dict) -> None:
+    r = start_cluster(*args, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
 
 

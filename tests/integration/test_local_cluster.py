@@ -28,7 +28,7 @@ import pytest
 
 pytestmark = pytest.mark.integration
 
-from .local_cluster import _free_base, _sh
+from .local_cluster import _free_base, _sh, start_cluster
 
 
 def _alive(pid: int) -> bool:
@@ -88,13 +88,13 @@ def decoys(tmp_path):
         p.wait()
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(600)
 def test_start_kill_node_stop(cluster_env, decoys):
     state, env = cluster_env
     base = _free_base(1)
     t0 = time.monotonic()
-    r = _sh("start.sh", "1", "--state-dir", state, "--port", str(base), "--head-cpus", "1",
-            "--worker-cpus", "1", "--object-store-mb", "128", env=env)
+    r = start_cluster("1", "--state-dir", state, "--port", str(base), "--head-cpus", "1",
+                      "--worker-cpus", "1", "--object-store-mb", "128", env=env)
     t_start = time.monotonic() - t0
     assert r.returncode == 0, f"start.sh failed:\n{r.stdout}\n{r.stderr}"
     start_log = r.stderr.strip()

@@ -23,7 +23,7 @@ import torch
 from minimind_ray.store.checkpoint import MODEL, checkpoints_in
 
 from .helpers import CKPT_EVERY, GLOBAL_BATCH, STEPS, assert_exactly_once, sample_record
-from .local_cluster import RAY_BIN, REPO, _free_base, _sh
+from .local_cluster import RAY_BIN, REPO, _free_base, _sh, start_cluster
 
 pytestmark = pytest.mark.integration
 DEADLINE_S = 18  # the notice's length here (AWS gives ~120 s, GCE ~30 s): the ranks hold until it passes
@@ -76,11 +76,8 @@ def test_a_drained_node_costs_no_step(cluster_env, tiny_baseline, tmp_path):
     # default, which a machine at load 15-40 misses)
     env = dict(env, RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S="0.5", RAY_DASHBOARD_SUBPROCESS_MODULE_WAIT_READY_TIMEOUT="120")
     base = _free_base(3)  # room for the replacement, worker node 3
-    for _ in range(3):  # start.sh stops what it started when a node does not come up: a retry starts clean
-        r = _sh("start.sh", "2", "--state-dir", state, "--port", str(base), "--head-cpus", "2", "--worker-cpus", "1",
-                env=env, timeout=300)
-        if r.returncode == 0:
-            break
+    r = start_cluster("2", "--state-dir", state, "--port", str(base), "--head-cpus", "2", "--worker-cpus", "1",
+                      env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     name, samples = "drained", tmp_path / "samples" / "drained"
     run_dir = tmp_path / "runs" / name
