@@ -4,7 +4,7 @@ Tune's experiment state leaves the scheduler out (``TuneController.__getstate__`
 ``Tuner.restore`` hands the restored run the scheduler pickled when the sweep was created, before any result. A
 resumed sweep therefore met empty rungs: a trial that resumed, or started, after the driver was killed was compared
 with nobody and never stopped early, however poor. This scheduler writes its rungs (each rung's milestone and the
-score every trial had there) to one JSON file in the sweep's directory after every result it records, and reads them
+score every trial had there) to one JSON file beside the sweep's directory after every result it records, and reads them
 back the first time it is used after a restore. Only ASHA's decisions depend on them; which bracket a trial is in is
 given again as Tune re-adds the restored trials (one bracket, the default, so always the same).
 
