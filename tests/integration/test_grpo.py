@@ -1,11 +1,11 @@
 """The grpo stage on the shared engine: real Ray, 2 gloo workers, tiny preset, real MLflow.
 
-A crash is injected at step 5 (rank 1) and the run resumes from its step-4 checkpoint; it must end
-with the weights of an uninterrupted run, bit for bit, having earned the same reward at every step:
-every completion samples from a seed of its own (step, prompt, index) and the frozen reference is rebuilt
-from ``init_from``. The run logs GRPO's metrics to MLflow and exports a model the inference verbs load.
-The same run with its rollouts on a pool of Ray actors, and a reward term in a user's own module that
-exists only in a temporary directory, launched as a user would launch it, ends equal too.
+An uninterrupted run samples its completions in the workers. A second run, launched as a user would launch it
+(``minimind-ray grpo`` from a directory of its own, with a reward term in that user's own module), samples on a
+pool of Ray rollout actors and has a crash injected at step 5 (rank 1): it resumes from its step-4 checkpoint
+and must end with the first run's weights, bit for bit, having earned the same reward at every step: every
+completion samples from a seed of its own (step, prompt, index) whoever samples it, and the frozen reference is
+rebuilt from ``init_from``. The run logs GRPO's metrics to MLflow and exports a model the inference verbs load.
 """
 from __future__ import annotations
 
@@ -47,43 +47,6 @@ def clean(ray_session, shared):
     return run_grpo(shared, "grpo-clean")
 
 
-def test_grpo_crash_and_resume_equals_an_uninterrupted_run(ray_session, shared, clean):
-    crashed = run_grpo(shared, "grpo-crash", *CRASH)
-    _, attempts = sample_record(shared, "grpo-crash")
-    assert attempts == {0, 4}, f"expected one restart from step 4, saw attempts {attempts}"
-    w, w_clean = final_weights(crashed), final_weights(clean)
-    assert set(w) == set(build_model(load_config("pipelines/configs/tiny.yaml").model).state_dict())  # no reference
-    assert all(torch.equal(v, w_clean[k]) for k, v in w.items())
-    base = torch.load(shared["base_pth"], weights_only=True)
-    assert any(not torch.equal(v, base[k]) for k, v in w.items()), "GRPO did not change the policy"
-    rewards = loss_history(shared, crashed.mlflow_run_id, "rl/reward")
-    assert [s for s, _ in rewards] == list(range(1, STEPS + 1))
-    assert rewards == loss_history(shared, clean.mlflow_run_id, "rl/reward")
-    for key in METRICS:
-        hist = loss_history(shared, crashed.mlflow_run_id, key)
-        assert [s for s, _ in hist] == list(range(1, STEPS + 1)), key
-    lengths = [v for _, v in loss_history(shared, crashed.mlflow_run_id, "rl/completion_len")]
-    assert all(1 <= v <= 8 for v in lengths)
-    assert all(v >= 0 for _, v in loss_history(shared, crashed.mlflow_run_id, "rl/kl"))
-
-    # the export is MiniMind's grpo_<hidden>.pth, and the inference verbs load the run
-    from minimind_ray.generate import SamplingConfig, generate_text
-    from minimind_ray.store.weights import build_inference_model
-    from minimind_ray.tokenizer import resolve_tokenizer
-
-    assert crashed.exports["pth"].endswith("grpo_64.pth")
-    model, lw = build_inference_model(crashed.run_dir)
-    assert all(torch.equal(v, w[k]) for k, v in model.state_dict().items())  # the trained policy, not the base
-    tok = resolve_tokenizer(lw.run_cfg.data.tokenizer, str(shared["cache"]), lw.run_cfg.model.generation)
-    greedy = SamplingConfig(max_new_tokens=4, temperature=0.0)
-    policy = build_model(lw.run_cfg.model)
-    policy.load_state_dict(w)
-    reply = generate_text(model, tok, "What is 1 plus 2?", greedy)
-    assert reply == generate_text(policy.eval(), tok, "What is 1 plus 2?", greedy)
-    exported, _ = build_inference_model(crashed.exports["pth"], preset="tiny")  # MiniMind's fp16 file loads too
-    assert all(torch.allclose(v.float(), w[k], atol=1e-2) for k, v in exported.state_dict().items())
-
-
 def test_a_reward_model_on_a_ray_actor_scores_as_in_the_worker(ray_session, tmp_path):
     """``placement: actor``: one named actor per run, shared by every rank that asks, same scores."""
     import ray
@@ -105,44 +68,81 @@ def test_a_reward_model_on_a_ray_actor_scores_as_in_the_worker(ray_session, tmp_
     ray.kill(ray.get_actor("minimind-reward-t-actor-0"))
 
 
-def test_rollout_actors_and_a_users_own_reward_module_reach_the_workers(shared, clean, tmp_path):
+def test_a_users_run_on_rollout_actors_crashes_resumes_and_equals_the_uninterrupted_run(ray_session, shared, clean,
+                                                                                        tmp_path):
     """As a new user would: ``my_rewards.py`` in a directory of its own, ``PYTHONPATH=.``, ``minimind-ray grpo``
-    with ``train.grpo.rollout=actors`` on 2 workers. The module reaches the workers (runtime_env py_modules and
-    the driver's PYTHONPATH), the two rollout actors sample what the workers sampled in the clean run (the same
-    reward, term for term, under another name), and the run ends with the clean run's weights, bit for bit."""
+    with ``train.grpo.rollout=actors`` on 2 workers, on the running cluster (``RAY_ADDRESS``). The module reaches
+    the workers (runtime_env py_modules and the driver's PYTHONPATH), the two rollout actors sample what the workers
+    sampled in the clean run (the same reward, term for term, under another name), rank 1 raises at step 5 and the
+    group restarts from step 4 with new actors, and the run ends with the clean run's weights, bit for bit."""
     import os
     import subprocess
     import sys
     from pathlib import Path
 
+    from minimind_ray.generate import SamplingConfig, generate_text
+    from minimind_ray.store.checkpoint import newest_complete
+    from minimind_ray.store.weights import build_inference_model
+    from minimind_ray.tokenizer import resolve_tokenizer
+
     (tmp_path / "my_rewards.py").write_text(
         "def double_length(prompts, completions, answers, factor=2.0):\n"
         "    return [factor * len(c) for c in completions]\n")
     repo = Path(__file__).resolve().parents[2]
-    overrides = ["name=grpo-actors", f"train.max_steps={STEPS}", "checkpoint.interval=2", "train.global_batch_size=16",
+    name = "grpo-actors-crash"
+    overrides = [f"name={name}", f"train.max_steps={STEPS}", "checkpoint.interval=2", "train.global_batch_size=16",
                  "train.micro_batch_size=4", f"data.cache_dir={shared['cache']}",
                  f"checkpoint.storage_path={tmp_path / 'runs'}", f"tracking.uri={shared['mlflow']}",
+                 f"train.sample_log_dir={shared['base'] / 'samples' / name}",
                  "train.collective_timeout_s=60", f"train.init_from={shared['base_pth']}",
                  *[o for o in GRPO if not o.startswith("train.grpo.rewards=")],
                  "train.grpo.rewards=[{name: exact_answer}, {name: 'my_rewards:double_length', weight: 0.01}]",
-                 "train.grpo.rollout=actors", "train.grpo.rollout_actors=2", "train.grpo.rollout_actor_cpus=0.5"]
-    env = {**os.environ, "PYTHONPATH": "."}
-    env.pop("RAY_ADDRESS", None)
+                 "train.grpo.rollout=actors", "train.grpo.rollout_actors=2", "train.grpo.rollout_actor_cpus=0.5",
+                 *CRASH]
+    env = {**os.environ, "PYTHONPATH": ".", "RAY_ADDRESS": ray_session.get_runtime_context().gcs_address}
     cli = Path(sys.executable).with_name("minimind-ray")
     proc = subprocess.run([str(cli), "grpo", "--config", str(repo / "pipelines/configs/tiny.yaml"), *overrides],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "No module named 'my_rewards'" not in proc.stdout + proc.stderr
-    from minimind_ray.store.checkpoint import newest_complete
 
-    ckpt = newest_complete(str(tmp_path / "runs" / "grpo-actors"))
+    _, attempts = sample_record(shared, name)
+    assert attempts == {0, 4}, f"expected one restart from step 4, saw attempts {attempts}"
+    run_dir = tmp_path / "runs" / name
+    ckpt = newest_complete(str(run_dir))
     assert ckpt.meta().step == STEPS
     w, w_clean = ckpt.model_state(), final_weights(clean)
+    assert set(w) == set(build_model(load_config("pipelines/configs/tiny.yaml").model).state_dict())  # no reference
     assert all(torch.equal(v, w_clean[k]) for k, v in w.items())
+    base = torch.load(shared["base_pth"], weights_only=True)
+    assert any(not torch.equal(v, base[k]) for k, v in w.items()), "GRPO did not change the policy"
+
+    # one MLflow run, every step once, the clean run's rewards, and every GRPO metric at every step
     from mlflow.tracking import MlflowClient
 
-    run = MlflowClient(shared["mlflow"]).search_runs(
-        [e.experiment_id for e in MlflowClient(shared["mlflow"]).search_experiments()],
-        filter_string="tags.`minimind.run_name` = 'grpo-actors'")[0]
-    assert loss_history(shared, run.info.run_id, "rl/reward_double_length") == \
-        loss_history(shared, clean.mlflow_run_id, "rl/reward_double_length")
+    client = MlflowClient(shared["mlflow"])
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()],
+                                filter_string=f"tags.`minimind.run_name` = '{name}'")
+    run_id = run.info.run_id
+    for key in ("rl/reward", "rl/reward_double_length"):
+        assert loss_history(shared, run_id, key) == loss_history(shared, clean.mlflow_run_id, key), key
+    for key in METRICS:
+        hist = loss_history(shared, run_id, key)
+        assert [s for s, _ in hist] == list(range(1, STEPS + 1)), key
+    lengths = [v for _, v in loss_history(shared, run_id, "rl/completion_len")]
+    assert all(1 <= v <= 8 for v in lengths)
+    assert all(v >= 0 for _, v in loss_history(shared, run_id, "rl/kl"))
+
+    # the export is MiniMind's grpo_<hidden>.pth, and the inference verbs load the run
+    exported_pth = run_dir / "export" / "grpo_64.pth"
+    assert exported_pth.exists(), sorted(p.name for p in (run_dir / "export").iterdir())
+    model, lw = build_inference_model(str(run_dir))
+    assert all(torch.equal(v, w[k]) for k, v in model.state_dict().items())  # the trained policy, not the base
+    tok = resolve_tokenizer(lw.run_cfg.data.tokenizer, str(shared["cache"]), lw.run_cfg.model.generation)
+    greedy = SamplingConfig(max_new_tokens=4, temperature=0.0)
+    policy = build_model(lw.run_cfg.model)
+    policy.load_state_dict(w)
+    reply = generate_text(model, tok, "What is 1 plus 2?", greedy)
+    assert reply == generate_text(policy.eval(), tok, "What is 1 plus 2?", greedy)
+    exported, _ = build_inference_model(str(exported_pth), preset="tiny")  # MiniMind's fp16 file loads too
+    assert all(torch.allclose(v.float(), w[k], atol=1e-2) for k, v in exported.state_dict().items())
