@@ -19,13 +19,12 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python -m pipelines.demo
 
-## the test suite (what .ci/run calls), on TEST_WORKERS pytest-xdist processes (one test file per process at a time):
-## the Ray-level tests wait on timeouts and restarts for ~30% of their time, which the other process fills.
-## Default 0 (this one process): on 2 processes the cluster/local tests ran two at once (load average 28-57) and a
-## 3-node start failed 3 tries in a row (1 of 2 fresh-clone runs); TEST_WORKERS=2 opts in.
+## the test suite (what .ci/run calls), on TEST_WORKERS pytest-xdist processes (one test file per process at a time;
+## the files that start a Ray of their own run one after another, heaviest files first: tests/conftest.py).
+## Default 0 (this one process); TEST_WORKERS=2 opts in.
 TEST_WORKERS ?= 0
 test: $(STAMP)
-	$(BIN)/python -m pytest -q --durations=30 $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile) tests
+	$(BIN)/python -m pytest -q --durations=30 $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder) tests
 
 ## the MLflow UI over the default local store, on 127.0.0.1 only
 ui: $(STAMP)

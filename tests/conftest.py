@@ -54,6 +54,56 @@ def cli_stderr(capsys) -> str:
     return "\n".join(line for line in err.splitlines() if not _RAY_FORWARDED.match(line)).strip()
 
 
+# Under pytest-xdist (``TEST_WORKERS=2 make test``: ``--dist loadfile --no-loadscope-reorder``) each test file is one
+# unit of work, except that the files which start a Ray of their own (a 3-node local cluster, or a sweep's local Ray)
+# form one unit: they run one after another in one process, never two cluster starts at once (two 3-node starts side
+# by side, at load 28, timed out 3 tries in a row). Units go out heaviest first (seconds measured in a one-process run
+# on 2 cores), so that no long file is left to run alone at the end: xdist's own order (most tests first) put the
+# single-test heavy files last. (xdist_group marks would say the same, but xdist 3.8 sets ``item._nodeid``, which
+# pytest 9 no longer reads: the marks are ignored, hence a scheduler of our own.)
+OWN_RAY = ("integration/test_jobs.py", "integration/test_preemption.py", "integration/test_local_cluster.py",
+           "integration/test_sweep.py")  # ~790 s in all
+HEAVIEST_FIRST = tuple(f"integration/test_{n}.py" for n in (
+    "training", "grpo", "tracking_training", "pipeline", "serve", "recipes", "resume", "evals", "stages", "oom")) + (
+    "unit/test_precision.py", "integration/test_use_model.py", "integration/test_tracking.py",
+    "integration/test_data_pipeline.py")
+
+
+def _by_file(config) -> bool:
+    return config.getvalue("dist") == "loadfile"
+
+
+def _in_tests(path) -> str:
+    """``integration/test_x.py``: a test file's path under tests/ (unit/ and integration/ share some names)."""
+    return Path(path).resolve().relative_to(REPO / "tests").as_posix()
+
+
+def _heaviest_first(name: str) -> tuple:
+    if name in OWN_RAY:
+        return (0, OWN_RAY.index(name))
+    if name in HEAVIEST_FIRST:
+        return (1, HEAVIEST_FIRST.index(name))
+    return (2, 0)
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("PYTEST_XDIST_WORKER") and _by_file(config):  # each process collects; the order is the units'
+        items.sort(key=lambda item: _heaviest_first(_in_tests(item.path)))  # stable: a file's tests keep their order
+
+
+def pytest_xdist_make_scheduler(config, log):
+    if not _by_file(config):
+        return None  # xdist's own
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByFileOwnRayTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]  # relative to the rootdir, the repository
+            return "own-ray" if _in_tests(REPO / path) in OWN_RAY else path
+
+    return ByFileOwnRayTogether(config, log)
+
+
 @pytest.fixture(scope="session")
 def ray_session():
     """A local Ray with 4 logical CPUs: 2 training workers at 1 CPU each still leave
@@ -71,3 +121,5 @@ def ray_session():
 def fresh_name():
     """A run name nobody used: a reused Ray Train name resumes that run."""
     return f"t-{uuid.uuid4().hex[:10]}"
+
+
