@@ -30,9 +30,19 @@ os.environ.setdefault("MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING", "false")
 # ../shared/minimind as the mirror, into a cache of this session: tests never need the network
 # and never write to the user's ~/.cache. Forced, not defaulted, so the run is hermetic.
 os.environ["MINIMIND_RAY_TOKENIZER_MIRROR"] = str(SHARED_MINIMIND.resolve())
-TEST_CACHE_DIR = tempfile.mkdtemp(prefix="minimind-ray-test-cache-")
-os.environ["MINIMIND_RAY_CACHE_DIR"] = TEST_CACHE_DIR
-atexit.register(shutil.rmtree, TEST_CACHE_DIR, True)
+# One cache per test process. A process it starts that imports a test module (a Ray worker unpickling a reward term
+# of tests/unit) inherits the cache instead of making one it would never remove: Ray kills its workers, atexit never
+# runs. (An xdist worker is a test process of its own: PYTEST_XDIST_WORKER tells it from its parent.)
+_CACHE_OWNER = os.environ.get("PYTEST_XDIST_WORKER", "main")
+if (os.environ.get("MINIMIND_RAY_TEST_CACHE_OWNER") == _CACHE_OWNER
+        and Path(os.environ.get("MINIMIND_RAY_CACHE_DIR", "")).name.startswith("minimind-ray-test-cache-")
+        and Path(os.environ["MINIMIND_RAY_CACHE_DIR"]).is_dir()):
+    TEST_CACHE_DIR = os.environ["MINIMIND_RAY_CACHE_DIR"]
+else:
+    TEST_CACHE_DIR = tempfile.mkdtemp(prefix="minimind-ray-test-cache-")
+    os.environ["MINIMIND_RAY_CACHE_DIR"] = TEST_CACHE_DIR
+    os.environ["MINIMIND_RAY_TEST_CACHE_OWNER"] = _CACHE_OWNER
+    atexit.register(shutil.rmtree, TEST_CACHE_DIR, True)
 
 
 def minimind_tokenizer_dir(generation: str) -> Path:
