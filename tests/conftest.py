@@ -80,7 +80,14 @@ HEAVIEST_FIRST = tuple(f"integration/test_{n}.py" for n in (
 
 
 def _by_file(config) -> bool:
-    return config.getvalue("dist") == "loadfile"
+    """``--dist loadfile``, in the controller, or as the controller told a worker (xdist sets a worker's dist to "no")."""
+    workerinput = getattr(config, "workerinput", None)
+    return workerinput.get("mmr_by_file", False) if workerinput is not None else config.getvalue("dist") == "loadfile"
+
+
+def pytest_configure_node(node):
+    """xdist's controller, for each worker it starts."""
+    node.workerinput["mmr_by_file"] = _by_file(node.config)
 
 
 def _in_tests(path) -> str:
@@ -97,7 +104,7 @@ def _heaviest_first(name: str) -> tuple:
 
 
 def pytest_collection_modifyitems(config, items):
-    if os.environ.get("PYTEST_XDIST_WORKER") and _by_file(config):  # each process collects; the order is the units'
+    if hasattr(config, "workerinput") and _by_file(config):  # each worker collects; its order is the units'
         items.sort(key=lambda item: _heaviest_first(_in_tests(item.path)))  # stable: a file's tests keep their order
 
 
