@@ -20,9 +20,9 @@ demo: $(STAMP)
 	$(BIN)/python -m pipelines.demo
 
 ## the test suite (what .ci/run calls), on TEST_WORKERS pytest-xdist processes (one test file per process at a time;
-## the files that start a Ray of their own run one after another, heaviest files first: tests/conftest.py).
-## Default 0 (this one process); TEST_WORKERS=2 opts in.
-TEST_WORKERS ?= 0
+## the files that start a Ray of their own run one after another in one process, heaviest files first:
+## tests/conftest.py). TEST_WORKERS=0 runs it in this one process.
+TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=30 $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder) tests
 

@@ -134,7 +134,7 @@ def test_start_kill_node_stop(cluster_env, decoys):
     # start.sh --node 1 reads the cluster's settings back from cluster.env (as data) and
     # brings worker node 1 back with its trainslot
     t2 = time.monotonic()
-    r = _sh("start.sh", "--node", "1", "--state-dir", state, env=env, timeout=90)
+    r = start_cluster("--node", "1", "--state-dir", state, env=env, timeout=90)
     assert r.returncode == 0, f"start.sh --node 1 failed:\n{r.stdout}\n{r.stderr}"
     leaders["w1 again"] = int((Path(state) / "w1.pid").read_text())
     started["w1 again"] = _session(leaders["w1 again"])

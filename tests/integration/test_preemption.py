@@ -120,7 +120,7 @@ def test_a_drained_node_costs_no_step(cluster_env, tiny_baseline, tmp_path):
         while not list((run_dir / ".preemption").glob("step-*.json")):  # the ranks checkpointed and hold
             assert driver.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
             time.sleep(0.2)
-        r = _sh("start.sh", "--node", "3", "--state-dir", state, env=env, timeout=240)  # the replacement
+        r = start_cluster("--node", "3", "--state-dir", state, env=env)  # the replacement (retried, like the first)
         assert r.returncode == 0, r.stderr[-3000:]
         time.sleep(max(0.0, drained_at + DEADLINE_S - time.time()))
         assert _sh("kill_node.sh", "2", "--state-dir", state, env=env, timeout=60).returncode == 0  # taken back
