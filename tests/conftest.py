@@ -34,10 +34,10 @@ os.environ["MINIMIND_RAY_TOKENIZER_MIRROR"] = str(SHARED_MINIMIND.resolve())
 # of tests/unit) inherits the cache instead of making one it would never remove: Ray kills its workers, atexit never
 # runs. (An xdist worker is a test process of its own: PYTEST_XDIST_WORKER tells it from its parent.)
 _CACHE_OWNER = os.environ.get("PYTEST_XDIST_WORKER", "main")
-if (os.environ.get("MINIMIND_RAY_TEST_CACHE_OWNER") == _CACHE_OWNER
-        and Path(os.environ.get("MINIMIND_RAY_CACHE_DIR", "")).name.startswith("minimind-ray-test-cache-")
-        and Path(os.environ["MINIMIND_RAY_CACHE_DIR"]).is_dir()):
-    TEST_CACHE_DIR = os.environ["MINIMIND_RAY_CACHE_DIR"]
+_INHERITED_CACHE = os.environ.get("MINIMIND_RAY_CACHE_DIR", "")
+_OWNED = os.environ.get("MINIMIND_RAY_TEST_CACHE_OWNER") == _CACHE_OWNER
+if _OWNED and _INHERITED_CACHE and Path(_INHERITED_CACHE).is_dir():
+    TEST_CACHE_DIR = _INHERITED_CACHE
 else:
     TEST_CACHE_DIR = tempfile.mkdtemp(prefix="minimind-ray-test-cache-")
     os.environ["MINIMIND_RAY_CACHE_DIR"] = TEST_CACHE_DIR
@@ -64,7 +64,7 @@ def cli_stderr(capsys) -> str:
     return "\n".join(line for line in err.splitlines() if not _RAY_FORWARDED.match(line)).strip()
 
 
-# Under pytest-xdist (``TEST_WORKERS=2 make test``: ``--dist loadfile --no-loadscope-reorder``) each test file is one
+# Under pytest-xdist (``make test``: ``-n 2 --dist loadfile --no-loadscope-reorder``) each test file is one
 # unit of work, except that the files which start a Ray of their own (a 3-node local cluster, or a sweep's local Ray)
 # form one unit: they run one after another in one process, never two cluster starts at once (two 3-node starts side
 # by side, at load 28, timed out 3 tries in a row). Units go out heaviest first (seconds measured in a one-process run
@@ -95,11 +95,11 @@ def _in_tests(path) -> str:
     return Path(path).resolve().relative_to(REPO / "tests").as_posix()
 
 
-def _heaviest_first(name: str) -> tuple:
-    if name in OWN_RAY:
-        return (0, OWN_RAY.index(name))
-    if name in HEAVIEST_FIRST:
-        return (1, HEAVIEST_FIRST.index(name))
+def _heaviest_first(path_in_tests: str) -> tuple:
+    if path_in_tests in OWN_RAY:
+        return (0, OWN_RAY.index(path_in_tests))
+    if path_in_tests in HEAVIEST_FIRST:
+        return (1, HEAVIEST_FIRST.index(path_in_tests))
     return (2, 0)
 
 
@@ -138,5 +138,3 @@ def ray_session():
 def fresh_name():
     """A run name nobody used: a reused Ray Train name resumes that run."""
     return f"t-{uuid.uuid4().hex[:10]}"
-
-
