@@ -184,7 +184,9 @@ class ClusterConfig:
     cpus_per_worker: float = _f(1.0, "logical CPUs reserved per worker", gt=0)
     backend: str = _f("auto", "torch.distributed backend: auto (nccl with GPUs, else gloo) | nccl | gloo")
     max_failures: int = _f(3, "worker-group restarts before the run fails")
-    resource_timeout_s: float = _f(60.0, "fail if the cluster cannot place the worker group within this time", gt=0)
+    resource_timeout_s: float = _f(60.0, "fail if the cluster cannot place the worker group within this time; a "
+                                         "restart waits this long for its full group before an elastic run goes on "
+                                         "smaller (RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S, unless exported)", gt=0)
     worker_resource: Optional[str] = _f(None, "custom resource each worker takes one unit of (one slot per node makes elastic work)")
 
 

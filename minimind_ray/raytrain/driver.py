@@ -11,6 +11,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -80,14 +81,7 @@ def connect_ray(cfg: RunConfig, dashboard: bool = True, num_cpus: Optional[int] 
     # by default ("infinite oom retries remaining"): the command would hang. Read when Ray starts here.
     os.environ.setdefault("RAY_task_oom_retries", str(PREPARE_OOM_RETRIES))
     address = cfg.cluster.address or os.environ.get("RAY_ADDRESS")
-    env = {"env_vars": {
-        "PYTHONPATH": worker_pythonpath(), "TOKENIZERS_PARALLELISM": "false",
-        # the Train controller polls workers at this interval; a checkpoint report waits for that poll
-        "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5"),
-        # a worker group that cannot be placed (e.g. after a node loss) is retried, smaller when elastic
-        "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": os.environ.get("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S",
-                                                                 str(int(cfg.cluster.resource_timeout_s))),
-    }}
+    env = {"env_vars": {"PYTHONPATH": worker_pythonpath(), "TOKENIZERS_PARALLELISM": "false"}}
     modules = user_modules(cfg)  # the user's own plug-in modules reach every worker, on any node
     if modules:
         env["py_modules"] = modules
@@ -112,6 +106,29 @@ def connect_ray(cfg: RunConfig, dashboard: bool = True, num_cpus: Optional[int] 
         ray.init(num_cpus=max(os.cpu_count() or 1, need, num_cpus or 0), include_dashboard=dashboard, dashboard_host="127.0.0.1",
                  runtime_env=env, **({"dashboard_port": port} if port else {}))
     return ray
+
+
+@contextlib.contextmanager
+def train_env(cfg: RunConfig):
+    """The Ray Train settings of this run in this process's environment while it trains, then as they were: Ray Train
+    hands them on from the driver's environment to its controller and workers (ray.train.v2's
+    ENV_VARS_TO_PROPAGATE), so they apply however the run reaches Ray: a local Ray, cluster.address, or a submitted
+    job, whose runtime env this driver cannot extend (a ray.init env would conflict). A value exported by the user
+    wins. Yields what applies."""
+    wanted = {
+        # the controller polls the workers at this interval, and a checkpoint's report waits for that poll (2 s by
+        # default: a barrier of up to 2 s per checkpoint)
+        "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
+        # a worker group that cannot be placed (e.g. after a node loss) is retried after this, smaller when elastic
+        "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": str(int(cfg.cluster.resource_timeout_s)),
+    }
+    ours = {k: v for k, v in wanted.items() if k not in os.environ}
+    os.environ.update(ours)
+    try:
+        yield {k: os.environ[k] for k in wanted}
+    finally:
+        for k in ours:
+            os.environ.pop(k, None)
 
 
 def _free_port() -> int:
@@ -386,7 +403,8 @@ def run(cfg: RunConfig, *, tags: Optional[Dict[str, str]] = None, callbacks=(), 
     printer = ProgressPrinter(sink, name)
     printer.start()
     try:
-        result = trainer.fit()
+        with train_env(cfg):
+            result = trainer.fit()
     except BaseException as e:
         printer.close()
         oom = explain_oom(run_cfg, e)  # one line naming the settings, instead of Ray's traceback

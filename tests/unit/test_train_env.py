@@ -1,0 +1,45 @@
+"""The Ray Train settings a run puts in its driver's environment while it trains (raytrain/driver.py:train_env),
+which Ray Train hands on to the controller and the workers however the run reaches Ray, a submitted job included: the
+worker-group start timeout is the run's cluster.resource_timeout_s, a value the user exported wins, and afterwards the
+environment is as it was (a pipeline's next stage, or a process the program starts later, sees no leftover)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from minimind_ray.config import load_config
+from minimind_ray.raytrain.driver import train_env
+
+START, HEALTH = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    monkeypatch.delenv(START, raising=False)
+    monkeypatch.delenv(HEALTH, raising=False)
+    return monkeypatch
+
+
+def _cfg(timeout):
+    return load_config("pipelines/configs/tiny.yaml", [f"cluster.resource_timeout_s={timeout}"])
+
+
+def test_while_it_trains_the_run_sets_its_resource_timeout_and_a_half_second_poll(clean_env):
+    from ray.train.v2._internal.constants import get_env_vars_to_propagate
+
+    with train_env(_cfg(20)) as applied:
+        assert applied == {HEALTH: "0.5", START: "20"} and (os.environ[START], os.environ[HEALTH]) == ("20", "0.5")
+        # what Ray Train itself hands from the driver to its controller and workers
+        assert {START: "20", HEALTH: "0.5"}.items() <= get_env_vars_to_propagate().items()
+    assert START not in os.environ and HEALTH not in os.environ
+    with train_env(_cfg(45)) as applied:  # the next run of this process: its own value
+        assert applied[START] == "45"
+
+
+def test_a_value_the_user_exported_wins_and_stays(clean_env):
+    clean_env.setenv(START, "120")
+    clean_env.setenv(HEALTH, "0.25")
+    with train_env(_cfg(20)) as applied:
+        assert applied == {HEALTH: "0.25", START: "120"}
+    assert (os.environ[START], os.environ[HEALTH]) == ("120", "0.25")
