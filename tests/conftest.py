@@ -71,8 +71,8 @@ def cli_stderr(capsys) -> str:
 # on 2 cores), so that no long file is left to run alone at the end: xdist's own order (most tests first) put the
 # single-test heavy files last. (xdist_group marks would say the same, but xdist 3.8 sets ``item._nodeid``, which
 # pytest 9 no longer reads: the marks are ignored, hence a scheduler of our own.)
-OWN_RAY = ("integration/test_jobs.py", "integration/test_preemption.py", "integration/test_local_cluster.py",
-           "integration/test_sweep.py")  # ~790 s in all
+OWN_RAY = ("integration/test_node_faults.py", "integration/test_local_cluster.py",
+           "integration/test_sweep.py")
 HEAVIEST_FIRST = tuple(f"integration/test_{n}.py" for n in (
     "training", "grpo", "tracking_training", "pipeline", "serve", "recipes", "resume", "evals", "stages", "oom")) + (
     "unit/test_precision.py", "integration/test_use_model.py", "integration/test_tracking.py",

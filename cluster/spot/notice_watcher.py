@@ -19,7 +19,7 @@ Notices (the deadline each gives):
         deadline is the notice + --gce-notice-s (30).
 
 Only the standard library: it runs before and beside the project's venv. ``--metadata-url`` points it at a local
-stand-in (tests/unit/test_spot_watcher.py, tests/integration/test_preemption.py).
+stand-in (tests/unit/test_spot_watcher.py, tests/integration/test_node_faults.py).
 """
 from __future__ import annotations
 

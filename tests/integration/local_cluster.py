@@ -1,6 +1,7 @@
 """A local multi-node Ray cluster for tests: free ports, a short state dir, cluster/local/*.sh."""
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shutil
@@ -69,16 +70,25 @@ def start_cluster(*args: str, env: dict, tries: int = 3, timeout: float = 240) -
     return r
 
 
-@pytest.fixture
-def cluster_env():
+@contextlib.contextmanager
+def cluster_state(**extra_env: str):
+    """(a fresh short state dir, the environment for start.sh and what runs on the cluster); on exit, whatever
+    happened, stop what start.sh started there and drop the state."""
     state = tempfile.mkdtemp(prefix="mmr", dir="/tmp")  # short: Ray's socket paths live under it
     env = dict(os.environ, RAY_BIN=str(RAY_BIN),
                # GCS declares a silent raylet dead after period x threshold (defaults: ~15 s)
                RAY_health_check_initial_delay_ms="1000", RAY_health_check_period_ms="500",
-               RAY_health_check_timeout_ms="1000", RAY_health_check_failure_threshold="4")
+               RAY_health_check_timeout_ms="1000", RAY_health_check_failure_threshold="4", **extra_env)
     env.pop("RAY_ADDRESS", None)
-    yield state, env
-    # whatever happened, stop what start.sh started, then drop the state
-    if any(Path(state).glob("*.pid")):
-        _sh("stop.sh", "--state-dir", state, "--timeout", "10", env=env, timeout=60)
-    shutil.rmtree(state, ignore_errors=True)
+    try:
+        yield state, env
+    finally:
+        if any(Path(state).glob("*.pid")):
+            _sh("stop.sh", "--state-dir", state, "--timeout", "10", env=env, timeout=60)
+        shutil.rmtree(state, ignore_errors=True)
+
+
+@pytest.fixture
+def cluster_env():
+    with cluster_state() as state_env:
+        yield state_env

@@ -1,7 +1,7 @@
 """Checkpoint on preemption without Ray: the engine's loop turns a notice into a logged, checkpointed step and stops
 there, and a restart from that checkpoint ends bit-identical to a run never interrupted; the rank-side check asks
 only at its cadence, never at the last step, and a hold that outlives the deadline raises after writing its record.
-The same on a real cluster (a drain of a node): tests/integration/test_preemption.py."""
+The same on a real cluster (a drain of a node): tests/integration/test_node_faults.py."""
 from __future__ import annotations
 
 import dataclasses

@@ -2,7 +2,7 @@
 stand-in of AWS's IMDSv2 and of GCE's metadata server and runs `ray drain-node` (a stand-in script that records its
 arguments) once with the deadline each notice gives; cluster/kuberay/prestop-drain.sh drains and waits out its
 deadline; the KubeRay manifest wires the hook with a grace period longer than that deadline.
-The real drain of a real node: tests/integration/test_preemption.py."""
+The real drain of a real node: tests/integration/test_node_faults.py."""
 from __future__ import annotations
 
 import importlib.util
