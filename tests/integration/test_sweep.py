@@ -1,8 +1,10 @@
-"""Sweeps with Ray Tune and ASHA (issue 23): pipelines/configs/sweep_tiny.yaml, 4 tiny trials (learning rates 3e-3,
-1e-3, 1e-5, 1e-6; 12 steps, 3 at once), ASHA comparing eval_loss from step 4. Its driver is SIGKILLed once a trial has
-finished and the last one has started, and the same command run again: the sweep resumes, the finished trial is not trained again, at least one
-trial is stopped early, and MLflow holds one parent run whose children are the trials, the best trial's values
-and score on the parent, and its recipe written as a ready YAML.
+"""Sweeps with Ray Tune and ASHA (issue 23): pipelines/configs/sweep_tiny.yaml with 3 of its learning rates (3e-3,
+1e-5, 1e-6; 12 steps, 2 at once: one trial run fewer than the recipe's 4 at 3), ASHA comparing eval_loss from step 4:
+1e-6 starts once another trial has finished and is the worst at step 4, so it is stopped there whatever the order of
+the first two. Its driver is SIGKILLed once a trial has finished and the last one has started, and the same command
+run again: the sweep resumes, the finished trial is not trained again, at least one trial is stopped early, and
+MLflow holds one parent run whose children are the trials, the best trial's values and score on the parent, and its
+recipe written as a ready YAML.
 
 The sweep's driver starts its own local Ray (with the dashboard: Ray Train's placement-group cleaner, which frees a
 stopped trial's workers, reads the state API), in a temporary directory of this test. The data and the built-in
@@ -24,6 +26,7 @@ import pytest
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 12  # ASHA's rungs at steps 4 and 8 (grace period 4, reduction factor 2)
+LRS = [3.0e-3, 1.0e-5, 1.0e-6]  # the trials, in order: the last starts when one of the first two has finished
 
 
 def _own_processes(marker: str):
@@ -55,7 +58,8 @@ def test_asha_stops_weak_trials_and_the_sweep_resumes_after_its_driver_is_killed
     env = {**os.environ, "RAY_TMPDIR": ray_dir, "RAY_DASHBOARD_SUBPROCESS_MODULE_WAIT_READY_TIMEOUT": "120"}
     env.pop("RAY_ADDRESS", None)
     cmd = [sys.executable, "-m", "pipelines.sweep", "--config", "pipelines/configs/sweep_tiny.yaml",
-           "max_concurrent_trials=3", f"train.max_steps={STEPS}", f"checkpoint.storage_path={tmp_path}/runs",
+           f"space={{train.lr: {{grid: {LRS}}}}}", "max_concurrent_trials=2", f"train.max_steps={STEPS}",
+           f"checkpoint.storage_path={tmp_path}/runs",
            f"data.cache_dir={tiny_baseline[0]['cache']}",  # the baseline's prepared data and built-in tokenizer
            f"tracking.uri=sqlite:///{tmp_path}/mlflow.db"]
     runs = tmp_path / "runs"
@@ -73,7 +77,7 @@ def test_asha_stops_weak_trials_and_the_sweep_resumes_after_its_driver_is_killed
         deadline = time.monotonic() + 600
         # killed once a trial has trained to its end and the last trial has started (so that the rerun has little
         # left to train); a sweep that ends before that is run again all the same
-        while not (list(runs.glob("tiny-lr-*/sweep_trial.json")) and list(runs.glob("tiny-lr-*_00003"))):
+        while not (list(runs.glob("tiny-lr-*/sweep_trial.json")) and list(runs.glob(f"tiny-lr-*_{len(LRS) - 1:05d}"))):
             if first.poll() is not None and _ray_did_not_start(log.read_text()) and starts < 3:
                 first = launch()  # a local Ray whose dashboard missed its start timeout, at load 15-30
             if first.poll() is not None:
@@ -109,13 +113,13 @@ def test_asha_stops_weak_trials_and_the_sweep_resumes_after_its_driver_is_killed
     assert len(parents) == 1 and parents[0].info.status == "FINISHED"
     p = parents[0]
     trials = [r for r in every if r.data.tags.get("mlflow.parentRunId") == p.info.run_id]
-    assert len(trials) == 4 and all(r.info.run_name.startswith("tiny-lr-") for r in trials)
+    assert len(trials) == len(LRS) and all(r.info.run_name.startswith("tiny-lr-") for r in trials)
     lrs = sorted(float(r.data.params["train.lr"]) for r in trials)
-    assert lrs == [1e-6, 1e-5, 1e-3, 3e-3]  # each trial's run carries its config
+    assert lrs == sorted(LRS)  # each trial's run carries its config
     stopped = [r for r in trials if r.data.tags.get("minimind.sweep.stopped_early") == "true"]
     done = [r for r in trials if r.info.status == "FINISHED"]
     assert stopped and all(r.info.status == "KILLED" for r in stopped), [(r.info.run_name, r.info.status) for r in trials]
-    assert len(stopped) + len(done) == 4
+    assert len(stopped) + len(done) == len(LRS)
     assert all(int(r.data.tags["minimind.sweep.stopped_at_step"]) < STEPS for r in stopped)
     # ASHA's rungs outlived the kill: every trial's step-4 score is there, those of the trials that reported after
     # the restore too (Tune keeps no scheduler state; raytrain/asha.py)
