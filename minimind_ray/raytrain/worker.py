@@ -106,7 +106,9 @@ class RayHooks(Hooks):
         from ray.train import Checkpoint
 
         if self.logger is not None and step == self.state.total_steps:
-            metrics["tracking_summary"] = json.dumps(self.logger.close())
+            # the last points get one request's time (tracking.timeout_s), like every checkpoint's flush: a down
+            # server costs the run's end that, not RunLogger.close's default 30 s; what is not sent is counted
+            metrics["tracking_summary"] = json.dumps(self.logger.close(timeout_s=self.spec.cfg.tracking.timeout_s))
             self.logger = None
         if self.logger is not None:  # points up to this checkpoint must not wait: a crash replays only later steps
             self.logger.flush(timeout_s=self.spec.cfg.tracking.timeout_s)
