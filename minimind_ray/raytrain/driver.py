@@ -120,7 +120,7 @@ def train_env(cfg: RunConfig):
         # default: a barrier of up to 2 s per checkpoint)
         "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
         # a worker group that cannot be placed (e.g. after a node loss) is retried after this, smaller when elastic
-        "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": str(int(cfg.cluster.resource_timeout_s)),
+        "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": f"{cfg.cluster.resource_timeout_s:g}",  # Ray reads a float
     }
     ours = {k: v for k, v in wanted.items() if k not in os.environ}
     os.environ.update(ours)

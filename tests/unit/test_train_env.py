@@ -33,8 +33,8 @@ def test_while_it_trains_the_run_sets_its_resource_timeout_and_a_half_second_pol
         # what Ray Train itself hands from the driver to its controller and workers
         assert {START: "20", HEALTH: "0.5"}.items() <= get_env_vars_to_propagate().items()
     assert START not in os.environ and HEALTH not in os.environ
-    with train_env(_cfg(45)) as applied:  # the next run of this process: its own value
-        assert applied[START] == "45"
+    with train_env(_cfg(2.5)) as applied:  # the next run of this process: its own value, fractions kept
+        assert applied[START] == "2.5"
 
 
 def test_a_value_the_user_exported_wins_and_stays(clean_env):
