@@ -1,11 +1,12 @@
 """SFT, LoRA, DPO and distillation on the same loop, tiny preset.
 
-LoRA runs on real Ray (2 gloo workers: DDP over a model whose base is frozen) with a crash injected after its
-first checkpoint, so it also shows that a stage resumes from its checkpoint through the shared machinery. SFT,
-DPO and distillation add nothing to the Ray layer (SFT's loss mask lives in the batch; DPO's frozen reference and
-the teacher are built by the objective, in every worker, from files): they run on one in-process engine, the code
-each Ray Train worker runs, stopped after step 4 and restored from that checkpoint, which must end exactly where a
-straight run ends. SFT through Ray Train is trained by test_serve.py and killed and resumed by test_pipeline.py.
+LoRA runs on real Ray (2 gloo workers: DDP over a model whose base is frozen), then exported and merged. Every
+stage, LoRA included, also runs on one in-process engine, the code each Ray Train worker runs, stopped after step 4
+and restored from that checkpoint, which must end exactly where a straight run ends: SFT, DPO and distillation add
+nothing to the Ray layer (SFT's loss mask lives in the batch; DPO's frozen reference and the teacher are built by the
+objective, in every worker, from files), and a worker group's restart from a checkpoint is the shared machinery that
+test_training.py breaks in every way (and test_grpo.py for GRPO). SFT through Ray Train is trained by test_serve.py
+and killed and resumed by test_pipeline.py.
 """
 from __future__ import annotations
 
@@ -23,7 +24,6 @@ from .helpers import final_weights, loss_history, new_shared_with_base_weights, 
 pytestmark = pytest.mark.integration
 
 STEPS = 8
-CRASH = ("train.fail_at_step=5", "train.fail_mode=raise", "train.fail_rank=1")
 
 
 @pytest.fixture(scope="module")
@@ -31,14 +31,12 @@ def shared(tmp_path_factory):
     return new_shared_with_base_weights(tmp_path_factory, "stages")
 
 
-def run_stage(shared, name, *overrides, crash=True):
-    return run_tiny(shared, name, f"train.init_from={shared['base_pth']}", "train.warmup_steps=1",
-                    *(CRASH if crash else ()), *overrides, steps=STEPS, ckpt_every=2)
+LORA = ("train.stage=lora", "data.format=sft", "train.lr=1e-2", "train.lora.rank=4")
 
 
-def assert_resumed_once(shared, name):
-    _, attempts = sample_record(shared, name)
-    assert attempts == {0, 4}, f"expected one restart from step 4, saw attempts {attempts}"
+def run_stage(shared, name, *overrides):
+    return run_tiny(shared, name, f"train.init_from={shared['base_pth']}", "train.warmup_steps=1", *overrides,
+                    steps=STEPS, ckpt_every=2)
 
 
 def test_sft_lowers_assistant_loss_and_resumes(shared, tmp_path):
@@ -53,8 +51,9 @@ def test_sft_lowers_assistant_loss_and_resumes(shared, tmp_path):
 
 
 def test_lora_changes_only_adapters_on_two_workers(ray_session, shared):
-    res = run_stage(shared, "lora", "train.stage=lora", "data.format=sft", "train.lr=1e-2", "train.lora.rank=4")
-    assert_resumed_once(shared, "lora")
+    res = run_stage(shared, "lora", *LORA)
+    _, attempts = sample_record(shared, "lora")
+    assert attempts == {0}
     w = final_weights(res)
     base = torch.load(shared["base_pth"], weights_only=True)
     assert all(torch.equal(w[k], base[k]) for k in base), "a frozen base weight changed"
@@ -93,6 +92,17 @@ def test_lora_changes_only_adapters_on_two_workers(ray_session, shared):
         # dropped them (or a merge-lora that wrote the base back) would fail the comparison above
         moved = (adapted - base_model(ids).logits).abs().max().item()
     assert moved > 10 * 2e-2, moved
+
+
+def test_lora_resumes_bit_for_bit_and_trains_only_its_adapters(shared, tmp_path):
+    """LoRA on the in-process engine, straight and stopped at step 4 then restored: the same adapters and losses,
+    bit for bit; the base (init_from) untouched in both."""
+    straight, seen, resumed, halves = run_in_process(shared, tmp_path, *LORA)
+    assert _same_weights(straight, resumed) and halves.series("loss") == seen.series("loss")
+    base = torch.load(shared["base_pth"], weights_only=True)
+    w = resumed.model.state_dict()
+    assert all(torch.equal(w[k], base[k]) for k in base), "a frozen base weight changed"
+    assert any(w[k].abs().sum() > 0 for k in w if k.endswith("lora.B.weight")), "adapters did not train"
 
 
 class _Metrics:
