@@ -11,7 +11,7 @@ for the module (a 3-node start and stop cost ~35 CPU seconds on 2 cores); each t
   step. Steps lost: 0; every sample trained once; the final weights are bit for bit those of the uninterrupted twin
   (tiny_baseline: the same training settings).
 
-(The job submission, the node loss and the drain were three tests, each with its own cluster.)
+(The node-loss job and the drain each started a cluster of their own before.)
 """
 from __future__ import annotations
 
@@ -60,8 +60,8 @@ class NodeCluster:
 
 @pytest.fixture(scope="module")
 def node_cluster(tiny_baseline):
-    """(tiny_baseline first, which the drain test compares with: it trains on the session's own Ray, and a second Ray
-    on the machine would only make its placement-group cleaner complain.)"""
+    """Started after tiny_baseline, which the drain test compares with: the baseline then trains on the session's Ray
+    with no second Ray on the machine (whose presence only makes Ray Train's placement-group cleaner complain)."""
     # Ray Train's drain watcher polls every 5 s by default (the drain test's notice is short); the dashboard's modules
     # get 120 s to start (30 by default, which a machine at load 15-40 misses)
     with cluster_state(RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S="0.5",
