@@ -19,7 +19,7 @@ import torch
 from minimind_ray.config import load_config
 from minimind_ray.model.minimind import build_model
 
-from .helpers import final_weights, loss_history, new_shared_with_base_weights, run_tiny, sample_record
+from .helpers import final_weights, new_shared_with_base_weights, run_tiny, sample_record
 
 pytestmark = pytest.mark.integration
 
