@@ -136,7 +136,10 @@ class TrainConfig:
     fail_rank: int = _f(0, "fault injection: which rank fails", ge=0)
     hang_at_step: Optional[int] = _f(None, "fault injection: this rank sleeps forever before the all-reduce of this step")
     faults: List[str] = _f([], "fault schedule, each fired once per run: 'step:kind:rank' with kind raise | exit | "
-                               "sigkill | hang | oom, or 'step:slow:rank:seconds' (a straggler that must not fail the run)")
+                               "sigkill | hang | oom | lost_report (at a checkpoint step: SIGKILL once the checkpoint is "
+                               "in storage, before Ray Train registers it), 'step:slow:rank:seconds' (a straggler that "
+                               "must not fail the run), or 'start:phase:rank': SIGKILL while the worker group starts, "
+                               "phase actor | backend | launch")
     collective_timeout_s: float = _f(600.0, "a collective that takes longer fails the worker group (hung-rank detection)", gt=0)
     sample_log_dir: Optional[str] = _f(None, "debug: each rank appends the sample ids of every step here (exactly-once checks)")
     threads_per_worker: int = _f(0, "torch/OMP threads per worker; 0 = CPUs per worker rounded up", ge=0)

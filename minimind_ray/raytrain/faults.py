@@ -7,7 +7,12 @@ They live here, out of the engine, and the worker plugs them in.
 
 "Once per run" is recorded in the run's storage, not in process memory: before a fault fires, its
 marker ``<run_dir>/.faults/<step>-<kind>-<rank>.json`` is written, so a restarted worker group (of any
-size, on any node) passes that step again without firing it a second time. The Train controller also
+size, on any node) passes that step again without firing it a second time.
+
+Start faults (``start:<phase>:<rank>``) SIGKILL a worker process while Ray Train starts the group, at one of
+three points only the start passes (:class:`StartFaults`): the actor's start (its train context arrives: a Ray
+Train ``WorkerCallback``), the torch backend's set-up (:class:`FaultyTorchConfig`) and the hand-over of the train
+function (:class:`LaunchFault`, unpickled inside ``run_train_fn``). The Train controller also
 writes ``detected-<time>.json`` there when it sees workers fail (``failure_callback``), which is how
 ``bench/bench_chaos.py`` times detection.
 """
@@ -17,45 +22,47 @@ import json
 import os
 import signal
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import pyarrow.fs as pafs
 import torch
 
 from minimind_ray.config import RunConfig
-from minimind_ray.fault_schedule import FaultSpec, fault_schedule
+from minimind_ray.fault_schedule import FaultSpec, fault_schedule, start_faults
 from minimind_ray.fsio import filesystem, join, write_bytes_atomic
 
 MARKERS = ".faults"
+
+
+def claim(run_dir: Optional[str], f: FaultSpec) -> bool:
+    """Claim ``f`` in the run's storage; False if an earlier attempt of this run already fired it."""
+    if run_dir is None:
+        return True
+    marker_dir = join(run_dir, MARKERS)
+    marker = join(marker_dir, f"{f.key}.json")
+    fs, path = filesystem(marker)
+    if fs.get_file_info(path).type != pafs.FileType.NotFound:
+        return False
+    fs.create_dir(filesystem(marker_dir)[1], recursive=True)
+    write_bytes_atomic(marker, json.dumps({"step": f.step, "kind": f.kind, "rank": f.rank,
+                                           "seconds": f.seconds, "t": time.time()}).encode())
+    return True
 
 
 class FaultInjector:
     """Fires this rank's entries of the run's fault schedule, each once per run."""
 
     def __init__(self, cfg: RunConfig, run_dir: Optional[str], rank: int, device: torch.device):
-        self.rank, self.device = rank, device
-        self.marker_dir = join(run_dir, MARKERS) if run_dir else None
+        self.rank, self.device, self.run_dir = rank, device, run_dir
         self.pending: Dict[int, List[FaultSpec]] = {}
         for f in fault_schedule(cfg.train):
-            if f.rank == rank:
+            if f.rank == rank and not f.at_start:
                 self.pending.setdefault(f.step, []).append(f)
 
-    def _first_time(self, f: FaultSpec) -> bool:
-        """Claim ``f`` in storage; False if an earlier attempt of this run already fired it."""
-        if self.marker_dir is None:
-            return True
-        marker = join(self.marker_dir, f"{f.key}.json")
-        fs, path = filesystem(marker)
-        if fs.get_file_info(path).type != pafs.FileType.NotFound:
-            return False
-        fs.create_dir(filesystem(self.marker_dir)[1], recursive=True)
-        write_bytes_atomic(marker, json.dumps({"step": f.step, "kind": f.kind, "rank": f.rank,
-                                               "seconds": f.seconds, "t": time.time()}).encode())
-        return True
-
     def _due(self, step: int, kinds) -> List[FaultSpec]:
-        return [f for f in self.pending.get(step, []) if f.kind in kinds and self._first_time(f)]
+        return [f for f in self.pending.get(step, []) if f.kind in kinds and claim(self.run_dir, f)]
 
     def before_step(self, step: int) -> None:
         """raise / exit / sigkill / oom / slow: before the step reads its data."""
@@ -71,6 +78,10 @@ class FaultInjector:
                 os._exit(13)
             else:
                 os.kill(os.getpid(), signal.SIGKILL)
+
+    def before_report(self, step: int) -> None:
+        """lost_report: armed here, fired by :class:`LostReport` once this rank's checkpoint upload is done."""
+        _armed_reports.extend((f, self.run_dir) for f in self._due(step, ("lost_report",)))
 
     def after_batches(self, step: int) -> None:
         """hang: after the data is read, before the step's first collective (the others block there
@@ -89,6 +100,134 @@ class FaultInjector:
             except torch.OutOfMemoryError as e:  # tagged: an injected OOM is retried, a real one stops the run
                 raise torch.OutOfMemoryError(f"injected out-of-memory at step {step} (train.faults): {e}") from None
         raise torch.cuda.OutOfMemoryError(f"injected out-of-memory at step {step} (train.faults, simulated on CPU)")
+
+
+_armed_reports: List[Tuple[FaultSpec, Optional[str]]] = []  # lost_report entries due at the report under way
+
+
+def lost_report_callbacks(cfg: RunConfig) -> list:
+    """The Ray Train callback that fires ``lost_report`` entries inside ``ray.train.report``, after the upload."""
+    if not any(f.kind == "lost_report" for f in fault_schedule(cfg.train)):
+        return []
+    import contextlib
+
+    from ray.train.v2._internal.execution.callback import TrainContextCallback
+
+    class LostReport(TrainContextCallback):
+        @contextlib.contextmanager
+        def on_checkpoint_transfer(self):
+            yield  # this rank's files are in storage now; its report is not yet queued for the controller
+            from minimind_ray.raytrain import faults  # this process's module (this class is pickled by value)
+
+            faults.lose_the_report()
+
+    return [LostReport()]
+
+
+def lose_the_report() -> None:
+    """Wait until the checkpoint is complete in storage (every rank's files: the restart can restore it), then die
+    before this rank's report is queued, so Ray Train never registers the checkpoint."""
+    from minimind_ray.store.checkpoint import newest_complete
+
+    if not _armed_reports:
+        return
+    f, run_dir = _armed_reports.pop()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        found = newest_complete(run_dir, deep=True) if run_dir else None
+        if found is not None and found.step == f.step:
+            break
+        time.sleep(0.05)
+    print(f"[fault-injection] rank {f.rank}: sigkill after the step-{f.step} checkpoint's upload, before its report",
+          flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+# --------------------------------------------------------------------------- faults while the worker group starts
+
+
+@dataclass(frozen=True)
+class StartFaults:
+    """The run's ``start:<phase>:<rank>`` entries; :meth:`fire` is called in a worker process at each phase."""
+
+    run_dir: str
+    faults: Tuple[FaultSpec, ...]
+
+    @classmethod
+    def of(cls, cfg: RunConfig, run_dir: str) -> Optional["StartFaults"]:
+        faults = tuple(start_faults(cfg.train))
+        return cls(run_dir, faults) if faults else None
+
+    def has(self, phase: str) -> bool:
+        return any(f.kind == phase for f in self.faults)
+
+    def fire(self, phase: str, rank: int) -> None:
+        """SIGKILL this worker process if ``phase`` has an entry for ``rank`` that this run has not fired yet."""
+        for f in self.faults:
+            if f.kind == phase and f.rank == rank and claim(self.run_dir, f):
+                print(f"[fault-injection] rank {rank}: sigkill while the worker group starts ({phase})", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+
+def start_fault_callbacks(faults: Optional[StartFaults]) -> list:
+    """The Ray Train callback that fires the ``actor`` phase in each worker as its train context arrives."""
+    if faults is None or not faults.has("actor"):
+        return []
+    import ray.train
+    from ray.train.v2._internal.execution.callback import WorkerCallback
+
+    class ActorStartFault(WorkerCallback):
+        def after_init_train_context(self):
+            faults.fire("actor", ray.train.get_context().get_world_rank())
+
+    return [ActorStartFault()]
+
+
+def torch_config(faults: Optional[StartFaults], **kwargs):
+    """Ray Train's TorchConfig, or with a ``backend`` start fault a subclass whose backend fires it on every worker
+    before the process group is set up (where the issue-32 kill landed: after Ray built the group's state)."""
+    from ray.train.torch import TorchConfig
+    from ray.train.torch.config import _TorchBackend
+
+    if faults is None or not faults.has("backend"):
+        return TorchConfig(**kwargs)
+
+    class FaultyBackend(_TorchBackend):
+        def on_start(self, worker_group, backend_config):
+            ranks = range(len(worker_group))
+            # every rank at once, as the real set-up does; the rank with the entry dies inside this call
+            import ray
+            ray.get([worker_group.execute_single_async(r, faults.fire, "backend", r) for r in ranks])
+            super().on_start(worker_group, backend_config)
+
+    class FaultyTorchConfig(TorchConfig):
+        @property
+        def backend_cls(self):
+            return FaultyBackend
+
+    return FaultyTorchConfig(**kwargs)
+
+
+def _fire_at_launch(faults: StartFaults):
+    """Unpickled where Ray Train hands the train function to a worker (run_train_fn); a no-op anywhere else."""
+    import ray.train
+
+    try:
+        rank = ray.train.get_context().get_world_rank()
+    except Exception:  # not inside a Ray Train worker
+        return None
+    faults.fire("launch", rank)
+    return None
+
+
+class LaunchFault:
+    """Carried in the WorkerSpec: unpickling it fires the ``launch`` phase."""
+
+    def __init__(self, faults: StartFaults):
+        self.faults = faults
+
+    def __reduce__(self):
+        return _fire_at_launch, (self.faults,)
 
 
 def failure_callback(sink, run_dir: Optional[str]):
@@ -130,6 +269,11 @@ def fired(run_dir: str) -> Dict[str, dict]:
             with fs.open_input_stream(info.path) as f:
                 out[info.base_name[:-5]] = json.loads(f.read())
     return out
+
+
+def worker_failures_since(run_dir: str, since: float) -> int:
+    """How many worker-group failures the Train controller recorded (``failure_callback``) at or after ``since``."""
+    return sum(1 for k, rec in fired(run_dir).items() if k.startswith("detected-") and rec.get("t", 0) >= since)
 
 
 class SampleLog:

@@ -22,3 +22,4 @@ class WorkerSpec:
     mlflow_run_id: Optional[str] = None  # None: untracked (a checkpoint's run id wins on a restore)
     progress_sink: Any = None  # the ProgressSink actor rank 0 pushes interval metrics to
     report_every_eval: bool = False  # also ray.train.report each eval step's eval_loss (a sweep's trial: ASHA)
+    launch_fault: Any = None  # a start fault that fires as a worker unpickles this (raytrain/faults.py:LaunchFault)

@@ -57,3 +57,117 @@ def test_oom_raises_the_cuda_out_of_memory_type_on_cpu(tmp_path):
     inj = FaultInjector(_cfg("train.faults=[2:oom:0]"), str(tmp_path / "run"), rank=0, device=torch.device("cpu"))
     with pytest.raises(torch.cuda.OutOfMemoryError, match="step 2"):
         inj.before_step(2)
+
+
+def test_start_entries_parse_and_are_checked():
+    cfg = _cfg("train.faults=[start:actor:0,start:backend:1,start:launch:1,3:raise:0]")
+    assert [f.key for f in fault_schedule(cfg.train)] == ["start-actor-0", "start-backend-1", "start-launch-1",
+                                                          "3-raise-0"]
+    for bad, why in (("start:warmup:0", "phase in"), ("start:actor", "start:phase:rank"), ("start:actor:2", "rank 2")):
+        with pytest.raises(ConfigError, match=rf"^train.faults: .*{why}"):
+            _cfg(f"train.faults=[{bad}]")
+
+
+def test_a_start_fault_is_not_fired_by_the_step_injector(tmp_path):
+    """A start entry fires only where the group starts (raytrain/faults.py:StartFaults), never at a step."""
+    from minimind_ray.raytrain.faults import StartFaults
+
+    cfg = _cfg("train.faults=[start:launch:0]")
+    FaultInjector(cfg, str(tmp_path / "run"), rank=0, device=torch.device("cpu")).before_step(1)
+    faults = StartFaults.of(cfg, str(tmp_path / "run"))
+    assert faults.has("launch") and not faults.has("actor") and fired(str(tmp_path / "run")) == {}
+    faults.fire("launch", rank=1)  # another rank's entry: nothing happens
+    assert StartFaults.of(_cfg(), str(tmp_path)) is None
+
+
+class _Trainer:
+    """Stands in for a TorchTrainer: its fit raises the errors Ray Train 2.58 raises when a group does not start
+    (the real exception classes), or returns; records the max_failures each attempt was given."""
+
+    def __init__(self, outcomes, given):
+        self.outcomes, self.given = outcomes, given
+
+    def __call__(self, failures_left):
+        self.given.append(failures_left)
+        return self
+
+    def fit(self):
+        outcome = self.outcomes.pop(0)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+
+def _start_errors():
+    from ray.exceptions import ActorDiedError
+    from ray.train import ControllerError
+    from ray.train.v2._internal.exceptions import WorkerGroupStartupFailedError, WorkerGroupStartupTimeoutError
+
+    return (ControllerError(WorkerGroupStartupFailedError("At least one of the worker actors failed to initialize.")),
+            ControllerError(WorkerGroupStartupTimeoutError(num_workers=2)), ControllerError(ActorDiedError()))
+
+
+def test_each_start_failure_costs_one_of_max_failures_with_the_worker_failures_before_it(tmp_path, capsys):
+    """raytrain/restarts.py:fit: the run is fitted again after a start failure, with what is left of the budget:
+    worker failures Ray Train counted in the failed fit (its controller's detected-* records) spend it too."""
+    import json
+
+    from minimind_ray.fsio import write_bytes_atomic
+    from minimind_ray.raytrain.restarts import fit
+
+    run_dir = tmp_path / "run"
+    (run_dir / ".faults").mkdir(parents=True)
+    died, timed_out, launch = _start_errors()
+
+    class RecordsAWorkerFailure(_Trainer):
+        def fit(self):
+            if len(self.given) == 2:  # the second attempt: a worker fails while training, then the restart fails
+                write_bytes_atomic(str(run_dir / ".faults" / "detected-1.json"), json.dumps({"t": 4e9}).encode())
+            return super().fit()
+
+    given = []
+    result = fit(RecordsAWorkerFailure([died, launch, "trained"], given), 4, str(run_dir), "r")
+    assert result == "trained" and given == [4, 3, 1]
+    assert [line.split("(")[-1] for line in capsys.readouterr().out.splitlines()] == [
+        "failure 1 of cluster.max_failures=4)", "failure 3 of cluster.max_failures=4)"]
+
+
+def test_a_spent_budget_ends_the_run_with_one_line_naming_max_failures(tmp_path):
+    from minimind_ray.raytrain.restarts import RestartsSpent, fit
+
+    died, timed_out, _ = _start_errors()
+    given = []
+    with pytest.raises(RestartsSpent, match=r"^cluster.max_failures=1 spent: the worker group did not start \(2 "
+                                            r"worker\(s\) could not be placed within cluster.resource_timeout_s\) "
+                                            r"after 1 restart"):
+        fit(_Trainer([died, timed_out, "never"], given), 1, str(tmp_path), "r")
+    assert given == [1, 0]
+
+
+def test_an_elastic_run_going_on_smaller_spends_nothing_but_a_timeout_at_its_smallest_does(tmp_path):
+    """A timeout at 2 workers with cluster.min_workers=1 is Ray's elastic policy meeting a lost node: fitted again,
+    free (at most FREE_SHRINKS times in a row); at 1 worker, or in a fixed-size run, it is a failure."""
+    from ray.train import ControllerError
+    from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
+
+    from minimind_ray.raytrain.restarts import FREE_SHRINKS, RestartsSpent, fit
+
+    at = lambda n: ControllerError(WorkerGroupStartupTimeoutError(num_workers=n))  # noqa: E731
+    given = []
+    assert fit(_Trainer([at(2), at(2), at(1), "trained"], given), 1, str(tmp_path), "r", min_workers=1) == "trained"
+    assert given == [1, 1, 1, 0]
+    with pytest.raises(RestartsSpent):
+        fit(_Trainer([at(2)] * (FREE_SHRINKS + 2), []), 0, str(tmp_path), "r", min_workers=1)
+    with pytest.raises(RestartsSpent):  # fixed size: the same timeout is a failure
+        fit(_Trainer([at(2), "trained"], []), 0, str(tmp_path), "r")
+
+
+def test_other_errors_pass_through_unchanged(tmp_path):
+    from ray.train import ControllerError
+
+    from minimind_ray.raytrain.restarts import fit
+
+    for error in (ControllerError(ValueError("a bug in a callback")), RuntimeError("not Ray's")):
+        with pytest.raises(type(error)) as seen:
+            fit(_Trainer([error], []), 3, str(tmp_path), "r")
+        assert seen.value is error
