@@ -347,18 +347,19 @@ def user_errors() -> tuple:
     """The library's errors about what a user gave it: bad config (ConfigError, naming the field or
     file:line), data (DataError), checkpoints (CheckpointError), weights files (WeightsError: truncated,
     non-float, no matching preset), tokenizers (TokenizerFetchError), and the ValueError/OSError a bad
-    argument, path or URI raises; and a run out of memory (OutOfMemory: the settings to change, the memory
-    seen). Each message names the input, so :func:`main` prints it as one line
-    with exit code 2. Anything else is a bug and keeps its traceback."""
+    argument, path or URI raises; a run out of memory (OutOfMemory: the settings to change, the memory
+    seen), and a worker group that could not be restarted within cluster.max_failures (RestartsSpent). Each
+    message names the input, so :func:`main` prints it as one line with exit code 2. Anything else is a bug and keeps its traceback."""
     from minimind_ray.config import ConfigError
     from minimind_ray.data.manifest import DataError
     from minimind_ray.memory_errors import OutOfMemory
+    from minimind_ray.raytrain.restarts import RestartsSpent
     from minimind_ray.store.checkpoint import CheckpointError
     from minimind_ray.store.pth import WeightsError
     from minimind_ray.tokenizer_fetch import TokenizerFetchError
 
-    return (ConfigError, DataError, CheckpointError, WeightsError, TokenizerFetchError, OutOfMemory, ValueError,
-            OSError)
+    return (ConfigError, DataError, CheckpointError, WeightsError, TokenizerFetchError, OutOfMemory, RestartsSpent,
+            ValueError, OSError)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -115,6 +115,8 @@ def train_env(cfg: RunConfig):
     ENV_VARS_TO_PROPAGATE), so they apply however the run reaches Ray: a local Ray, cluster.address, or a submitted
     job, whose runtime env this driver cannot extend (a ray.init env would conflict). A value exported by the user
     wins. Yields what applies."""
+    from minimind_ray.raytrain.start_guard import START_GUARD
+
     wanted = {
         # the controller polls the workers at this interval, and a checkpoint's report waits for that poll (2 s by
         # default: a barrier of up to 2 s per checkpoint)
@@ -123,12 +125,20 @@ def train_env(cfg: RunConfig):
         "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": f"{cfg.cluster.resource_timeout_s:g}",  # Ray reads a float
     }
     ours = {k: v for k, v in wanted.items() if k not in os.environ}
+    # The start guard (raytrain/start_guard.py) goes before the user's own callbacks and Ray's: read by the driver's
+    # TorchTrainer.fit, which builds the controller's callbacks
+    callbacks = os.environ.get("RAY_TRAIN_CALLBACKS")
+    ours["RAY_TRAIN_CALLBACKS"] = ",".join(c for c in (START_GUARD, callbacks) if c)
+    saved = {k: os.environ.get(k) for k in ours}
     os.environ.update(ours)
     try:
-        yield {k: os.environ[k] for k in wanted}
+        yield {k: os.environ[k] for k in [*wanted, "RAY_TRAIN_CALLBACKS"]}
     finally:
-        for k in ours:
-            os.environ.pop(k, None)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _free_port() -> int:
@@ -324,10 +334,12 @@ def run(cfg: RunConfig, *, tags: Optional[Dict[str, str]] = None, callbacks=(), 
     import ray
     from ray.train import CheckpointConfig, FailureConfig, RunConfig as RayRunConfig, ScalingConfig
     from ray.train.v2.api.config import LoggingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchTrainer
 
     from minimind_ray.data.prepare import ensure_prepared
-    from minimind_ray.raytrain.faults import failure_callback
+    from minimind_ray.raytrain.faults import (LaunchFault, StartFaults, failure_callback, lost_report_callbacks,
+                                             start_fault_callbacks, torch_config)
+    from minimind_ray.raytrain.restarts import fit as fit_with_restarts
     from minimind_ray.raytrain.lineage import lineage_tags
     from minimind_ray.raytrain.oom import explain as explain_oom, warn_if_short
     from minimind_ray.raytrain.progress import ProgressPrinter, make_progress_sink
@@ -373,17 +385,19 @@ def run(cfg: RunConfig, *, tags: Optional[Dict[str, str]] = None, callbacks=(), 
                   flush=True)
 
     sink = make_progress_sink()
+    start_faults = StartFaults.of(cfg, run_dir)  # train.faults' start:<phase>:<rank> entries (raytrain/faults.py)
     spec = WorkerSpec(cfg=run_cfg, run_dir=run_dir, prepared_dir=prepared_dir, use_gpu=use_gpu, tracking_uri=uri,
-                      mlflow_run_id=run_id, progress_sink=sink, report_every_eval=report_every_eval)
+                      mlflow_run_id=run_id, progress_sink=sink, report_every_eval=report_every_eval,
+                      launch_fault=LaunchFault(start_faults) if start_faults and start_faults.has("launch") else None)
     threads = worker_threads(cfg)
     num_workers = (cfg.cluster.min_workers, cfg.cluster.num_workers) if cfg.cluster.min_workers else cfg.cluster.num_workers
     validation = validation_config(cfg.eval, run_dir=run_dir, tracking_uri=uri if run_id else None,
                                    cache_dir=str(Path(cfg.data.cache_dir).resolve()) if not is_uri(cfg.data.cache_dir)
                                    else cfg.data.cache_dir, tracking_timeout_s=cfg.tracking.timeout_s)
-    trainer = TorchTrainer(
+    make_trainer = lambda failures_left: TorchTrainer(  # noqa: E731 (start_guard.fit makes one per attempt)
         functools.partial(train_loop_per_worker, spec),
         validation_config=validation,
-        torch_config=TorchConfig(backend=backend, timeout_s=int(cfg.train.collective_timeout_s)),
+        torch_config=torch_config(start_faults, backend=backend, timeout_s=int(cfg.train.collective_timeout_s)),
         scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=use_gpu,
                                      resources_per_worker=worker_resources(cfg, use_gpu),
                                      **({"elastic_resize_monitor_interval_s": 10.0} if cfg.cluster.min_workers else {})),
@@ -392,8 +406,11 @@ def run(cfg: RunConfig, *, tags: Optional[Dict[str, str]] = None, callbacks=(), 
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.num_to_keep,
                                                checkpoint_score_attribute=cfg.checkpoint.score_metric,
                                                checkpoint_score_order=cfg.checkpoint.score_order),
-            failure_config=FailureConfig(max_failures=cfg.cluster.max_failures),
-            callbacks=[failure_callback(sink, run_dir), *callbacks],
+            # a start failure ends the fit at once: start_guard.fit counts it against cluster.max_failures and fits
+            # the run again (Ray would retry it without a limit, into a placement group it leaked)
+            failure_config=FailureConfig(max_failures=failures_left, controller_failure_limit=0),
+            callbacks=[failure_callback(sink, run_dir), *start_fault_callbacks(start_faults), *lost_report_callbacks(cfg),
+                       *callbacks],
             logging_config=LoggingConfig(log_level="WARNING"),  # progress comes from ProgressPrinter
             worker_runtime_env={"env_vars": {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
                                              "TOKENIZERS_PARALLELISM": "false",
@@ -404,7 +421,7 @@ def run(cfg: RunConfig, *, tags: Optional[Dict[str, str]] = None, callbacks=(), 
     printer.start()
     try:
         with train_env(cfg):
-            result = trainer.fit()
+            result = fit_with_restarts(make_trainer, cfg.cluster.max_failures, run_dir, name, cfg.cluster.min_workers)
     except BaseException as e:
         printer.close()
         oom = explain_oom(run_cfg, e)  # one line naming the settings, instead of Ray's traceback

@@ -12,12 +12,13 @@ from minimind_ray.config import load_config
 from minimind_ray.raytrain.driver import train_env
 
 START, HEALTH = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
+CALLBACKS, GUARD = "RAY_TRAIN_CALLBACKS", "minimind_ray.raytrain.start_guard.StartGuard"
 
 
 @pytest.fixture
 def clean_env(monkeypatch):
-    monkeypatch.delenv(START, raising=False)
-    monkeypatch.delenv(HEALTH, raising=False)
+    for k in (START, HEALTH, CALLBACKS):
+        monkeypatch.delenv(k, raising=False)
     return monkeypatch
 
 
@@ -29,10 +30,11 @@ def test_while_it_trains_the_run_sets_its_resource_timeout_and_a_half_second_pol
     from ray.train.v2._internal.constants import get_env_vars_to_propagate
 
     with train_env(_cfg(20)) as applied:
-        assert applied == {HEALTH: "0.5", START: "20"} and (os.environ[START], os.environ[HEALTH]) == ("20", "0.5")
+        assert applied == {HEALTH: "0.5", START: "20", CALLBACKS: GUARD}
+        assert (os.environ[START], os.environ[HEALTH]) == ("20", "0.5")
         # what Ray Train itself hands from the driver to its controller and workers
         assert {START: "20", HEALTH: "0.5"}.items() <= get_env_vars_to_propagate().items()
-    assert START not in os.environ and HEALTH not in os.environ
+    assert START not in os.environ and HEALTH not in os.environ and CALLBACKS not in os.environ
     with train_env(_cfg(2.5)) as applied:  # the next run of this process: its own value, fractions kept
         assert applied[START] == "2.5"
 
@@ -40,6 +42,21 @@ def test_while_it_trains_the_run_sets_its_resource_timeout_and_a_half_second_pol
 def test_a_value_the_user_exported_wins_and_stays(clean_env):
     clean_env.setenv(START, "120")
     clean_env.setenv(HEALTH, "0.25")
+    clean_env.setenv(CALLBACKS, "mine.Callback")
     with train_env(_cfg(20)) as applied:
-        assert applied == {HEALTH: "0.25", START: "120"}
-    assert (os.environ[START], os.environ[HEALTH]) == ("120", "0.25")
+        # the user's own Ray Train callbacks stay, after the start guard, which must see a group before Ray's own do
+        assert applied == {HEALTH: "0.25", START: "120", CALLBACKS: f"{GUARD},mine.Callback"}
+    assert (os.environ[START], os.environ[HEALTH], os.environ[CALLBACKS]) == ("120", "0.25", "mine.Callback")
+
+
+def test_ray_train_puts_the_start_guard_before_its_own_callbacks(clean_env, tmp_path):
+    """The callbacks a TorchTrainer hands its controller, built as fit() builds them: the guard comes before the
+    backend's set-up, which is how it sees a group before that set-up can fail (raytrain/restarts.py)."""
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    trainer = TorchTrainer(lambda: None, scaling_config=ScalingConfig(num_workers=1),
+                           run_config=RunConfig(name="guard", storage_path=str(tmp_path)))
+    with train_env(_cfg(20)):
+        names = [type(c).__name__ for c in trainer._create_default_callbacks()]
+    assert names.index("StartGuard") == 0 and "BackendSetupCallback" in names
