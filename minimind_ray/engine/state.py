@@ -181,8 +181,10 @@ class TrainState:
 
     # ---- the checkpoint layout (minimind_ray/store/checkpoint.py)
 
-    def save(self, ckpt_dir, mlflow_run_id: Optional[str], prepared_dir: str) -> None:
-        """Write this rank's part of a checkpoint into a local staging directory."""
+    def save(self, ckpt_dir, mlflow_run_id: Optional[str], prepared_dir: str,
+             reported: Optional[Dict[str, Any]] = None) -> None:
+        """Write this rank's part of a checkpoint into a local staging directory (``reported``: the metrics the
+        caller hands over with it, kept in meta.json)."""
         from minimind_ray.config import to_dict
         from minimind_ray.store.checkpoint import CheckpointMeta, write_rank_files, write_shared_files
 
@@ -191,7 +193,8 @@ class TrainState:
             meta = CheckpointMeta(step=self.step, epoch=(self.step - 1) // self.stream.steps_per_epoch,
                                   data_state=self.stream.state_dict(), world_size=self.world,
                                   mlflow_run_id=mlflow_run_id, stage=self.cfg.train.stage,
-                                  total_steps=self.total_steps, config=to_dict(self.cfg), prepared_dir=prepared_dir)
+                                  total_steps=self.total_steps, config=to_dict(self.cfg), prepared_dir=prepared_dir,
+                                  reported=dict(reported or {}))
             train_state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                            "objective": self.objective.state_dict()}
             if self.parts:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 import tempfile
-from typing import Optional
+from pathlib import Path
+from typing import Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -30,23 +31,24 @@ def pick_device(use_gpu: bool) -> torch.device:
     return torch.device("cpu")
 
 
-def restore_point(spec: WorkerSpec, rank: int, world: int) -> Optional[StoredCheckpoint]:
-    """Ray's registered checkpoint, or a newer complete one a hard crash kept Ray from registering
-    (store.checkpoint.choose_restore). Rank 0 decides; every rank opens the same one."""
+def restore_point(spec: WorkerSpec, rank: int, world: int) -> Tuple[Optional[StoredCheckpoint], bool]:
+    """(Ray's registered checkpoint, or a newer complete one a hard crash kept Ray from registering
+    (store.checkpoint.choose_restore); whether Ray registered it). Rank 0 decides; every rank opens the same one."""
     import ray.train
 
-    path = None
+    path = registered = None
     if rank == 0:
         ray_ckpt = ray.train.get_checkpoint()
         chosen = choose_restore((ray_ckpt.path, ray_ckpt.filesystem) if ray_ckpt else None, spec.run_dir)
         path = chosen.path if chosen else None
+        registered = ray_ckpt is not None and path is not None and Path(path).name == Path(ray_ckpt.path).name
     if world > 1:
-        box = [path]
+        box = [path, registered]
         dist.broadcast_object_list(box, src=0)
-        path = box[0]
+        path, registered = box
     if path is None:
-        return None
-    return chosen if rank == 0 else open_checkpoint(path, filesystem(spec.run_dir)[0])
+        return None, False
+    return (chosen if rank == 0 else open_checkpoint(path, filesystem(spec.run_dir)[0])), registered
 
 
 class RayHooks(Hooks):
@@ -101,7 +103,7 @@ class RayHooks(Hooks):
 
         ray.train.report({k: metrics[k] for k in ("step", "epoch", "loss", "eval_loss") if k in metrics})
 
-    def on_checkpoint(self, step, metrics):
+    def on_checkpoint(self, step, metrics, validate: Optional[bool] = None):
         import ray.train
         from ray.train import Checkpoint
 
@@ -112,14 +114,26 @@ class RayHooks(Hooks):
             self.logger = None
         if self.logger is not None:  # points up to this checkpoint must not wait: a crash replays only later steps
             self.logger.flush(timeout_s=self.spec.cfg.tracking.timeout_s)
+        # the only ray.train.report of the loop: it is a barrier, so it comes with a checkpoint
+        # (a few keys: every metric already went to MLflow, and Ray logs what it is given)
+        brief = {k: metrics[k] for k in ("step", "epoch", "loss", "eval_loss", "tracking_summary") if k in metrics}
         with tempfile.TemporaryDirectory(prefix="mmr-ckpt-") as tmp:
-            self.state.save(tmp, self.run_id, self.spec.prepared_dir)
-            # the only ray.train.report of the loop: it is a barrier, so it comes with a checkpoint
-            # (a few keys: every metric already went to MLflow, and Ray logs what it is given)
-            brief = {k: metrics[k] for k in ("step", "epoch", "loss", "eval_loss", "tracking_summary") if k in metrics}
+            self.state.save(tmp, self.run_id, self.spec.prepared_dir, reported=brief)
             # eval.tasks: Ray Train runs raytrain/validation.py on this checkpoint in a task of its own
-            validate = validation_due(self.spec.cfg, step, self.state.total_steps)
+            if validate is None:
+                validate = validation_due(self.spec.cfg, step, self.state.total_steps)
+            self.faults.before_report(step)
             ray.train.report(brief, checkpoint=Checkpoint.from_directory(tmp), validation=validate)
+
+    def report_restored_final(self, meta):
+        """The last step's checkpoint was saved, but a worker died before Ray Train registered it: this group
+        restored it and has no step left to train. Hand it to Ray again with what was reported the first time
+        (no validation: it ran, or was due, with the first report); else the run's result would be the checkpoint
+        before, and the end of the run would delete this one as unregistered (soak run soak-01, issue 32)."""
+        if self.state.rank == 0:
+            print(f"[minimind-ray] step {meta.step} was the last; its checkpoint was not registered by Ray Train: "
+                  f"reporting it again", flush=True)
+        self.on_checkpoint(meta.step, {"step": meta.step, "epoch": meta.epoch, **meta.reported}, validate=False)
 
     def close(self):
         if self.logger is not None:
@@ -136,7 +150,8 @@ def train_loop_per_worker(spec: WorkerSpec) -> None:
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     state = TrainState.build(spec.cfg, spec.prepared_dir, rank, world, pick_device(spec.use_gpu))
     run_id = spec.mlflow_run_id
-    stored = restore_point(spec, rank, world)
+    stored, registered = restore_point(spec, rank, world)
+    meta = None
     if stored is not None:
         meta = state.restore(stored)
         run_id = meta.mlflow_run_id or run_id
@@ -144,5 +159,7 @@ def train_loop_per_worker(spec: WorkerSpec) -> None:
             print(f"[minimind-ray] restored step {meta.step} (saved by {meta.world_size} workers, now {world}; "
                   f"accumulation {state.stream.accumulation_steps})", flush=True)
     hooks = RayHooks(spec, state, run_id)
+    if meta is not None and not registered and state.step >= state.total_steps:
+        hooks.report_restored_final(meta)
     run(state, hooks)
     hooks.close()  # on success only: after a failure the restarted group replays, and nothing must wait

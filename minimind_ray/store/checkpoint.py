@@ -55,6 +55,9 @@ class CheckpointMeta:
     config: Dict[str, Any]  # the run's config as a plain dict (minimind_ray.config.to_dict)
     prepared_dir: str  # the prepared data it trained on
     mlflow_run_id: Optional[str] = None
+    # what the run reported to Ray Train with this checkpoint (step, loss, ...): a group that restores the last step
+    # from a checkpoint Ray never registered reports it again (raytrain/worker.py)
+    reported: Dict[str, Any] = field(default_factory=dict)
     extra: Dict[str, Any] = field(default_factory=dict)  # keys this code does not know, kept on a round trip
 
     def to_json(self) -> Dict[str, Any]:

@@ -15,6 +15,7 @@ Between runs with the same worker count the order is identical, so equality is e
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -145,6 +146,45 @@ def test_rollout_actors_the_cluster_cannot_place_fail_fast_naming_the_field(ray_
     check_resources(grpo("train.grpo.rollout_actors=2"), use_gpu=False)  # 2 + 2 CPUs: fits
     with pytest.raises(ClusterTooSmall, match=r"^train\.grpo\.rollout_actors: .* 3 rollout actor\(s\)"):
         check_resources(grpo("train.grpo.rollout_actors=3"), use_gpu=False)
+
+
+@pytest.mark.timeout(300)  # the hang this guards against: every later start waited for CPUs a leaked group held
+def test_workers_lost_while_the_group_starts_cost_one_restart_each(baseline, shared, capfd):
+    """Issue 32: a worker process SIGKILLed while Ray Train starts the worker group, at each point of the start: in
+    the worker actor's start (its train context arriving), inside the torch backend's set-up (Ray Train 2.58 had
+    built the group's state there and leaked its placement group: every later start timed out, without end), and as
+    the train function is handed over (a bare ActorDiedError that ended the run). Each costs one restart counted
+    against cluster.max_failures, no placement group is left behind. Then the last checkpoint's report is lost (a
+    worker dies after its upload, the soak's soak-01): the run still ends on it. The run ends with the uninterrupted
+    baseline's weights, every sample trained once, one MLflow run with every step once."""
+    import ray
+
+    from minimind_ray.raytrain.faults import fired
+
+    _, w_ref, losses_ref = baseline
+    name = "start-faults"
+    before = set(ray.util.placement_group_table())
+    res = run_tiny(shared, name, "train.faults=[start:actor:0,start:backend:1,start:launch:1,12:lost_report:1]",
+                   "cluster.max_failures=4")
+    # what held the CPUs in the hang: the placement group of a group whose start failed. None is left.
+    left = {pg: t["state"] for pg, t in ray.util.placement_group_table().items() if pg not in before}
+    assert len(left) >= 4 and set(left.values()) == {"REMOVED"}, left
+    w = final_weights(res)
+    assert all(torch.equal(w[k], w_ref[k]) for k in w_ref), "weights differ from the uninterrupted run"
+    assert {"start-actor-0", "start-backend-1", "start-launch-1", "12-lost_report-1"} <= set(fired(res.run_dir))
+    out = capfd.readouterr().out
+    restarts = re.findall(r"\[start-faults\] the worker group did not start: (.*); starting it again "
+                          r"\(failure (\d) of cluster.max_failures=4\)", out)
+    assert [n for _, n in restarts] == ["1", "2", "3"], out[-3000:]
+    assert "received the train function" in restarts[2][0]
+    # the last checkpoint reached storage but never Ray Train's registry (lost_report): the restarted group
+    # restored it, had no step left, and reported it again (else the run's result and export were step 8's)
+    assert "step 12 was the last; its checkpoint was not registered by Ray Train: reporting it again" in out
+    assert res.metrics.get("step") == 12 and "loss" in res.metrics
+    per_step, attempts = sample_record(shared, name)
+    assert_exactly_once(per_step)
+    assert attempts == {0}  # no group trained before the third restart: every attempt that trained began at step 0
+    assert loss_history(shared, res.mlflow_run_id) == losses_ref
 
 
 def test_a_schedule_of_mixed_faults_recovers_bit_for_bit(baseline, shared):
