@@ -50,7 +50,7 @@ def main():
         client = MlflowClient(uri)
 
         def last(key):
-            hist = client.get_metric_history(res.mlflow_run_id, metric_name(key, "pretrain"))
+            hist = client.get_metric_history(res.mlflow_run_id, metric_name(key))
             # skip the first interval (compilation, warm-up)
             vals = [m.value for m in sorted(hist, key=lambda m: m.step) if m.step > 40]
             return sum(vals) / len(vals) if vals else float("nan")

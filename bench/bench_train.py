@@ -37,7 +37,8 @@ def rank0_times(rows, attempt=None):
 def bare_loop(cfg, prepared_dir: str, steps: int, warmup: int) -> float:
     """tokens/s of the engine's own step (minimind_ray.engine.train_step) in a plain single-process
     loop: the same model, data stream, micro-batch, accumulation, optimizer and thread count, no Ray."""
-    from minimind_ray.engine import TrainState, train_step
+    from minimind_ray.engine.state import TrainState
+    from minimind_ray.engine.step import train_step
 
     state = TrainState.build(cfg, prepared_dir)
     t0, tokens = None, 0

@@ -162,7 +162,8 @@ def main():
         def engine_in_a_ray_task(cfg, prepared_dir):
             import time as _time
 
-            from minimind_ray.engine import Hooks, TrainState, run as run_engine
+            from minimind_ray.engine.loop import Hooks
+            from minimind_ray.engine.state import TrainState
 
             class Clock(Hooks):
                 def __init__(self):

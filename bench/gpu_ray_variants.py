@@ -41,7 +41,7 @@ def _gqa_sdpa(original):
 
 def _module_switches(name: str) -> Callable[[], None]:
     """Module-level switches (before the model is built); returns what undoes them."""
-    from minimind_ray.engine import objectives
+
     from minimind_ray.model import minimind as mm
 
     undo = []

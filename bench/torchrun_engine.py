@@ -16,7 +16,8 @@ import time
 import torch.distributed as dist
 
 from minimind_ray.config import load_config
-from minimind_ray.engine import Hooks, TrainState, run
+from minimind_ray.engine.loop import Hooks, run
+from minimind_ray.engine.state import TrainState
 
 
 class StepClock(Hooks):

@@ -181,7 +181,7 @@ def cmd_export(args) -> int:
 
 
 def cmd_merge_lora(args) -> int:
-    from minimind_ray.config import LoRAConfig
+    from minimind_ray.model.config import LoRAConfig
     from minimind_ray.model.lora import apply_lora, load_lora, merge_lora
     from minimind_ray.store.pth import read_pth, save_pth
     from minimind_ray.store.weights import build_inference_model
@@ -350,7 +350,7 @@ def user_errors() -> tuple:
     argument, path or URI raises; a run out of memory (OutOfMemory: the settings to change, the memory
     seen), and a worker group that could not be restarted within cluster.max_failures (RestartsSpent). Each
     message names the input, so :func:`main` prints it as one line with exit code 2. Anything else is a bug and keeps its traceback."""
-    from minimind_ray.config import ConfigError
+    from minimind_ray.config_checks import ConfigError
     from minimind_ray.data.manifest import DataError
     from minimind_ray.memory_errors import OutOfMemory
     from minimind_ray.raytrain.restarts import RestartsSpent
@@ -363,7 +363,7 @@ def user_errors() -> tuple:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    from minimind_ray.config import ConfigError
+    from minimind_ray.config_checks import ConfigError
 
     args = build_parser().parse_args(argv)
     try:

@@ -27,6 +27,18 @@ def config_field(default: Any, help: str, **bounds):
     return dataclasses.field(default=default, metadata=meta)
 
 
+def flatten(d: dict, prefix: str = "") -> dict:
+    """{'a': {'b': 1}} -> {'a.b': 1}: the form MLflow params take."""
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
 def int_at_least(low: int):
     """An argparse type: an int >= ``low`` (argparse then names the option and exits 2)."""
     def parse(text: str) -> int:

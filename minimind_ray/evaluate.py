@@ -17,6 +17,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from minimind_ray.config import RunConfig, run_config_of
 from minimind_ray.engine.evaluate import eval_metrics, eval_sums
 
 log = logging.getLogger(__name__)
@@ -28,7 +29,7 @@ def _weights_tokenizer_hash(lw, tokenizer: Optional[str]) -> Tuple[Optional[str]
     from minimind_ray.tokenizer import load_tokenizer, resolve_tokenizer
     from minimind_ray.tokenizer_fetch import TokenizerFetchError
 
-    run = lw.run_cfg
+    run = run_config_of(lw.run_config)
     if tokenizer:
         tok = resolve_tokenizer(tokenizer, run.data.cache_dir if run else "data_cache", lw.model_cfg.generation)
         return tok.hash(), f"--tokenizer {tokenizer!r}"
@@ -52,10 +53,9 @@ def evaluate_weights(weights: str, data: Optional[str] = None, preset: Optional[
                      device: Optional[str] = None, tokenizer: Optional[str] = None) -> Dict[str, float]:
     """Evaluate ``weights`` on ``data`` (a prepared dir, all of it), or on the eval split of the run they
     came from. ``tokenizer``: the weights' tokenizer, when they do not record it (a bare .pth)."""
-    from minimind_ray.config import RunConfig
     from minimind_ray.data.manifest import DataError, check_tokenizer
     from minimind_ray.data.stream import PreparedDataset, TrainStream
-    from minimind_ray.engine.objectives import build_objective
+    from minimind_ray.stages import build_objective
     from minimind_ray.store.weights import build_inference_model
 
     if micro_batch_size < 1 or batches < 0:
@@ -63,7 +63,7 @@ def evaluate_weights(weights: str, data: Optional[str] = None, preset: Optional[
                          f"(got {batches})")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     model, lw = build_inference_model(weights, preset, device=device)
-    run_cfg = lw.run_cfg or RunConfig()
+    run_cfg = run_config_of(lw.run_config) or RunConfig()
     if data is None:
         if lw.meta is None:
             raise ValueError(f"{weights}: --data is needed for weights that are not a run's checkpoint")

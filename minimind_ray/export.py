@@ -26,7 +26,8 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch import nn
 
-from minimind_ray.config import ModelConfig
+from minimind_ray.config import run_config_of
+from minimind_ray.model.config import ModelConfig
 from minimind_ray.fsio import atomic_write, write_text_atomic
 from minimind_ray.model.minimind import YARN, clean_state_dict, unwrap_model
 from minimind_ray.store.pth import save_pth
@@ -284,13 +285,13 @@ def export_from_source(source: str, out, formats=("minimind", "hf"), preset: Opt
     model, lw = build_inference_model(source, preset, merge_lora=False)
     tok_dir = tokenizer or lw.tokenizer_dir
     stage = "pretrain"
-    if lw.run_cfg is not None:
+    run_cfg = run_config_of(lw.run_config)
+    if run_cfg is not None:
         from minimind_ray.stages import get_stage
 
-        stage = get_stage(lw.run_cfg.train.stage).export_prefix
+        stage = get_stage(run_cfg.train.stage).export_prefix
         if tok_dir is None:
             from minimind_ray.tokenizer import resolve_tokenizer
 
-            tok_dir = resolve_tokenizer(lw.run_cfg.data.tokenizer, lw.run_cfg.data.cache_dir,
-                                        lw.run_cfg.model.generation).path
+            tok_dir = resolve_tokenizer(run_cfg.data.tokenizer, run_cfg.data.cache_dir, run_cfg.model.generation).path
     return _export_model(model, Path(out), stage, formats, tok_dir, lora=lora)

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from minimind_ray.config import ModelConfig
+from minimind_ray.model.config import ModelConfig
 from minimind_ray.fsio import atomic_write
 from minimind_ray.model.minimind import YARN, clean_state_dict, unwrap_model
 

@@ -83,11 +83,11 @@ def tokenizer_for_weights(lw, spec: Optional[str] = None):
     folder's own; a ValueError naming what to pass when the weights record none."""
     from minimind_ray.tokenizer import resolve_tokenizer
 
+    data = lw.run_config["data"] if lw.run_config else None  # the run's recorded config (a plain dict)
     if spec:
-        cache_dir = lw.run_cfg.data.cache_dir if lw.run_cfg is not None else "data_cache"
-        return resolve_tokenizer(spec, cache_dir, lw.model_cfg.generation)
-    if lw.run_cfg is not None:
-        return resolve_tokenizer(lw.run_cfg.data.tokenizer, lw.run_cfg.data.cache_dir, lw.run_cfg.model.generation)
+        return resolve_tokenizer(spec, data["cache_dir"] if data else "data_cache", lw.model_cfg.generation)
+    if data is not None:
+        return resolve_tokenizer(data["tokenizer"], data["cache_dir"], lw.model_cfg.generation)
     if lw.tokenizer_dir:  # an HF export folder carries its tokenizer
         return resolve_tokenizer(lw.tokenizer_dir, "data_cache", lw.model_cfg.generation)
     raise ValueError(f"{lw.source}: --tokenizer is needed for weights without a tokenizer: minimind2, minimind3, "

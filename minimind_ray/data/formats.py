@@ -51,7 +51,7 @@ import pyarrow as pa
 from jinja2.exceptions import TemplateError
 
 from minimind_ray.data.prompt_formats import agent_context, agent_problem, collate_prompts, gt_values
-from minimind_ray.stages import FORMATS, RL_FORMATS  # the one format list
+from minimind_ray.data.config import FORMATS, RL_FORMATS  # the one format list
 
 REASONS = {
     "missing_file": "a source path matched no file",

@@ -14,7 +14,7 @@ from typing import Dict, Iterable, Tuple
 import torch
 import torch.distributed as dist
 
-from minimind_ray.engine.objectives import Objective
+from minimind_ray.stages.objective import Objective
 from minimind_ray.engine.step import to_device
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
-from minimind_ray.config import checkpoint_due
+from minimind_ray.store.config import checkpoint_due
 from minimind_ray.engine.evaluate import evaluate_state
 from minimind_ray.engine.metrics import IntervalMeter, device_name, peak_flops
 from minimind_ray.engine.state import TrainState

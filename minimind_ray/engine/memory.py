@@ -22,7 +22,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Dict, Optional
 
-from minimind_ray.config import RunConfig
+from minimind_ray.stages import get_stage
 
 GiB = float(2 ** 30)
 # What a worker process holds before its first tensor (measured: a CPU Ray Train worker with torch and
@@ -85,69 +85,45 @@ def _parameter_counts(c) -> Dict[str, int]:
     return {"all": embed + c.num_hidden_layers * (attn + ffn + 2 * h) + h, "square_linears": 2 * h * h}
 
 
-def _lora_params(c, cfg: RunConfig) -> int:
-    """Adapter weights: rank x (in + out) per adapted Linear ('square' = q_proj and o_proj when q == h)."""
-    r, h = cfg.train.lora.rank, c.hidden_size
-    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-    shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-              "gate_proj": (h, c.intermediate_size), "up_proj": (h, c.intermediate_size),
-              "down_proj": (c.intermediate_size, h)}
-    chosen = set()
-    for t in cfg.train.lora.targets:
-        if t == "square":
-            chosen |= {n for n, (i, o) in shapes.items() if i == o}
-        else:
-            chosen |= {n for n in shapes if n.endswith(t) or t.endswith(n)}
-    return c.num_hidden_layers * sum(r * (shapes[n][0] + shapes[n][1]) for n in chosen)
-
-
-def activation_precision(cfg: RunConfig, device_type: str) -> str:
+def activation_precision(cfg, device_type: str) -> str:
     """What autocast will compute in: train.precision, with 'auto' = bf16 on CUDA (GPUs that have it)."""
     p = cfg.train.precision
     return "bf16" if p == "bf16" or (p == "auto" and device_type == "cuda") else "fp32"
 
 
-def estimate(cfg: RunConfig, micro_batch_size: Optional[int] = None, device_type: str = "cpu") -> MemoryEstimate:
-    """One worker's peak memory for ``cfg`` at ``micro_batch_size`` (default: the config's)."""
-    from minimind_ray.model.minimind import resolve_config
+def estimate(cfg, micro_batch_size: Optional[int] = None, device_type: str = "cpu") -> MemoryEstimate:
+    """One worker's peak memory for ``cfg`` at ``micro_batch_size`` (default: the config's). What the stage adds (a
+    second sequence per row, generated tokens, a frozen reference or teacher, a critic, adapters) comes from its
+    record's memory terms (stages/stage.py:MemoryTerms)."""
+    from minimind_ray.model.minimind import resolve_config  # lazy: the model module imports torch
 
     c = resolve_config(cfg.model)
-    t, stage = cfg.train, cfg.train.stage
+    t = cfg.train
+    terms = get_stage(t.stage).memory(cfg, c, lambda m: _parameter_counts(resolve_config(m))["all"])
     mb = micro_batch_size or t.micro_batch_size
-    seq_len, sequences = cfg.data.max_seq_len, mb
-    if stage == "dpo":
-        sequences = 2 * mb  # chosen and rejected in one forward
-    elif stage == "grpo":
-        sequences, seq_len = mb * t.grpo.num_generations, seq_len + t.grpo.max_gen_len
+    sequences, seq_len = mb * terms.sequences, cfg.data.max_seq_len + terms.extra_tokens
     precision = activation_precision(cfg, device_type)
     n_all = _parameter_counts(c)["all"]
-    trained = _lora_params(c, cfg) if stage == "lora" else n_all
-    frozen_models = 1 if stage == "dpo" or (stage == "grpo" and t.grpo.beta > 0) else 0
-    if stage == "distill":
-        frozen_models = 1  # the teacher, counted at the student's size when no teacher_preset is given
-        if t.distill.teacher_preset:
-            from minimind_ray.model.presets import preset_values
-            from minimind_ray.config import ModelConfig
-
-            teacher = resolve_config(ModelConfig(**preset_values(t.distill.teacher_preset)))
-            frozen_models = _parameter_counts(teacher)["all"] / n_all
+    adapters = terms.trained_params or 0  # LoRA: the adapters train, on top of a frozen base
+    trained = (terms.trained_params if terms.trained_params is not None else n_all) + terms.trained_models * n_all
     tokens = sequences * seq_len
     # logits, log_softmax and two gradients of that size at the start of backward (fp32); bf16 adds
     # the bf16 logits before .float(). Distillation adds the teacher's logits and the KL's log_softmaxes.
-    per_logit = 12 + (2 if precision == "bf16" else 0) + (16 if stage == "distill" else 0)
+    per_logit = 12 + (2 if precision == "bf16" else 0) + terms.extra_logit_bytes
+    models_forward = 1 + terms.trained_models  # a critic runs its own forward and backward over the same tokens
     parts = {
-        "parameters": 4.0 * (n_all + (trained if stage == "lora" else 0) + frozen_models * n_all),
+        "parameters": 4.0 * (n_all + adapters + (terms.frozen_models + terms.trained_models) * n_all),
         "gradients": 4.0 * trained,
         "AdamW": 8.0 * trained,
-        "activations": float(tokens * c.num_hidden_layers * _activation_bytes_per_token_layer(c, precision)
-                             + tokens * 3 * 4 * c.hidden_size),  # + the final norm and lm_head's input
+        "activations": models_forward * float(tokens * c.num_hidden_layers * _activation_bytes_per_token_layer(c, precision)
+                                              + tokens * 3 * 4 * c.hidden_size),  # + the final norm and lm_head's input
         "logits": float(tokens * c.vocab_size * per_logit),
         "runtime": RUNTIME_BYTES["cuda" if device_type == "cuda" else "cpu"],
     }
     return MemoryEstimate(mb, sequences, seq_len, precision, parts)
 
 
-def suggest_micro_batch(cfg: RunConfig, world: int, budget_bytes: float, device_type: str = "cpu") -> Optional[int]:
+def suggest_micro_batch(cfg, world: int, budget_bytes: float, device_type: str = "cpu") -> Optional[int]:
     """The largest micro-batch below the config's whose estimate fits ``budget_bytes`` (with 10% slack)
     and that still splits the global batch (``global = world x micro x accumulation``); None if even 1
     does not fit. When the estimate says the current micro-batch fits (it was wrong this time), half."""
@@ -161,24 +137,29 @@ def suggest_micro_batch(cfg: RunConfig, world: int, budget_bytes: float, device_
     return next((m for m in choices if estimate(cfg, m, device_type).total <= 0.9 * budget_bytes), None)
 
 
-def batch_fields(cfg: RunConfig) -> str:
+def batch_fields(cfg) -> str:
     """The settings that size a micro-batch, for messages."""
-    names = "train.micro_batch_size, data.max_seq_len"
-    if cfg.train.stage == "grpo":
-        names += ", train.grpo.num_generations, train.grpo.max_gen_len"
-    return names
+    return ", ".join(("train.micro_batch_size", "data.max_seq_len", *_stage_batch_fields(cfg)))
 
 
-def advice(cfg: RunConfig, world: int, budget_bytes: float, device_type: str) -> str:
+def _stage_batch_fields(cfg):
+    """What the stage adds to the settings that size a micro-batch (its record's memory terms)."""
+    from minimind_ray.model.minimind import resolve_config  # lazy: the model module imports torch
+
+    c = resolve_config(cfg.model)
+    return get_stage(cfg.train.stage).memory(cfg, c, lambda m: _parameter_counts(resolve_config(m))["all"]).batch_fields
+
+
+def advice(cfg, world: int, budget_bytes: float, device_type: str) -> str:
     """'lower train.micro_batch_size to 16 (the global batch of 512 stays, by accumulation 32)', or why not."""
     m = suggest_micro_batch(cfg, world, budget_bytes, device_type)
     g = cfg.train.global_batch_size
     if m is None:
         one = estimate(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch_size=1)), 1,
                        device_type)
+        lengths = [f for f in _stage_batch_fields(cfg) if f.endswith("_len")]
         return (f"even train.micro_batch_size=1 needs about {one.total / GiB:.1f} GiB by the estimate: lower "
-                f"data.max_seq_len" + (" or train.grpo.max_gen_len" if cfg.train.stage == "grpo" else "")
-                + ", or use machines with more memory")
+                f"data.max_seq_len" + "".join(f" or {f}" for f in lengths) + ", or use machines with more memory")
+    extra = _stage_batch_fields(cfg)
     return (f"set train.micro_batch_size={m} (the global batch of {g} stays, by accumulation {g // (world * m)})"
-            + (" or lower train.grpo.num_generations / train.grpo.max_gen_len" if cfg.train.stage == "grpo" else
-               " or lower data.max_seq_len"))
+            + (f" or lower {' / '.join(extra)}" if extra else " or lower data.max_seq_len"))

@@ -11,15 +11,17 @@ and a larger world needs only ``torch.distributed`` initialised (Ray Train does 
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from minimind_ray.config import RunConfig, worker_threads
+from minimind_ray.cluster_config import worker_threads
 from minimind_ray.engine.metrics import CommTimer
-from minimind_ray.engine.objectives import Objective, build_objective
+from minimind_ray.stages import build_objective
+from minimind_ray.stages.objective import Objective
 from minimind_ray.engine.step import autocast_for, lr_lambda
 
 
@@ -54,7 +56,7 @@ class TrainedPart:
     scheduler: torch.optim.lr_scheduler.LRScheduler
 
     @classmethod
-    def build(cls, module, lr: float, cfg: RunConfig, world: int, device, total_steps: int, comm) -> "TrainedPart":
+    def build(cls, module, lr: float, cfg, world: int, device, total_steps: int, comm) -> "TrainedPart":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         t = cfg.train
@@ -80,7 +82,7 @@ class TrainedPart:
 
 @dataclass
 class TrainState:
-    cfg: RunConfig
+    cfg: Any  # the run's RunConfig (minimind_ray/config.py)
     rank: int
     world: int
     device: torch.device
@@ -101,7 +103,7 @@ class TrainState:
     parts: Dict[str, TrainedPart] = field(default_factory=dict)  # models trained beside the policy (PPO's critic)
 
     @classmethod
-    def build(cls, cfg: RunConfig, prepared_dir: str, rank: int = 0, world: int = 1,
+    def build(cls, cfg, prepared_dir: str, rank: int = 0, world: int = 1,
               device: Optional[torch.device] = None) -> "TrainState":
         """A fresh state at step 0. The order matters for exact restarts: the model init is seeded
         on its own; dropout and sampling then draw from ``seed + rank``."""
@@ -185,7 +187,6 @@ class TrainState:
              reported: Optional[Dict[str, Any]] = None) -> None:
         """Write this rank's part of a checkpoint into a local staging directory (``reported``: the metrics the
         caller hands over with it, kept in meta.json)."""
-        from minimind_ray.config import to_dict
         from minimind_ray.store.checkpoint import CheckpointMeta, write_rank_files, write_shared_files
 
         write_rank_files(ckpt_dir, self.rank, self.rng.state_dict())
@@ -193,7 +194,7 @@ class TrainState:
             meta = CheckpointMeta(step=self.step, epoch=(self.step - 1) // self.stream.steps_per_epoch,
                                   data_state=self.stream.state_dict(), world_size=self.world,
                                   mlflow_run_id=mlflow_run_id, stage=self.cfg.train.stage,
-                                  total_steps=self.total_steps, config=to_dict(self.cfg), prepared_dir=prepared_dir,
+                                  total_steps=self.total_steps, config=dataclasses.asdict(self.cfg), prepared_dir=prepared_dir,
                                   reported=dict(reported or {}))
             train_state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                            "objective": self.objective.state_dict()}

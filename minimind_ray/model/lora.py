@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from minimind_ray.config import LoRAConfig
+from minimind_ray.model.config import LoRAConfig
 from minimind_ray.fsio import torch_save_atomic
 from minimind_ray.model.minimind import clean_state_dict, unwrap_model
 

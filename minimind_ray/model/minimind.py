@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from minimind_ray.config import ModelConfig
+from minimind_ray.model.config import ModelConfig
 
 KVCache = List[Tuple[Tensor, Tensor]]  # per layer: (k, v), each (B, S, nkv, hs), RoPE already applied
 

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
-from minimind_ray.config import ConfigError, RunConfig, run_identity, worker_threads
+from minimind_ray.cluster_config import worker_threads
+from minimind_ray.config import ConfigError, RunConfig, from_dict, run_identity
 from minimind_ray.fsio import is_uri, redact
 from minimind_ray.raytrain.runtime_env import side_cpus, user_modules, worker_pythonpath
 from minimind_ray.raytrain.spec import WorkerSpec
@@ -159,24 +160,21 @@ def worker_resources(cfg: RunConfig, use_gpu: bool) -> Dict[str, float]:
 
 
 def check_resources(cfg: RunConfig, use_gpu: bool) -> None:
-    """Wait up to cluster.resource_timeout_s for the worker group and what runs beside it (the evaluation task,
-    GRPO's rollout actors) to fit, then fail with what is missing.
+    """Wait up to cluster.resource_timeout_s for the worker group and what runs beside it (the evaluation task, an RL
+    stage's rollout actors) to fit, then fail with what is missing.
 
     Ray Train V2 would otherwise wait for resources forever, and a rollout actor Ray cannot place waits forever
     too; this turns a request the cluster cannot hold (4 GPU workers on a CPU cluster) into an error in seconds."""
     import ray
 
-    from minimind_ray.raytrain.runtime_env import side_cpus
+    from minimind_ray.raytrain.runtime_env import beside_workers
+    from minimind_ray.rl.rollout_config import actor_resources
 
     need_workers = cfg.cluster.min_workers or cfg.cluster.num_workers
     per = worker_resources(cfg, use_gpu)
     need = {k: v * need_workers for k, v in per.items()}
-    g = cfg.train.grpo
-    actors = cfg.train.stage == "grpo" and g.rollout == "actors"
-    beside = {"CPU": side_cpus(cfg), "GPU": g.rollout_actors * g.rollout_actor_gpus if actors else 0.0}
-    for k, v in beside.items():
-        if v:
-            need[k] = need.get(k, 0.0) + v
+    for k, v in beside_workers(cfg).items():
+        need[k] = need.get(k, 0.0) + v
     deadline = time.monotonic() + cfg.cluster.resource_timeout_s
     while True:
         total = ray.cluster_resources()
@@ -185,19 +183,18 @@ def check_resources(cfg: RunConfig, use_gpu: bool) -> None:
             return
         if time.monotonic() >= deadline:
             detail = ", ".join(f"{k}: need {n:g}, cluster has {h:g}" for k, (n, h) in short.items())
+            waited = f"waited {cfg.cluster.resource_timeout_s:g}s (cluster.resource_timeout_s)"
             workers_fit = all(total.get(k, 0.0) >= v * need_workers for k, v in per.items())
-            if workers_fit and actors:
+            r = cfg.train.rollout
+            if workers_fit and actor_resources(cfg):
                 raise ClusterTooSmall(
-                    f"train.grpo.rollout_actors: the cluster holds the {need_workers} worker(s) of {per} but not "
-                    f"{g.rollout_actors} rollout actor(s) of {g.rollout_actor_cpus:g} CPU / {g.rollout_actor_gpus:g} "
-                    f"GPU beside them ({detail}); waited {cfg.cluster.resource_timeout_s:g}s "
-                    f"(cluster.resource_timeout_s). Lower train.grpo.rollout_actors or rollout_actor_cpus/gpus, use "
-                    f"train.grpo.rollout=torch, or add nodes.")
+                    f"train.rollout.actors: the cluster holds the {need_workers} worker(s) of {per} but not {r.actors} "
+                    f"rollout actor(s) of {r.actor_cpus:g} CPU / {r.actor_gpus:g} GPU beside them ({detail}); {waited}. "
+                    f"Lower train.rollout.actors or actor_cpus/actor_gpus, use train.rollout.engine=worker, or add nodes.")
             field = "cluster.use_gpu" if "GPU" in short else "cluster.num_workers"
             raise ClusterTooSmall(
                 f"{field}: the cluster cannot hold {need_workers} worker(s) of {per} and what runs beside them "
-                f"({detail}); waited {cfg.cluster.resource_timeout_s:g}s (cluster.resource_timeout_s). Lower "
-                f"cluster.num_workers, set cluster.use_gpu=false, or add nodes.")
+                f"({detail}); {waited}. Lower cluster.num_workers, set cluster.use_gpu=false, or add nodes.")
         time.sleep(min(2.0, max(0.1, deadline - time.monotonic())))
 
 
@@ -231,7 +228,7 @@ def decide_run(cfg: RunConfig, storage: str) -> Tuple[str, str]:
     meta = latest.meta()
     if meta.step < meta.total_steps:
         return name, f"resuming run {name} from step {meta.step} of {meta.total_steps} ({latest.location})"
-    old = meta.run_config().train
+    old = from_dict(meta.config).train
     t = cfg.train
     more = t.max_steps > meta.step if t.max_steps else (old.max_steps is None and t.epochs > old.epochs)
     if more:

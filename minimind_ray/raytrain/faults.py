@@ -29,7 +29,7 @@ from typing import Dict, List, Optional, Tuple
 import pyarrow.fs as pafs
 import torch
 
-from minimind_ray.config import RunConfig
+from minimind_ray.config import RunConfig  # the Ray layer is above the config: it runs what a RunConfig says
 from minimind_ray.fault_schedule import FaultSpec, fault_schedule, start_faults
 from minimind_ray.fsio import filesystem, join, write_bytes_atomic
 

@@ -8,12 +8,13 @@ from pathlib import Path
 from typing import Dict, Optional
 
 from minimind_ray.fsio import filesystem, is_uri, join, redact
+from minimind_ray.stages import get_stage
 
 TAG_MANIFEST = "minimind.data.manifest_sha256"
 TAG_DATA = "minimind.data.prepared_dir"
 TAG_INIT_FROM = "minimind.init_from"
 TAG_INIT_FROM_RUN = "minimind.init_from.run_id"
-TAG_TEACHER_RUN = "minimind.distill.teacher.run_id"
+TAG_TEACHER_RUN = "minimind.distill.teacher.run_id"  # a stage's parents: minimind.<stage>.<parent>.run_id
 
 
 def manifest_sha256(prepared_dir: str) -> Optional[str]:
@@ -53,6 +54,6 @@ def lineage_tags(cfg, prepared_dir: str) -> Dict[str, str]:
     t = cfg.train
     tags = {TAG_DATA: redact(prepared_dir), TAG_MANIFEST: manifest_sha256(prepared_dir),
             TAG_INIT_FROM: redact(t.init_from) if t.init_from else None, TAG_INIT_FROM_RUN: source_run_id(t.init_from)}
-    if t.stage == "distill":
-        tags[TAG_TEACHER_RUN] = source_run_id(t.distill.teacher_weights)
+    for parent, weights in get_stage(t.stage).parents(cfg).items():  # the teacher, a reference given by path
+        tags[f"minimind.{t.stage}.{parent}.run_id"] = source_run_id(weights)
     return {k: v for k, v in tags.items() if v}

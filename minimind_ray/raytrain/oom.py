@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 from typing import Dict, Iterator, Optional, Tuple
 
-from minimind_ray.config import RunConfig
+from minimind_ray.config import RunConfig  # the Ray layer is above the config: it runs what a RunConfig says
 from minimind_ray.engine.memory import GiB, advice, estimate
 from minimind_ray.memory_errors import MemorySeen, OutOfMemory, read_oom
 

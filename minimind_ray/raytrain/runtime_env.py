@@ -1,7 +1,8 @@
 """What a run's Ray processes need besides the project: the user's own plug-in modules, and CPUs beside the workers.
 
-A run may name code of the user's as ``package.module:function``: a reward term (``train.grpo.rewards``), and
-the same path will carry the agent stage's tools and custom evaluation tasks. The driver can import it (its
+A run may name code of the user's as ``package.module:function``: a reward term (``train.grpo.rewards``,
+``train.ppo.rewards``, ``train.agent.rewards``), an agent's tool (``train.agent.tools``); each stage's record says
+which names its config holds (stages/stage.py: ``plugins``). The driver can import it (its
 ``PYTHONPATH``, its working directory), but the workers run elsewhere: in Ray's session directory, on other
 nodes. :func:`user_modules` finds each named module that is neither part of this project nor an installed
 package, and the driver ships it to every worker the way Ray does it, as a ``runtime_env`` ``py_modules``
@@ -15,19 +16,16 @@ import importlib.util
 import os
 import sysconfig
 from pathlib import Path
-from typing import List
+from typing import Dict, List
+
+from minimind_ray.stages import get_stage
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def plugin_names(cfg) -> List[str]:
-    """The ``module:function`` names a run's config holds (reward terms)."""
-    from minimind_ray.rl.rewards import BUILTIN_REWARDS
-
-    names = []
-    if cfg.train.stage in ("grpo",):
-        names += [r.name for r in cfg.train.grpo.rewards if r.name not in BUILTIN_REWARDS and ":" in r.name]
-    return names
+    """The ``module:function`` names a run's config holds: its stage's (reward terms, tools)."""
+    return get_stage(cfg.train.stage).plugins(cfg)
 
 
 def _installed_roots() -> List[Path]:
@@ -64,8 +62,15 @@ def worker_pythonpath() -> str:
     return os.pathsep.join(dict.fromkeys([str(REPO_ROOT)] + [str(Path(p).resolve()) for p in extra]))
 
 
+def beside_workers(cfg) -> Dict[str, float]:
+    """What a run places beside its workers: the evaluation task of eval.tasks, and its stage's (rollout actors)."""
+    out = {k: v for k, v in get_stage(cfg.train.stage).beside(cfg).items() if v}
+    if cfg.eval.tasks:
+        for k, v in (("CPU", cfg.eval.num_cpus), ("GPU", cfg.eval.num_gpus)):
+            out[k] = out.get(k, 0.0) + v
+    return {k: v for k, v in out.items() if v}
+
+
 def side_cpus(cfg) -> float:
-    """CPUs a run reserves beside its workers: the evaluation task of eval.tasks and the rollout actors."""
-    g = cfg.train.grpo
-    actors = g.rollout_actors * g.rollout_actor_cpus if cfg.train.stage == "grpo" and g.rollout == "actors" else 0.0
-    return (cfg.eval.num_cpus if cfg.eval.tasks else 0.0) + actors
+    """CPUs a run reserves beside its workers (beside_workers)."""
+    return beside_workers(cfg).get("CPU", 0.0)

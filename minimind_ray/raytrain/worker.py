@@ -10,12 +10,14 @@ from typing import Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from minimind_ray.engine import Hooks, TrainState, run
-from minimind_ray.config import validation_due
+from minimind_ray.engine.loop import Hooks, run
+from minimind_ray.engine.state import TrainState
+from minimind_ray.store.config import validation_due
 from minimind_ray.fsio import filesystem
 from minimind_ray.raytrain.faults import FaultInjector, SampleLog
 from minimind_ray.raytrain.preemption import PreemptionCheck
 from minimind_ray.raytrain.spec import WorkerSpec
+from minimind_ray.stages import get_stage
 from minimind_ray.store.checkpoint import StoredCheckpoint, choose_restore, open_checkpoint
 from minimind_ray.tracking.names import metric_name
 
@@ -91,10 +93,10 @@ class RayHooks(Hooks):
         if self.spec.progress_sink is not None:  # fire-and-forget: the driver's console view
             self.spec.progress_sink.push.remote({**metrics, "checkpoint": is_checkpoint})
         if self.logger is not None:  # grouped names (tracking/names.py): train/, eval/, rl/, perf/, sys/
-            stage = self.spec.cfg.train.stage
+            group = get_stage(self.spec.cfg.train.stage).metric_group
             for s, loss in per_step_loss:
-                self.logger.log_metrics({metric_name("loss", stage): loss}, step=s)
-            self.logger.log_metrics({metric_name(k, stage): v for k, v in metrics.items() if k not in ("loss", "step")},
+                self.logger.log_metrics({metric_name("loss", group): loss}, step=s)
+            self.logger.log_metrics({metric_name(k, group): v for k, v in metrics.items() if k not in ("loss", "step")},
                                     step=step)
 
     def _report_eval(self, step, metrics):

@@ -1,10 +1,10 @@
-"""``train.grpo.rollout: actors``: generation on a pool of Ray actors, the training workers only train.
+"""``train.rollout.engine: actors``: generation on a pool of Ray actors, the training workers only train.
 
 verl's and OpenRLHF's design on this project's engine, behind the same :class:`~minimind_ray.rl.rollout.RolloutEngine`
 seam as the in-worker sampler:
 
-* ``rollout_actors`` :class:`RolloutActor` s, named ``minimind-rollout-<run>-<i>``, each holding a copy of the
-  policy (``rollout_actor_cpus`` / ``rollout_actor_gpus`` each, one torch thread per CPU).
+* ``train.rollout.actors`` :class:`RolloutActor` s, named ``minimind-rollout-<run>-<i>``, each holding a copy of the
+  policy (``actor_cpus`` / ``actor_gpus`` each, one torch thread per CPU).
 * Weights once per step: rank 0 ``ray.put``s the policy's state dict and hands the reference to every actor
   (:meth:`ActorRollout.update_policy`); each actor keeps the two versions it received last, and a request
   names the version it was made for, so a late request never samples from newer weights.
@@ -12,7 +12,7 @@ seam as the in-worker sampler:
   micro-batch j of rank r to actor (r + j * world) mod N, and gets its rollouts back. An actor computes
   exactly what the worker would (the same function, rows and seeds), so a run with actors equals one without.
 * ``submit``/``collect`` split a request in two, for the overlap of step t+1's generation with step t's update
-  (rl/policy_step.py).
+  (rl/grpo_step.py).
 * An actor that died (a lost node, a kill) is created again under its name by the first rank that notices,
   given the request's weights from that rank's own copy, and the request is sent again.
 """
@@ -32,7 +32,7 @@ class RolloutActor:
     """One copy of the policy that generates on request (the Ray actor's class)."""
 
     def __init__(self, model_cfg: dict, threads: int):
-        from minimind_ray.config import ModelConfig
+        from minimind_ray.model.config import ModelConfig
         from minimind_ray.model.minimind import build_model
 
         torch.set_num_threads(threads)
@@ -85,13 +85,13 @@ class ActorRollout(RolloutEngine):
     """The engine of ``rollout: actors`` on one training rank (see the module docstring)."""
 
     def __init__(self, cfg, rank: int, world: int):
-        self.cfg, self.g, self.rank, self.world = cfg, cfg.train.grpo, rank, world
+        self.cfg, self.r, self.rank, self.world = cfg, cfg.train.rollout, rank, world
         self.version: Optional[int] = None
         self.copies: Dict[int, dict] = {}  # version -> this rank's CPU copy of the weights (for a recreated actor)
         self.refs: Dict[int, object] = {}  # version -> rank 0's ObjectRef (kept alive while in flight)
         self.calls = 0
         self.recreated = 0
-        self.actors = [self._actor(i) for i in range(self.g.rollout_actors)]
+        self.actors = [self._actor(i) for i in range(self.r.actors)]
 
     def _actor(self, index: int):
         import dataclasses
@@ -99,9 +99,9 @@ class ActorRollout(RolloutEngine):
         import ray
 
         remote = ray.remote(RolloutActor).options(
-            name=actor_name(self.cfg.name, index), get_if_exists=True, num_cpus=self.g.rollout_actor_cpus,
-            num_gpus=self.g.rollout_actor_gpus, max_concurrency=4 * self.world + 4, max_restarts=0)
-        return remote.remote(dataclasses.asdict(self.cfg.model), max(1, int(self.g.rollout_actor_cpus)))
+            name=actor_name(self.cfg.name, index), get_if_exists=True, num_cpus=self.r.actor_cpus,
+            num_gpus=self.r.actor_gpus, max_concurrency=4 * self.world + 4, max_restarts=0)
+        return remote.remote(dataclasses.asdict(self.cfg.model), max(1, int(self.r.actor_cpus)))
 
     def update_policy(self, model: torch.nn.Module, step: int) -> None:
         """Weights for requests of version ``step`` (the policy before step ``step``'s update)."""

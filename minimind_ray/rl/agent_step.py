@@ -1,5 +1,5 @@
 """One agent step's plan, for the agent objective (engine/objectives.py:AgentObjective): GRPO's plan
-(rl/policy_step.py:GRPOPlan: its updates, adaptive KL, checkpointed state) with multi-turn tool-use rollouts
+(rl/grpo_step.py:GRPOPlan: its updates, adaptive KL, checkpointed state) with multi-turn tool-use rollouts
 (rl/agent.py) and the agent's reward terms (rl/agent_rewards.py) in place of single completions and their rewards.
 
     prepare(step)   each micro-batch: num_generations trajectories per prompt, rewards, the reference's log-probs
@@ -14,7 +14,7 @@ from typing import Dict, List
 import torch
 from torch import Tensor
 
-from minimind_ray.rl.policy_step import GRPOPlan
+from minimind_ray.rl.grpo_step import GRPOPlan
 
 Batch = Dict[str, Tensor]
 

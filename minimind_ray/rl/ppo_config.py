@@ -1,14 +1,12 @@
 """The ppo stage's configuration (a TrainConfig's ``ppo`` section) and its checks; defaults are MiniMind's
-``trainer/train_ppo.py`` (d65ef2c). Kept beside the rl room it configures, as rl/config.py keeps GRPO's."""
+``trainer/train_ppo.py`` (d65ef2c). Kept beside the rl room it configures, as rl/grpo_config.py keeps GRPO's."""
 from __future__ import annotations
 
-import math
-import os
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from minimind_ray.config_checks import ConfigError, config_field as _f, need
-from minimind_ray.rl.config import RewardConfig
+from minimind_ray.config_checks import config_field as _f, need
+from minimind_ray.rl.rewards import RewardConfig, validate_reward_terms
 
 
 @dataclass
@@ -45,28 +43,8 @@ class PPOConfig:
                 "reward of a completion's last token. Default: MiniMind's rules; its recipe adds its reward model"})
 
 
-def validate_reward_term(r: RewardConfig, at: str) -> None:
-    """A reward term loads: a known rule, a reward model directory, or an importable ``module:function``."""
-    from minimind_ray.rl.rewards import BUILTIN_REWARDS, load_callable
-
-    need(math.isfinite(r.weight), f"{at}.weight", "must be a finite number")
-    if r.name == "reward_model":
-        need(r.path is not None and os.path.isdir(r.path), f"{at}.path", f"not a directory: {r.path}")
-    elif r.name not in BUILTIN_REWARDS:
-        try:
-            load_callable(r.name)
-        except ValueError as e:
-            raise ConfigError(f"{at}.name: {e}") from None
-
-
-def validate_reward_terms(terms: List[RewardConfig], where: str) -> None:
-    need(bool(terms), where, "no reward terms")
-    for i, r in enumerate(terms):
-        validate_reward_term(r, f"{where}[{i}]")
-
-
 def validate_ppo(cfg) -> None:
-    """The ppo stage's checks (config.validate calls it), naming the field."""
+    """The ppo stage's checks (its stage record's validate), naming the field."""
     p, d = cfg.train.ppo, cfg.data
     need(d.max_seq_len + p.max_gen_len <= cfg.model.max_position_embeddings, "train.ppo.max_gen_len",
          f"data.max_seq_len {d.max_seq_len} + max_gen_len {p.max_gen_len} exceed model.max_position_embeddings "
@@ -77,3 +55,5 @@ def validate_ppo(cfg) -> None:
     need(cfg.train.init_from is not None, "train.init_from", "PPO improves a trained policy: give its weights (e.g. "
                                                             "a demo SFT run: train.init_from=runs/<demo-sft-run>)")
     validate_reward_terms(p.rewards, "train.ppo.rewards")
+    need(cfg.train.rollout.engine == "worker", "train.rollout.engine",
+         "PPO samples its rollouts in the worker: 'worker'")

@@ -28,9 +28,12 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
 import re
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from minimind_ray.config_checks import ConfigError, config_field as _f, need
 
 BUILTIN_REWARDS = ("length", "think_format", "repetition", "exact_answer", "close_answer", "permutation_answer",
                    "reward_model")
@@ -205,3 +208,44 @@ def score(terms: List[RewardTerm], prompts: List[str], completions: List[str],
     per_term = {t.label: t(prompts, completions, answers) for t in terms}
     total = [sum(t.weight * per_term[t.label][i] for t in terms) for i in range(len(completions))]
     return total, per_term
+
+
+# --------------------------------------------------------------------------- a reward term in a config
+
+
+@dataclass
+class RewardConfig:
+    """One term of the GRPO reward; a completion's reward is the sum of weight * term (minimind_ray/rl/rewards.py)."""
+
+    name: str = _f("length", "length | think_format | repetition | exact_answer | close_answer | permutation_answer | "
+                             "reward_model (MiniMind's "
+                             "rules, a known answer, a near miss, a model), or 'module:function' called as "
+                             "fn(prompts, completions, answers, **args)")
+    weight: float = _f(1.0, "multiplier of this term in the total reward")
+    path: Optional[str] = _f(None, "reward_model: a directory with an HF AutoModelForSequenceClassification, or a model "
+                                   "with get_score as MiniMind uses (internlm2-1_8b-reward; args.trust_remote_code=true)")
+    args: Dict[str, Any] = _f({}, "keyword arguments of the term, e.g. {min_chars: 20, max_chars: 800} for length, "
+                                  "{clip: 3.0, kind: auto, placement: worker | actor} for reward_model")
+
+
+def validate_reward_term(r: RewardConfig, at: str) -> None:
+    """A reward term loads: a known rule, a reward model directory, or an importable ``module:function``."""
+    need(math.isfinite(r.weight), f"{at}.weight", "must be a finite number")
+    if r.name == "reward_model":
+        need(r.path is not None and os.path.isdir(r.path), f"{at}.path", f"not a directory: {r.path}")
+    elif r.name not in BUILTIN_REWARDS:
+        try:
+            load_callable(r.name)
+        except ValueError as e:
+            raise ConfigError(f"{at}.name: {e}") from None
+
+
+def validate_reward_terms(terms: List[RewardConfig], where: str) -> None:
+    need(bool(terms), where, "no reward terms")
+    for i, r in enumerate(terms):
+        validate_reward_term(r, f"{where}[{i}]")
+
+
+def user_reward_names(terms: List[RewardConfig]) -> List[str]:
+    """The user's own reward functions among ``terms`` (``package.module:function``), which the workers must import."""
+    return [r.name for r in terms if r.name not in BUILTIN_REWARDS and ":" in r.name]

@@ -15,7 +15,7 @@ import threading
 from pathlib import Path
 from typing import Optional
 
-from minimind_ray.config import ConfigError
+from minimind_ray.config_checks import ConfigError
 from minimind_ray.fsio import is_uri
 from minimind_ray.serve.options import API_KEY_ENV, ServeOptions, is_mlflow_uri
 

@@ -24,7 +24,9 @@ from typing import Optional, Tuple
 
 import torch
 
-from minimind_ray.config import LoRAConfig, TrackingConfig, from_dict
+from minimind_ray.config import from_dict, run_config_of
+from minimind_ray.model.config import LoRAConfig
+from minimind_ray.tracking.config import TrackingConfig
 from minimind_ray.fsio import is_uri
 from minimind_ray.generate import StreamDecoder, generate_tokens, render_prompt, sample_filter  # noqa: F401
 from minimind_ray.model.lora import apply_lora, load_lora, merge_lora
@@ -125,7 +127,7 @@ def pin_tokenizer(source: str, tokenizer: Optional[str]) -> Optional[str]:
     if is_mlflow_uri(source) or is_uri(source) or not Path(source).is_dir() or (Path(source) / "config.json").exists():
         return None
     ck = resolve_checkpoint(source)
-    run_cfg = ck.meta().run_config()
+    run_cfg = from_dict(ck.meta().config)
     return resolve_tokenizer(run_cfg.data.tokenizer, run_cfg.data.cache_dir, run_cfg.model.generation).path
 
 
@@ -156,9 +158,9 @@ def load_served_model(source: str, tokenizer: Optional[str] = None, preset: Opti
 
 def _tokenizer_of(lw: LoadedWeights) -> Optional[Tokenizer]:
     """The run's tokenizer, or an HF export folder's own; None for bare weight files."""
-    if lw.run_cfg is not None:
-        data = lw.run_cfg.data
-        return resolve_tokenizer(data.tokenizer, data.cache_dir, lw.run_cfg.model.generation)
+    run_cfg = run_config_of(lw.run_config)
+    if run_cfg is not None:
+        return resolve_tokenizer(run_cfg.data.tokenizer, run_cfg.data.cache_dir, run_cfg.model.generation)
     if lw.tokenizer_dir:
         return load_tokenizer(lw.tokenizer_dir)
     return None

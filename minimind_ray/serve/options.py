@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Tuple
 
-from minimind_ray.config import ConfigError
+from minimind_ray.config_checks import ConfigError
 
 
 def is_mlflow_uri(source: str) -> bool:

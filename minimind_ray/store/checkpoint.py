@@ -76,12 +76,6 @@ class CheckpointMeta:
             raise CheckpointError(f"{where}: missing {missing}")
         return cls(**{k: d[k] for k in names if k in d}, extra={k: v for k, v in d.items() if k not in names})
 
-    def run_config(self):
-        from minimind_ray.config import from_dict
-
-        return from_dict(self.config)
-
-
 # --------------------------------------------------------------------------- writing
 
 

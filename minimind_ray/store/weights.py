@@ -28,12 +28,12 @@ import dataclasses
 import json
 import logging
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import pyarrow.fs as pafs
 import torch
 
-from minimind_ray.config import ModelConfig, RunConfig
+from minimind_ray.model.config import LoRAConfig, ModelConfig
 from minimind_ray.fsio import filesystem, is_uri, join
 from minimind_ray.model.minimind import clean_state_dict
 from minimind_ray.model.presets import PRESETS, preset_values
@@ -57,12 +57,18 @@ HF_LAYOUTS = {"llama": ("minimind2", False, False), "qwen3": ("minimind3", True,
 class LoadedWeights:
     state_dict: Dict[str, torch.Tensor]
     model_cfg: ModelConfig
-    run_cfg: Optional[RunConfig]  # present when the source was a checkpoint
+    run_config: Optional[Dict[str, Any]]  # the run's recorded config (a plain dict) when the source was a checkpoint
     checkpoint: Optional[StoredCheckpoint]  # the verified checkpoint it came from
     meta: Optional[CheckpointMeta] = None
     recorded: bool = False  # model_cfg is what the weights recorded, not a preset's values
     tokenizer_dir: Optional[str] = None  # an HF export folder's own tokenizer (local folders only)
     source: str = ""  # how to name the weights in a message
+
+
+def model_config_of(run_config: Dict[str, Any]) -> ModelConfig:
+    """The ModelConfig a run recorded (its config's ``model`` section), keeping only the fields this code knows."""
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    return ModelConfig(**{k: v for k, v in run_config["model"].items() if k in known})
 
 
 def resolve_checkpoint(source: str) -> Optional[StoredCheckpoint]:
@@ -217,8 +223,7 @@ def _load(source: str, assumed: Optional[ModelConfig]) -> LoadedWeights:
     elif info.type == pafs.FileType.Directory:
         ck = resolve_checkpoint(source)
         meta = ck.meta()
-        run_cfg = meta.run_config()
-        lw = LoadedWeights(ck.model_state(), run_cfg.model, run_cfg, ck, meta, recorded=True)
+        lw = LoadedWeights(ck.model_state(), model_config_of(meta.config), meta.config, ck, meta, recorded=True)
     else:
         lw = _read_file(source, assumed)
     check_float_tensors(lw.state_dict, source)
@@ -249,13 +254,12 @@ def load_weights(source: str, preset: Optional[str] = None) -> LoadedWeights:
 def apply_weights(model, lw: LoadedWeights, merge_lora: bool = True):
     """Load ``lw`` into a model built from its config. LoRA adapters in the weights are attached
     (with the run's LoRA config, or the rank read off the tensors), then folded in unless ``merge_lora`` is False."""
-    from minimind_ray.config import LoRAConfig
     from minimind_ray.model.lora import apply_lora, merge_lora as merge
 
     sd = {k: v.float() for k, v in lw.state_dict.items()}
     has_lora = any(".lora." in k for k in sd)
     if has_lora:
-        lcfg = lw.run_cfg.train.lora if lw.run_cfg else LoRAConfig(
+        lcfg = LoRAConfig(**lw.run_config["train"]["lora"]) if lw.run_config else LoRAConfig(
             rank=next(v.shape[0] for k, v in sd.items() if k.endswith("lora.A.weight")))
         apply_lora(model, lcfg)
     try:

@@ -16,11 +16,11 @@ PERF = {"tokens_per_s", "tokens_per_s_per_worker", "mfu", "step_time_s", "data_w
 SYS = {"peak_mem_gb", "world_size", "total_steps"}
 TRAIN = {"loss", "loss_interval", "aux_loss", "lr", "grad_norm", "epoch"}
 HELD_OUT = {"eval_loss": "eval/loss", "eval_ppl": "eval/ppl"}
-RL_STAGES = {"grpo", "ppo", "agent"}
 
 
-def metric_name(key: str, stage: str) -> str:
-    """The MLflow name of one of the loop's metrics (a name that has a prefix already is kept)."""
+def metric_name(key: str, group: str = "train") -> str:
+    """The MLflow name of one of the loop's metrics (a name that has a prefix already is kept); ``group`` is where a
+    stage's own metrics go: its record's metric_group, train or rl (stages/stage.py)."""
     if "/" in key:
         return key
     if key in HELD_OUT:
@@ -28,7 +28,7 @@ def metric_name(key: str, stage: str) -> str:
     for prefix, names in (("perf", PERF), ("sys", SYS), ("train", TRAIN)):
         if key in names:
             return f"{prefix}/{key}"
-    return f"{'rl' if stage in RL_STAGES else 'train'}/{key}"
+    return f"{group}/{key}"
 
 
 def legacy_name(name: str) -> str:

@@ -17,6 +17,7 @@ import importlib.metadata
 import io
 import json
 import logging
+import dataclasses
 import math
 import os
 import subprocess
@@ -25,7 +26,8 @@ from pathlib import Path
 from typing import Dict, Iterator, Optional
 from urllib.parse import unquote
 
-from minimind_ray.config import RunConfig, TrackingConfig, flatten, to_dict, to_yaml
+from minimind_ray.config_checks import flatten
+from minimind_ray.tracking.config import TrackingConfig
 from minimind_ray.fsio import redact, redact_obj, redact_text
 
 log = logging.getLogger(__name__)
@@ -223,8 +225,8 @@ def _find_run(client, experiment_id: str, run_name: str, storage_dir: str):
     return next((r for r in runs if r.data.tags.get(TAG_STORAGE) == storage_dir), None)
 
 
-def start_run(cfg: RunConfig, run_name: str, storage_dir: str, tags: dict) -> str:
-    """Create the MLflow run of a training run, or reopen it on a driver-level resume.
+def start_run(cfg, run_name: str, storage_dir: str, tags: dict) -> str:
+    """Create the MLflow run of a training run (``cfg``: its RunConfig), or reopen it on a driver-level resume.
 
     A Ray Train V2 run resumes when it is started again with the same name and storage path,
     so the same pair identifies its MLflow run (tags ``minimind.run_name``/``minimind.storage``).
@@ -243,8 +245,10 @@ def start_run(cfg: RunConfig, run_name: str, storage_dir: str, tags: dict) -> st
     all_tags = {**_versions(), **_git_tags(), **_ray_tags(), **{k: v for k, v in tags.items() if v is not None}}
     all_tags = {k: str(v) for k, v in all_tags.items()}
     # what MLflow stores never holds a credential: params, the config artifact and the storage tag are redacted
-    params = {k: str(v)[:_MAX_PARAM_LEN] for k, v in redact_obj(flatten(to_dict(cfg))).items()}
-    config_yaml = redact(to_yaml(cfg))
+    from omegaconf import OmegaConf
+
+    params = {k: str(v)[:_MAX_PARAM_LEN] for k, v in redact_obj(flatten(dataclasses.asdict(cfg))).items()}
+    config_yaml = redact(OmegaConf.to_yaml(OmegaConf.structured(cfg)))  # as config.to_yaml writes it
     storage_dir = redact(storage_dir)
     with _short_http(cfg.tracking.timeout_s):
         client = _client(uri)

@@ -51,7 +51,7 @@ def test_a_reward_model_on_a_ray_actor_scores_as_in_the_worker(ray_session, tmp_
     """``placement: actor``: one named actor per run, shared by every rank that asks, same scores."""
     import ray
 
-    from minimind_ray.config import RewardConfig
+    from minimind_ray.rl.rewards import RewardConfig
     from minimind_ray.rl.rewards import build_rewards
     from tests.unit.test_grpo_rewards import PROMPT, make_classifier_dir
 
@@ -138,9 +138,9 @@ def test_a_users_run_on_rollout_actors_crashes_resumes_and_equals_the_uninterrup
     assert exported_pth.exists(), sorted(p.name for p in (run_dir / "export").iterdir())
     model, lw = build_inference_model(str(run_dir))
     assert all(torch.equal(v, w[k]) for k, v in model.state_dict().items())  # the trained policy, not the base
-    tok = resolve_tokenizer(lw.run_cfg.data.tokenizer, str(shared["cache"]), lw.run_cfg.model.generation)
+    tok = resolve_tokenizer(lw.run_config["data"]["tokenizer"], str(shared["cache"]), lw.model_cfg.generation)
     greedy = SamplingConfig(max_new_tokens=4, temperature=0.0)
-    policy = build_model(lw.run_cfg.model)
+    policy = build_model(lw.model_cfg)
     policy.load_state_dict(w)
     reply = generate_text(model, tok, "What is 1 plus 2?", greedy)
     assert reply == generate_text(policy.eval(), tok, "What is 1 plus 2?", greedy)

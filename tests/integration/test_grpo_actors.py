@@ -15,7 +15,8 @@ ACTORS = ("train.grpo.rollout=actors", "train.grpo.rollout_actors=2", "train.grp
 
 
 def train(cfg, path, hooks=None):
-    from minimind_ray.engine import Hooks, TrainState, run
+    from minimind_ray.engine.loop import Hooks, run
+    from minimind_ray.engine.state import TrainState
 
     class Rewards(Hooks):
         def __init__(self):
@@ -44,7 +45,7 @@ def in_worker(prepared):
 def test_the_pool_samples_what_the_worker_samples_and_survives_a_killed_actor(ray_session, prepared, in_worker):
     import ray
 
-    from minimind_ray.engine import Hooks
+    from minimind_ray.engine.loop import Hooks
     from minimind_ray.rl.actors import actor_name
 
     class KillAtStep3(Hooks):
@@ -70,7 +71,8 @@ def test_the_pool_samples_what_the_worker_samples_and_survives_a_killed_actor(ra
 
 def test_overlapped_rollouts_are_one_step_off_policy_and_restore_bit_for_bit(ray_session, prepared, in_worker,
                                                                              tmp_path):
-    from minimind_ray.engine import Hooks, TrainState, run
+    from minimind_ray.engine.loop import Hooks, run
+    from minimind_ray.engine.state import TrainState
     from minimind_ray.store.checkpoint import open_checkpoint
 
     path, base = prepared

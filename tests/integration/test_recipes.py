@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from minimind_ray.config import from_dict
 from minimind_ray.config import ConfigError, load_config
 from minimind_ray.model.minimind import build_model
 from minimind_ray.model.presets import preset_values
@@ -82,7 +83,7 @@ def _run(workdir: Path, recipe: str, monkeypatch, *extra):
 def test_every_26m_recipe_runs_from_a_user_directory(ray_session, workdir, monkeypatch):
     res, ck = _run(workdir, "pretrain_26m", monkeypatch)
     meta = ck.meta()
-    assert meta.run_config().model.preset == "minimind2-small" and meta.run_config().data.tokenizer == "minimind2"
+    assert from_dict(meta.config).model.preset == "minimind2-small" and from_dict(meta.config).data.tokenizer == "minimind2"
     assert sorted(ck.model_state()) == sorted(build_model(ModelConfig(**preset_values("minimind2-small"))).state_dict())
     shutil.copy(res.exports["pth"], workdir / "out" / "pretrain_512.pth")
 
@@ -154,7 +155,8 @@ def _train_in_process(workdir: Path, recipe: str, *extra):
     import random
 
     from minimind_ray.data.prepare import ensure_prepared
-    from minimind_ray.engine import TrainState, run
+    from minimind_ray.engine.loop import run
+    from minimind_ray.engine.state import TrainState
     from minimind_ray.export import export_minimind_pth
     from minimind_ray.stages import get_stage
     from minimind_ray.tokenizer import resolve_tokenizer

@@ -200,7 +200,8 @@ def reference(trained):
     from minimind_ray.tokenizer import resolve_tokenizer
 
     model, lw = build_inference_model(trained.run_dir)
-    tok = resolve_tokenizer(lw.run_cfg.data.tokenizer, lw.run_cfg.data.cache_dir, lw.run_cfg.model.generation)
+    data = lw.run_config["data"]
+    tok = resolve_tokenizer(data["tokenizer"], data["cache_dir"], lw.model_cfg.generation)
     return model, tok
 
 

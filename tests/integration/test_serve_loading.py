@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from minimind_ray.config import LoRAConfig, ModelConfig
+from minimind_ray.config import ModelConfig
+from minimind_ray.model.config import LoRAConfig
 from minimind_ray.model.minimind import build_model
 from minimind_ray.model.presets import preset_values
 from minimind_ray.serve.model_io import check_source, load_served_model

@@ -68,7 +68,7 @@ def test_lora_changes_only_adapters_on_two_workers(ray_session, shared):
     import subprocess
     import sys
 
-    from minimind_ray.config import LoRAConfig
+    from minimind_ray.model.config import LoRAConfig
     from minimind_ray.model.lora import apply_lora, load_lora
 
     merged = shared["base"] / "merged.pth"
@@ -109,7 +109,7 @@ class _Metrics:
     """Each step's metrics (log_interval 1) from the engine's hooks; saves and stops after ``stop_at``."""
 
     def __init__(self, state=None, stop_at=None, ckpt=None, prepared=None):
-        from minimind_ray.engine import Hooks
+        from minimind_ray.engine.loop import Hooks
 
         outer = self
 
@@ -134,7 +134,8 @@ def run_in_process(shared, tmp_path, *overrides):
     import random
 
     from minimind_ray.data.prepare import ensure_prepared
-    from minimind_ray.engine import TrainState, run
+    from minimind_ray.engine.loop import run
+    from minimind_ray.engine.state import TrainState
     from minimind_ray.store.checkpoint import open_checkpoint
     from minimind_ray.tokenizer import resolve_tokenizer
 

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from minimind_ray.config import from_dict
 from minimind_ray.config import load_config
 from minimind_ray.store.checkpoint import MODEL
 
@@ -77,13 +78,14 @@ def test_one_worker_matches_two_workers(baseline, one_worker, shared):
 def test_one_worker_equals_plain_single_process_training(one_worker):
     """world_size=1 on Ray Train is plain PyTorch: the engine's own loop with no Ray and no process
     group gives bit-identical weights (same data order, same ops, one thread like the worker)."""
-    from minimind_ray.engine import TrainState, run
+    from minimind_ray.engine.loop import run
+    from minimind_ray.engine.state import TrainState
     from minimind_ray.store.checkpoint import open_checkpoint
 
     meta = open_checkpoint(one_worker.checkpoint_dir).meta()
     threads = torch.get_num_threads()
     try:
-        state = TrainState.build(meta.run_config(), meta.prepared_dir)  # sets the worker's thread count
+        state = TrainState.build(from_dict(meta.config), meta.prepared_dir)  # sets the worker's thread count
         run(state)
     finally:
         torch.set_num_threads(threads)
@@ -131,7 +133,7 @@ def test_a_request_the_cluster_cannot_hold_fails_fast(ray_session, shared):
 
 def test_rollout_actors_the_cluster_cannot_place_fail_fast_naming_the_field(ray_session, tmp_path):
     """Workers that fit with rollout actors beside them that do not (the session's Ray has 4 CPUs: 2 workers, 3
-    actors of 1 CPU) is an error naming train.grpo.rollout_actors, not an actor left pending forever."""
+    actors of 1 CPU) is an error naming train.rollout.actors, not an actor left pending forever."""
     from minimind_ray.config import load_config
     from minimind_ray.model.minimind import build_model
     from minimind_ray.raytrain.driver import ClusterTooSmall, check_resources
@@ -144,7 +146,7 @@ def test_rollout_actors_the_cluster_cannot_place_fail_fast_naming_the_field(ray_
         f"train.init_from={base}", "cluster.num_workers=2", "cluster.resource_timeout_s=0.5", "train.grpo.rollout=actors",
         *extra])
     check_resources(grpo("train.grpo.rollout_actors=2"), use_gpu=False)  # 2 + 2 CPUs: fits
-    with pytest.raises(ClusterTooSmall, match=r"^train\.grpo\.rollout_actors: .* 3 rollout actor\(s\)"):
+    with pytest.raises(ClusterTooSmall, match=r"^train\.rollout\.actors: .* 3 rollout actor\(s\)"):
         check_resources(grpo("train.grpo.rollout_actors=3"), use_gpu=False)
 
 

@@ -94,7 +94,7 @@ def traj(*turns, gt=("7",), unfinished=False, tools=(CALCULATOR_SCHEMA,)):
 
 
 def test_agent_rewards_add_up_to_minimind_by_hand():
-    from minimind_ray.rl.config import RewardConfig
+    from minimind_ray.rl.grpo_config import RewardConfig
     from minimind_ray.rl.agent_config import AgentConfig
 
     terms = build_agent_rewards(AgentConfig().rewards)
@@ -229,7 +229,7 @@ def test_agent_config_is_checked():
     for extra, field in ((["train.agent.max_total_len=100"], "train.agent.max_total_len"),
                          (["train.agent.tools=[{name: weather}]"], r"train.agent.tools\[0\].function"),
                          (["train.agent.rewards=[{name: length}]"], r"train.agent.rewards\[0\].name"),
-                         (["train.grpo.rollout=actors"], "train.grpo.rollout"),
+                         (["train.grpo.rollout=actors"], "train.rollout.engine"),
                          (["train.grpo.rewards=[{name: exact_answer}]"], "train.grpo.rewards")):
         with pytest.raises(ConfigError, match=field):
             load_config(None, ["data.train_path=[demo]", "model.preset=tiny", "train.stage=agent",
@@ -237,7 +237,7 @@ def test_agent_config_is_checked():
 
 
 def test_a_rollout_runs_the_tool_and_only_the_policys_tokens_carry_loss(agent_prepared):
-    from minimind_ray.engine import TrainState
+    from minimind_ray.engine.state import TrainState
 
     prepared, base, tok = agent_prepared
     state = TrainState.build(agent_config(base, "train.global_batch_size=1", "train.grpo.max_gen_len=64"), prepared)
@@ -260,7 +260,8 @@ def test_a_rollout_runs_the_tool_and_only_the_policys_tokens_carry_loss(agent_pr
 def test_agent_stage_saves_and_restores_bit_for_bit(agent_prepared, tmp_path):
     """Trajectories sample from per-row seeds (turn by turn), tools are deterministic: a run stopped after step 2 and
     restored takes the same steps, with the same rewards and tool calls, as one that never stopped."""
-    from minimind_ray.engine import Hooks, TrainState, run
+    from minimind_ray.engine.loop import Hooks, run
+    from minimind_ray.engine.state import TrainState
     from minimind_ray.store.checkpoint import open_checkpoint
 
     prepared, base, tok = agent_prepared

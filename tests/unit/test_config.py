@@ -3,7 +3,9 @@ from pathlib import Path
 
 import pytest
 
-from minimind_ray.config import ConfigError, accumulation_steps, field_help, flatten, load_config, to_dict
+from minimind_ray.config import ConfigError, field_help, load_config, to_dict
+from minimind_ray.data.config import accumulation_steps
+from minimind_ray.config_checks import flatten
 
 RECIPES = Path(__file__).resolve().parents[2] / "pipelines" / "configs"
 

@@ -14,7 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from minimind_ray.engine import Hooks, TrainState, run, train_step
+from minimind_ray.config import from_dict
+from minimind_ray.engine.loop import Hooks, run
+from minimind_ray.engine.state import TrainState
+from minimind_ray.engine.step import train_step
 from minimind_ray.store.checkpoint import open_checkpoint
 from minimind_ray.store.pth import read_pth
 
@@ -25,7 +28,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def fixture_config(**train):
     """The config the fixture's run used, with its machine's paths dropped."""
-    cfg = open_checkpoint(FIXTURE / "checkpoint_step4").meta().run_config()
+    cfg = from_dict(open_checkpoint(FIXTURE / "checkpoint_step4").meta().config)
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, sample_log_dir=None, **train))
 
 

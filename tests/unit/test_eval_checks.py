@@ -12,6 +12,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from minimind_ray.config import from_dict
 from minimind_ray.config import to_dict
 from minimind_ray.data.manifest import DataError
 from minimind_ray.engine.state import RNGState
@@ -26,7 +27,7 @@ PREPARED = FIXTURE / "prepared"
 def run_checkpoint(tmp_path_factory) -> Path:
     """The fixture's step-4 checkpoint, rewritten to name this machine's tokenizer and prepared data."""
     old = ckpt_io.open_checkpoint(FIXTURE / "checkpoint_step4")
-    cfg = old.meta().run_config()
+    cfg = from_dict(old.meta().config)
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=str(FIXTURE / "tokenizer")))
     ck = tmp_path_factory.mktemp("eval") / "run" / "checkpoint_000004"
     ckpt_io.write_rank_files(ck, 0, RNGState().state_dict())

@@ -6,7 +6,8 @@ import json
 import pytest
 import torch
 
-from minimind_ray.config import LoRAConfig, ModelConfig
+from minimind_ray.config import ModelConfig
+from minimind_ray.model.config import LoRAConfig
 from minimind_ray.export import export_hf, export_minimind_pth
 from minimind_ray.model.lora import apply_lora, load_lora
 from minimind_ray.model.minimind import build_model

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from minimind_ray.config import LoRAConfig, ModelConfig
+from minimind_ray.config import ModelConfig
+from minimind_ray.model.config import LoRAConfig
 from minimind_ray.export_gguf import export_gguf, read_gguf_tensors, token_strings
 from minimind_ray.model.lora import apply_lora
 from minimind_ray.model.minimind import build_model, rope_tables

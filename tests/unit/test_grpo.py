@@ -220,7 +220,8 @@ def prepared(tmp_path_factory):
 def test_grpo_stage_saves_and_restores_bit_for_bit(prepared, tmp_path):
     """The sampling RNG is the process's, which checkpoints hold: a run stopped after step 3 and restored
     samples the same completions, earns the same rewards and ends with the same weights."""
-    from minimind_ray.engine import Hooks, TrainState, run
+    from minimind_ray.engine.loop import Hooks, run
+    from minimind_ray.engine.state import TrainState
     from minimind_ray.store.checkpoint import open_checkpoint
 
     class Rewards(Hooks):
@@ -268,7 +269,8 @@ def test_grpo_stage_saves_and_restores_bit_for_bit(prepared, tmp_path):
 
 
 def test_grpo_step_weight_is_the_number_of_completions(prepared):
-    from minimind_ray.engine import TrainState, train_step
+    from minimind_ray.engine.state import TrainState
+    from minimind_ray.engine.step import train_step
 
     prepared, base = prepared
     state = TrainState.build(grpo_config(base, "train.grpo.beta=0"), prepared)

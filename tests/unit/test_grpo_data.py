@@ -151,7 +151,7 @@ def test_grpo_defaults_are_minimind_and_other_stages_refuse_rl_data(grpo_cfg):
     ("train.grpo.rewards=[{name: 'no_such_module_xyz:f'}]", r"rewards\[0\].name: cannot load reward"),
     ("train.grpo.rewards=[{name: reward_model, path: /no/such/dir}]", r"rewards\[0\].path: not a directory"),
     ("train.grpo.rollout=vllm", r"train.grpo.rollout: 'vllm' is not one of \('torch', 'actors'\)"),
-    ("train.grpo.rollout_overlap=true", "train.grpo.rollout_overlap: .* needs rollout=actors"),
+    ("train.grpo.rollout_overlap=true", "train.rollout.overlap: .* needs train.rollout.engine=actors"),
     ("train.grpo.loss_agg=mean", r"train.grpo.loss_agg: 'mean' is not one of"),
     ("train.grpo.kl_estimator=k4", r"train.grpo.kl_estimator: 'k4' is not one of"),
     ("train.grpo.clip_high=0", r"train.grpo.clip_high: must be > 0"),

@@ -10,7 +10,7 @@ import torch
 
 from minimind_ray.rl.grpo import (aggregate_loss, group_advantages, kl_estimate, loss_units, per_token_loss,
                                   sequence_mean)
-from minimind_ray.rl.policy_step import AdaptiveKL
+from minimind_ray.rl.grpo_step import AdaptiveKL
 from minimind_ray.rl.rollout import SamplingParams, TorchRollout, row_seeds
 from tests.unit.test_grpo import _left_pad, _one_token, grpo_config, prepared, tiny  # noqa: F401 (fixtures)
 
@@ -100,7 +100,8 @@ def test_per_row_seeds_make_a_row_independent_of_its_batch(tiny):
 
 
 def _run(cfg, prepared_dir, hooks=None):
-    from minimind_ray.engine import Hooks, TrainState, run
+    from minimind_ray.engine.loop import Hooks, run
+    from minimind_ray.engine.state import TrainState
 
     class Keep(Hooks):
         def __init__(self):
@@ -137,7 +138,8 @@ def test_dynamic_sampling_and_truncation_masks(prepared):
     """exact_answer alone on sums the tiny model never gets right: every group's rewards are all 0, so dynamic
     sampling resamples every group and then drops them all (no loss, no gradient); with mask_truncated every
     completion that reached max_gen_len carries no loss either."""
-    from minimind_ray.engine import TrainState, train_step
+    from minimind_ray.engine.state import TrainState
+    from minimind_ray.engine.step import train_step
 
     path, base = prepared
     cfg = grpo_config(base, "train.grpo.rewards=[{name: exact_answer}]", "train.grpo.dynamic_sampling=2")
@@ -158,7 +160,8 @@ def test_dynamic_sampling_and_truncation_masks(prepared):
 
 
 def test_the_adaptive_beta_is_checkpointed_with_the_run(prepared, tmp_path):
-    from minimind_ray.engine import Hooks, TrainState, run
+    from minimind_ray.engine.loop import Hooks, run
+    from minimind_ray.engine.state import TrainState
     from minimind_ray.store.checkpoint import open_checkpoint
 
     path, base = prepared

@@ -9,7 +9,7 @@ import textwrap
 import pytest
 import torch
 
-from minimind_ray.config import RewardConfig
+from minimind_ray.rl.rewards import RewardConfig
 from minimind_ray.rl.reward_model import GetScoreReward, load_reward_model, prompt_messages
 from minimind_ray.rl.rewards import (build_rewards, close_answer_reward, exact_answer_reward, is_correct,
                                      length_reward, repetition_penalty, repetition_reward, score,

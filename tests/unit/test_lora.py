@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from minimind_ray.config import LoRAConfig, ModelConfig
+from minimind_ray.config import ModelConfig
+from minimind_ray.model.config import LoRAConfig
 from minimind_ray.model.lora import (LoRALinear, apply_lora, freeze_base, load_lora, lora_state_dict, merge_lora,
                                      save_lora)
 from minimind_ray.model.minimind import build_model

@@ -38,7 +38,8 @@ def status_gib(field):
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith(field + ":")) / 2**20  # kB -> GiB
 from minimind_ray.config import ModelConfig
-from minimind_ray.engine import Hooks, TrainState, run
+from minimind_ray.engine.loop import Hooks, run
+from minimind_ray.engine.state import TrainState
 from minimind_ray.engine.memory import estimate
 from minimind_ray.model.presets import preset_values
 from tests.unit.test_engine import PREPARED, fixture_config

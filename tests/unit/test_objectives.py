@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from minimind_ray.config import load_config
 from minimind_ray.model.minimind import build_model
 from minimind_ray.store.pth import save_pth
-from minimind_ray.engine.objectives import build_objective
+from minimind_ray.stages import build_objective
 
 
 def cfg_for(stage, fmt, *extra):

@@ -123,7 +123,7 @@ def ppo_config(init_from, *extra):
 
 
 def _recorder():
-    from minimind_ray.engine import Hooks
+    from minimind_ray.engine.loop import Hooks
 
     class Metrics(Hooks):
         def __init__(self):
@@ -136,7 +136,8 @@ def _recorder():
 
 
 def _run(cfg, prepared_dir):
-    from minimind_ray.engine import TrainState, run
+    from minimind_ray.engine.loop import run
+    from minimind_ray.engine.state import TrainState
 
     state, seen = TrainState.build(cfg, prepared_dir), _recorder()()
     run(state, seen)
@@ -173,7 +174,8 @@ def test_early_stop_on_kl_drops_the_update_and_the_rest_of_the_step(prepared):
 def test_ppo_stage_saves_and_restores_bit_for_bit(prepared, tmp_path):
     """Actor, critic, both optimizers and schedules, the data position and the sampling seeds are in the checkpoint:
     a run stopped after step 2 and restored takes the same steps, with the same rewards, as one that never stopped."""
-    from minimind_ray.engine import TrainState, run
+    from minimind_ray.engine.loop import run
+    from minimind_ray.engine.state import TrainState
     from minimind_ray.store.checkpoint import open_checkpoint
     from minimind_ray.store.pth import read_pth
 
@@ -239,7 +241,8 @@ def test_export_writes_the_actor_and_minimind_critic(prepared, tmp_path):
 def _rank_main(rank: int, world: int, init_file: str, prepared_dir: str, base: str, out: str) -> None:
     import torch.distributed as dist
 
-    from minimind_ray.engine import TrainState, run
+    from minimind_ray.engine.loop import run
+    from minimind_ray.engine.state import TrainState
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:

@@ -20,7 +20,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minimind_ray.engine import Hooks, TrainState, run
+from minimind_ray.engine.loop import Hooks, run
+from minimind_ray.engine.state import TrainState
 from minimind_ray.model.minimind import build_model
 from minimind_ray.store.checkpoint import open_checkpoint
 from minimind_ray.store.pth import read_pth

@@ -11,7 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from minimind_ray.engine import Hooks, TrainState, run
+from minimind_ray.engine.loop import Hooks, run
+from minimind_ray.engine.state import TrainState
 from minimind_ray.raytrain.preemption import HOLD_GRACE_S, PreemptionCheck, check_interval
 from minimind_ray.store.checkpoint import open_checkpoint
 

@@ -1,28 +1,12 @@
-"""The RL stages' configuration: the reward terms and GRPO's settings (a TrainConfig's ``grpo`` section), and
-their checks. Kept beside the rl room it configures; minimind_ray/config.py holds it in its RunConfig."""
+"""GRPO's configuration (a TrainConfig's ``grpo`` section, also the agent stage's policy loss and sampling) and its
+checks. Kept beside the rl room it configures; the grpo stage's record (stages/grpo.py) puts it in TrainConfig."""
 from __future__ import annotations
 
-import math
-import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import List, Optional
 
-from minimind_ray.config_checks import ConfigError, config_field as _f, need
-
-
-@dataclass
-class RewardConfig:
-    """One term of the GRPO reward; a completion's reward is the sum of weight * term (minimind_ray/rl/rewards.py)."""
-
-    name: str = _f("length", "length | think_format | repetition | exact_answer | close_answer | permutation_answer | "
-                             "reward_model (MiniMind's "
-                             "rules, a known answer, a near miss, a model), or 'module:function' called as "
-                             "fn(prompts, completions, answers, **args)")
-    weight: float = _f(1.0, "multiplier of this term in the total reward")
-    path: Optional[str] = _f(None, "reward_model: a directory with an HF AutoModelForSequenceClassification, or a model "
-                                   "with get_score as MiniMind uses (internlm2-1_8b-reward; args.trust_remote_code=true)")
-    args: Dict[str, Any] = _f({}, "keyword arguments of the term, e.g. {min_chars: 20, max_chars: 800} for length, "
-                                  "{clip: 3.0, kind: auto, placement: worker | actor} for reward_model")
+from minimind_ray.config_checks import config_field as _f, need
+from minimind_ray.rl.rewards import RewardConfig, validate_reward_terms
 
 
 @dataclass
@@ -62,13 +46,12 @@ class GRPOConfig:
     dynamic_sampling: int = _f(0, "DAPO's dynamic sampling: groups whose rewards are all equal are sampled again, up "
                                   "to this many rounds; those still equal are dropped from the loss (0 = off)", ge=0)
     mask_truncated: bool = _f(False, "completions that reach max_gen_len without an EOS carry no loss (TRL)")
-    rollout: str = _f("torch", "rollout engine: 'torch' = each training worker samples its own prompts (KV cache); "
-                               "'actors' = a pool of Ray actors (rollout_actors) generates for every rank")
-    rollout_actors: int = _f(1, "actors: how many rollout actors", ge=1)
-    rollout_actor_cpus: float = _f(1.0, "actors: CPUs per rollout actor (its torch threads)", gt=0)
-    rollout_actor_gpus: float = _f(0.0, "actors: GPUs per rollout actor", ge=0)
-    rollout_overlap: bool = _f(False, "actors: generate step t+1's rollouts from the weights before step t's update "
-                                      "while that update runs (one step off-policy; not across a checkpoint)")
+    # the rollout engine's keys before train.rollout: still read, into train.rollout (rl/rollout_config.py)
+    rollout: str = _f("torch", "old name of train.rollout.engine ('torch' = worker, 'actors')")
+    rollout_actors: int = _f(1, "old name of train.rollout.actors", ge=1)
+    rollout_actor_cpus: float = _f(1.0, "old name of train.rollout.actor_cpus", gt=0)
+    rollout_actor_gpus: float = _f(0.0, "old name of train.rollout.actor_gpus", ge=0)
+    rollout_overlap: bool = _f(False, "old name of train.rollout.overlap")
     rewards: List[RewardConfig] = field(default_factory=lambda: [RewardConfig(n) for n in (
         "length", "think_format", "repetition")], metadata={
         "help": "reward terms, e.g. [{name: exact_answer}, {name: reward_model, path: DIR, weight: 0.5}]; "
@@ -76,9 +59,7 @@ class GRPOConfig:
 
 
 def validate_grpo(cfg) -> None:
-    """The grpo stage's checks (config.validate calls it), naming the field."""
-    from minimind_ray.rl.rewards import BUILTIN_REWARDS, load_callable
-
+    """The grpo stage's checks (its stage record's validate), naming the field."""
     g, d = cfg.train.grpo, cfg.data
     need(g.num_generations >= 2, "train.grpo.num_generations", "must be >= 2 (advantages compare a group's completions)")
     need(g.max_gen_len >= 1, "train.grpo.max_gen_len", "must be >= 1")
@@ -93,24 +74,11 @@ def validate_grpo(cfg) -> None:
     for name, value, allowed in (("kl_estimator", g.kl_estimator, ("k1", "k2", "k3")),
                                  ("advantage", g.advantage, ("grpo", "rloo")),
                                  ("scale_rewards", g.scale_rewards, ("group", "batch", "none")),
-                                 ("loss_agg", g.loss_agg, ("seq-mean", "token-mean", "seq-sum-norm")),
-                                 ("rollout", g.rollout, ("torch", "actors"))):
+                                 ("loss_agg", g.loss_agg, ("seq-mean", "token-mean", "seq-sum-norm"))):
         need(value in allowed, f"train.grpo.{name}", f"{value!r} is not one of {allowed}")
-    need(not g.rollout_overlap or g.rollout == "actors", "train.grpo.rollout_overlap",
-         "overlaps generation with the update on a pool of actors: needs rollout=actors")
     need(g.kl_target is None or g.beta > 0, "train.grpo.kl_target", "the adaptive controller scales beta: beta > 0")
     need(d.eval_fraction == 0, "data.eval_fraction", "must be 0 for grpo (there is no held-out loss of sampled "
                                                       "completions; measure rewards or accuracy instead)")
     need(cfg.train.init_from is not None, "train.init_from", "GRPO improves a trained policy: give its weights "
                                                             "(e.g. a demo SFT run: train.init_from=runs/<demo-sft-run>)")
-    need(bool(g.rewards), "train.grpo.rewards", "no reward terms")
-    for i, r in enumerate(g.rewards):
-        where = f"train.grpo.rewards[{i}]"
-        need(math.isfinite(r.weight), f"{where}.weight", "must be a finite number")
-        if r.name == "reward_model":
-            need(r.path is not None and os.path.isdir(r.path), f"{where}.path", f"not a directory: {r.path}")
-        elif r.name not in BUILTIN_REWARDS:
-            try:
-                load_callable(r.name)
-            except ValueError as e:
-                raise ConfigError(f"{where}.name: {e}") from None
+    validate_reward_terms(g.rewards, "train.grpo.rewards")

@@ -52,16 +52,17 @@ def _rows(batch: Batch, lo: int, hi: int, keep_metrics: bool) -> Batch:
 
 
 def build_rollout(cfg, state):
-    """The engine ``train.grpo.rollout`` names: this worker's sampler, or a pool of Ray actors (rl/actors.py)."""
+    """The engine ``train.rollout.engine`` names: this worker's sampler, or a pool of Ray actors (rl/actors.py)."""
     from minimind_ray.rl.rollout import TorchRollout
 
-    if cfg.train.grpo.rollout == "torch":
+    engine = cfg.train.rollout.engine
+    if engine == "worker":
         return TorchRollout(state.autocast)
-    if cfg.train.grpo.rollout == "actors":
+    if engine == "actors":
         from minimind_ray.rl.actors import ActorRollout
 
         return ActorRollout(cfg, state.rank, state.world)
-    raise ValueError(f"train.grpo.rollout: unknown rollout engine {cfg.train.grpo.rollout!r}; one of ('torch', 'actors')")
+    raise ValueError(f"train.rollout.engine: unknown rollout engine {engine!r}; one of ('worker', 'actors')")
 
 
 class GRPOPlan:
@@ -94,7 +95,7 @@ class GRPOPlan:
                                    row_seeds(self.cfg.train.seed, step, mb["sample_ids"], G)) for mb in batches]
 
     def prepare(self, state, batches: List[Batch], step: int, *, rewards, reference) -> List[Batch]:
-        from minimind_ray.config import checkpoint_due
+        from minimind_ray.store.config import checkpoint_due
         from minimind_ray.rl.grpo import group_advantages, rollout_micro_batch
 
         if self.engine is None:
@@ -107,7 +108,7 @@ class GRPOPlan:
                                    autocast=state.autocast, device=state.device, seed=self.cfg.train.seed, step=step,
                                    dynamic_rounds=g.dynamic_sampling, mask_truncated=g.mask_truncated,
                                    pending=ahead[i] if ahead else None) for i, mb in enumerate(batches)]
-        if g.rollout_overlap and step < state.total_steps and not checkpoint_due(self.cfg, step, state.total_steps):
+        if self.cfg.train.rollout.overlap and step < state.total_steps and not checkpoint_due(self.cfg, step, state.total_steps):
             self.pending[step + 1] = self._submit(state, state.stream.peek(), step + 1)  # runs during the update
         batch_std = self._batch_std(out, state) if g.scale_rewards == "batch" else None
         for b in out:

@@ -1,0 +1,72 @@
+"""The engine's configuration: the optimisation loop (``train:``), with one section per stage that has settings of
+its own (``train.lora``, ``train.dpo``, ...: each stage's record in minimind_ray/stages/ brings its section)."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import List, Optional
+
+from minimind_ray.config_checks import config_field as _f, need
+from minimind_ray.fault_schedule import validate_faults
+from minimind_ray.rl.rollout_config import RolloutConfig, validate_rollout
+from minimind_ray.stages import STAGE_NAMES, STAGES
+
+
+@dataclass
+class LoopConfig:
+    """The optimisation loop (TrainConfig without the stages' sections)."""
+
+    stage: str = _f("pretrain", f"objective plug-in: {' | '.join(STAGE_NAMES)}")
+    init_from: Optional[str] = _f(None, "start weights: a MiniMind .pth or a checkpoint directory of an earlier run")
+    global_batch_size: int = _f(64, "sequences per optimizer step, whatever the worker count", ge=1)
+    micro_batch_size: int = _f(16, "sequences per forward/backward on one worker", ge=1)
+    epochs: int = _f(1, "passes over the training split", ge=1)
+    max_steps: Optional[int] = _f(None, "stop after this many optimizer steps (None = epochs * steps per epoch)", ge=1)
+    lr: float = _f(1e-4, "peak learning rate", gt=0)
+    min_lr_ratio: float = _f(0.1, "cosine schedule floor as a fraction of lr", ge=0, le=1)
+    warmup_steps: int = _f(1000, "linear warmup steps (capped at 10% of the run if longer)", ge=0)
+    lr_schedule: str = _f("cosine", "'cosine' (linear warmup + cosine) or 'minimind' (lr*(0.1+0.45*(1+cos(pi*t/T))))")
+    weight_decay: float = _f(0.0, "AdamW weight decay", ge=0)
+    beta1: float = _f(0.9, "AdamW beta1", ge=0, lt=1)
+    beta2: float = _f(0.95, "AdamW beta2", ge=0, lt=1)
+    grad_clip: float = _f(1.0, "max global gradient norm (0 = off)", ge=0)
+    seed: int = _f(1337, "seed of weights init, data order and dropout")
+    precision: str = _f("auto", "'auto' (bf16 autocast on CUDA, fp32 on CPU), 'bf16' or 'fp32'")
+    compile: bool = _f(False, "torch.compile the model")
+    log_interval: int = _f(10, "optimizer steps between metric reports", ge=1)
+    eval_interval: int = _f(0, "optimizer steps between evaluations (0 = only at the end, if there is an eval split)", ge=0)
+    eval_batches: int = _f(8, "micro-batches per rank per evaluation (0 = the whole eval split)", ge=0)
+    comm_warn_fraction: float = _f(0.10, "warn when all-reduce time exceeds this fraction of step time", ge=0)
+    fail_at_step: Optional[int] = _f(None, "fault injection: fail once when this step is reached")
+    fail_mode: str = _f("raise", "fault injection: 'raise', 'exit' (os._exit) or 'sigkill'")
+    fail_rank: int = _f(0, "fault injection: which rank fails", ge=0)
+    hang_at_step: Optional[int] = _f(None, "fault injection: this rank sleeps forever before the all-reduce of this step")
+    faults: List[str] = _f([], "fault schedule, each fired once per run: 'step:kind:rank' with kind raise | exit | "
+                               "sigkill | hang | oom | lost_report (at a checkpoint step: SIGKILL once the checkpoint is "
+                               "in storage, before Ray Train registers it), 'step:slow:rank:seconds' (a straggler that "
+                               "must not fail the run), or 'start:phase:rank': SIGKILL while the worker group starts, "
+                               "phase actor | backend | launch")
+    collective_timeout_s: float = _f(600.0, "a collective that takes longer fails the worker group (hung-rank detection)", gt=0)
+    sample_log_dir: Optional[str] = _f(None, "debug: each rank appends the sample ids of every step here (exactly-once checks)")
+    threads_per_worker: int = _f(0, "torch/OMP threads per worker; 0 = CPUs per worker rounded up", ge=0)
+    rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)  # the RL stages' engine (rl/)
+
+
+# TrainConfig: the loop's fields, then train.<stage> for each stage with a section, in the registry's order
+TrainConfig = dataclasses.make_dataclass(
+    "TrainConfig",
+    [(s.name, s.section, dataclasses.field(default_factory=s.section)) for s in STAGES.values() if s.section],
+    bases=(LoopConfig,), namespace={"__module__": __name__, "__doc__": "The optimisation loop."})
+
+
+def validate_train(cfg) -> None:
+    """The train section's own rules; the stage's are its record's (config.validate calls both)."""
+    t = cfg.train
+    need(t.stage in STAGES, "train.stage", f"unknown stage {t.stage!r}; one of {STAGE_NAMES}")
+    need(t.lr_schedule in ("cosine", "minimind"), "train.lr_schedule", "must be 'cosine' or 'minimind'")
+    need(t.precision in ("auto", "bf16", "fp32"), "train.precision", "must be auto, bf16 or fp32")
+    need(t.fail_mode in ("raise", "exit", "sigkill"), "train.fail_mode", "must be raise, exit or sigkill")
+    validate_faults(cfg)
+    validate_rollout(t.rollout)
+    need(t.rollout == RolloutConfig() or STAGES[t.stage].rl, "train.rollout",
+         f"stage {t.stage!r} samples no completions: leave train.rollout as it is")

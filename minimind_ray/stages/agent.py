@@ -1,0 +1,36 @@
+"""Agentic tool-use RL (MiniMind's train_agent.py): multi-turn GRPO/CISPO rollouts that call tools and read their
+results (``train.agent``; the policy loss, group and sampling are ``train.grpo``'s)."""
+from __future__ import annotations
+
+from typing import List
+
+from minimind_ray.rl.agent_config import AgentConfig, validate_agent
+from minimind_ray.rl.rewards import user_reward_names
+from minimind_ray.rl.rollout_config import actor_resources
+from minimind_ray.stages.stage import MemoryTerms, Stage
+
+
+def objective(cfg):
+    from minimind_ray.stages.agent_objective import AgentObjective  # lazy: torch, when a run builds its state
+
+    return AgentObjective(cfg)
+
+
+def memory(cfg, policy, count) -> MemoryTerms:
+    """num_generations trajectories per prompt, each up to max_total_len tokens (its turns and the tools' answers)."""
+    a, g = cfg.train.agent, cfg.train.grpo
+    return MemoryTerms(sequences=g.num_generations, extra_tokens=max(0, a.max_total_len - cfg.data.max_seq_len),
+                       frozen_models=1.0 if g.beta > 0 else 0.0,
+                       batch_fields=("train.grpo.num_generations", "train.agent.max_total_len"))
+
+
+def plugins(cfg) -> List[str]:
+    """Its reward terms and the tools of its own that the user names (``package.module:function``)."""
+    a = cfg.train.agent
+    return user_reward_names(a.rewards) + [t.function for t in a.tools if t.function]
+
+
+STAGE = Stage("agent", "agentic tool-use RL: multi-turn GRPO/CISPO rollouts that call tools and read their results",
+              formats=("agent_rl",), objective=objective, export_prefix="agent", section=AgentConfig,
+              validate=validate_agent, memory=memory, plugins=plugins, beside=actor_resources, metric_group="rl",
+              headline=("reward", "kl"), rl=True)

@@ -1,0 +1,67 @@
+"""What a training stage is: one :class:`Stage` record per stage (``stages/<name>.py``) holding everything that
+differs between stages, so that the rest of the project asks the record instead of comparing stage names.
+
+The record is light (no torch): the CLI and the config read it. The stage's objective (its loss) lives in
+``stages/<name>_objective.py`` (or the shared cross-entropy of ``stages/objective.py``) and is imported only when a
+run builds its training state.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+
+@dataclass(frozen=True)
+class MemoryTerms:
+    """What a stage adds to one worker's memory estimate (engine/memory.py) besides one trained policy, in the
+    estimate's own units."""
+
+    sequences: int = 1  # sequences per micro-batch row in one forward (DPO, SimPO: the chosen and the rejected)
+    extra_tokens: int = 0  # tokens generated after each prompt (RL: max_gen_len; the agent: up to max_total_len)
+    frozen_models: float = 0.0  # frozen models held, in policy sizes (a reference; a teacher)
+    trained_models: float = 0.0  # models trained beside the policy, in policy sizes, with gradients and AdamW (a critic)
+    trained_params: Optional[int] = None  # parameters the policy trains, added to it, if not all of it (LoRA)
+    extra_logit_bytes: int = 0  # per logit (distillation: the teacher's logits and the KL's log-softmaxes)
+    batch_fields: Tuple[str, ...] = ()  # settings that size a micro-batch besides micro_batch_size and max_seq_len
+
+
+def no_checks(cfg) -> None:
+    return None
+
+
+def plain_memory(cfg, policy, count) -> MemoryTerms:
+    return MemoryTerms()
+
+
+def no_plugins(cfg) -> List[str]:
+    return []
+
+
+def nothing_beside(cfg) -> Dict[str, float]:
+    return {}
+
+
+def no_parents(cfg) -> Dict[str, Optional[str]]:
+    return {}
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One training stage. Every callable takes the run's config (a RunConfig)."""
+
+    name: str
+    help: str
+    formats: Tuple[str, ...]  # data formats it trains on (data/config.py:FORMATS)
+    objective: Callable[[Any], Any]  # cfg -> its Objective (stages/objective.py); imports torch when called
+    export_prefix: str  # MiniMind's file-name prefix for the weights (its trainers' naming)
+    parts: Tuple[Tuple[str, str], ...] = ()  # (a model trained beside the policy, MiniMind's file-name prefix for it)
+    section: Optional[type] = None  # its config dataclass: train.<name>
+    validate: Callable[[Any], None] = no_checks  # its checks, naming the field (config.validate calls them)
+    # (cfg, the policy's resolved ModelConfig, count: ModelConfig -> parameters) -> its memory terms
+    memory: Callable[[Any, Any, Callable[[Any], int]], MemoryTerms] = plain_memory
+    plugins: Callable[[Any], List[str]] = no_plugins  # the user's 'package.module:function' names its config holds
+    beside: Callable[[Any], Dict[str, float]] = nothing_beside  # resources it places beside the workers
+    parents: Callable[[Any], Dict[str, Optional[str]]] = no_parents  # weights it starts from besides init_from
+    metric_group: str = "train"  # its interval metrics' MLflow group: train/<key>, or rl/<key>
+    headline: Tuple[str, ...] = ()  # interval metrics the console shows beside the loss
+    rl: bool = False  # samples completions from the policy (train.rollout applies)
