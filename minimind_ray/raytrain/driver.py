@@ -25,15 +25,12 @@ from typing import Any, Dict, Optional, Tuple
 from minimind_ray.cluster_config import worker_threads
 from minimind_ray.config import ConfigError, RunConfig, from_dict, run_identity
 from minimind_ray.fsio import is_uri, redact
+from minimind_ray.raytrain.resources import check_resources, worker_resources
 from minimind_ray.raytrain.runtime_env import side_cpus, user_modules, worker_pythonpath
 from minimind_ray.raytrain.spec import WorkerSpec
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PREPARE_OOM_RETRIES = 2  # a prepare task killed for memory more often than this fails the command (data/prepare.py)
-
-
-class ClusterTooSmall(ConfigError):
-    """The cluster cannot place the requested worker group; the message names the field to change."""
 
 
 class RunFinished(ConfigError):
@@ -83,9 +80,6 @@ def connect_ray(cfg: RunConfig, dashboard: bool = True, num_cpus: Optional[int] 
     os.environ.setdefault("RAY_task_oom_retries", str(PREPARE_OOM_RETRIES))
     address = cfg.cluster.address or os.environ.get("RAY_ADDRESS")
     env = {"env_vars": {"PYTHONPATH": worker_pythonpath(), "TOKENIZERS_PARALLELISM": "false"}}
-    modules = user_modules(cfg)  # the user's own plug-in modules reach every worker, on any node
-    if modules:
-        env["py_modules"] = modules
     if in_ray_job():
         ray.init()  # the job's own runtime env already applies; passing another one would conflict
     elif address:
@@ -148,54 +142,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def worker_resources(cfg: RunConfig, use_gpu: bool) -> Dict[str, float]:
-    res = {"CPU": cfg.cluster.cpus_per_worker}
-    if use_gpu:
-        res["GPU"] = 1
-    if cfg.cluster.worker_resource:
-        res[cfg.cluster.worker_resource] = 1
-    return res
-
-
-def check_resources(cfg: RunConfig, use_gpu: bool) -> None:
-    """Wait up to cluster.resource_timeout_s for the worker group and what runs beside it (the evaluation task, an RL
-    stage's rollout actors) to fit, then fail with what is missing.
-
-    Ray Train V2 would otherwise wait for resources forever, and a rollout actor Ray cannot place waits forever
-    too; this turns a request the cluster cannot hold (4 GPU workers on a CPU cluster) into an error in seconds."""
-    import ray
-
-    from minimind_ray.raytrain.runtime_env import beside_workers
-    from minimind_ray.rl.rollout_config import actor_resources
-
-    need_workers = cfg.cluster.min_workers or cfg.cluster.num_workers
-    per = worker_resources(cfg, use_gpu)
-    need = {k: v * need_workers for k, v in per.items()}
-    for k, v in beside_workers(cfg).items():
-        need[k] = need.get(k, 0.0) + v
-    deadline = time.monotonic() + cfg.cluster.resource_timeout_s
-    while True:
-        total = ray.cluster_resources()
-        short = {k: (n, total.get(k, 0.0)) for k, n in need.items() if total.get(k, 0.0) < n}
-        if not short:
-            return
-        if time.monotonic() >= deadline:
-            detail = ", ".join(f"{k}: need {n:g}, cluster has {h:g}" for k, (n, h) in short.items())
-            waited = f"waited {cfg.cluster.resource_timeout_s:g}s (cluster.resource_timeout_s)"
-            workers_fit = all(total.get(k, 0.0) >= v * need_workers for k, v in per.items())
-            r = cfg.train.rollout
-            if workers_fit and actor_resources(cfg):
-                raise ClusterTooSmall(
-                    f"train.rollout.actors: the cluster holds the {need_workers} worker(s) of {per} but not {r.actors} "
-                    f"rollout actor(s) of {r.actor_cpus:g} CPU / {r.actor_gpus:g} GPU beside them ({detail}); {waited}. "
-                    f"Lower train.rollout.actors or actor_cpus/actor_gpus, use train.rollout.engine=worker, or add nodes.")
-            field = "cluster.use_gpu" if "GPU" in short else "cluster.num_workers"
-            raise ClusterTooSmall(
-                f"{field}: the cluster cannot hold {need_workers} worker(s) of {per} and what runs beside them "
-                f"({detail}); {waited}. Lower cluster.num_workers, set cluster.use_gpu=false, or add nodes.")
-        time.sleep(min(2.0, max(0.1, deadline - time.monotonic())))
 
 
 # --------------------------------------------------------------------------- run
@@ -387,6 +333,7 @@ def run(cfg: RunConfig, *, tags: Optional[Dict[str, str]] = None, callbacks=(), 
                       mlflow_run_id=run_id, progress_sink=sink, report_every_eval=report_every_eval,
                       launch_fault=LaunchFault(start_faults) if start_faults and start_faults.has("launch") else None)
     threads = worker_threads(cfg)
+    plugin_modules = user_modules(cfg)
     num_workers = (cfg.cluster.min_workers, cfg.cluster.num_workers) if cfg.cluster.min_workers else cfg.cluster.num_workers
     validation = validation_config(cfg.eval, run_dir=run_dir, tracking_uri=uri if run_id else None,
                                    cache_dir=str(Path(cfg.data.cache_dir).resolve()) if not is_uri(cfg.data.cache_dir)
@@ -411,7 +358,11 @@ def run(cfg: RunConfig, *, tags: Optional[Dict[str, str]] = None, callbacks=(), 
             logging_config=LoggingConfig(log_level="WARNING"),  # progress comes from ProgressPrinter
             worker_runtime_env={"env_vars": {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
                                              "TOKENIZERS_PARALLELISM": "false",
-                                             "RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}},  # else prints show twice
+                                             "RAY_TRAIN_ENABLE_PRINT_PATCH": "0"},  # else prints show twice
+                                # the user's own plug-ins (the stage's reward terms, tools) reach every worker and what
+                                # it starts (rollout actors, the tool worker), on any node, in every mode: a submitted
+                                # job's working_dir holds only what was in it
+                                **({"py_modules": plugin_modules} if plugin_modules else {})},
         ),
     )
     printer = ProgressPrinter(sink, name)

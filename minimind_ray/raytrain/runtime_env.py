@@ -5,10 +5,11 @@ A run may name code of the user's as ``package.module:function``: a reward term 
 which names its config holds (stages/stage.py: ``plugins``). The driver can import it (its
 ``PYTHONPATH``, its working directory), but the workers run elsewhere: in Ray's session directory, on other
 nodes. :func:`user_modules` finds each named module that is neither part of this project nor an installed
-package, and the driver ships it to every worker the way Ray does it, as a ``runtime_env`` ``py_modules``
-entry (a package's directory, or a single module's ``.py`` file). The driver's own ``PYTHONPATH`` entries are
-kept for the workers as well (:func:`worker_pythonpath`). Under ``ray job submit`` the job's ``working_dir``
-ships the user's files instead.
+package, and the driver ships it to every training worker the way Ray does it, as a ``py_modules`` entry of the
+workers' runtime env (a package's directory, or a single module's ``.py`` file), in every mode, a submitted job
+included (its ``working_dir`` holds only what was in it). What a worker starts inherits it (rollout actors; the
+tool worker process gets the worker's ``sys.path``). The driver's own ``PYTHONPATH`` entries are kept for the
+workers of a local Ray or ``cluster.address`` as well (:func:`worker_pythonpath`).
 """
 from __future__ import annotations
 

@@ -183,6 +183,7 @@ class ToolBox:
 
     def __init__(self, tools, max_response_chars: int = 2048):
         self.tools: Dict[str, Tuple[str, dict, float]] = {}
+        self._specs = list(tools)
         for t in tools:
             function, schema = (t.function, t.schema) if t.function else BUILTIN_TOOLS[t.name]
             self.tools[t.name] = (function, t.schema or schema, float(t.timeout_s))
@@ -190,6 +191,21 @@ class ToolBox:
         self.proc: Optional[subprocess.Popen] = None
         self.loaded: set = set()
         self.calls = self.errors = self.timeouts = 0
+
+    def load_user_tools(self) -> None:
+        """Import every tool of the user's own (``package.module:function``) in the tool worker now: one that cannot
+        be imported where the run trains (a module not shipped to this node) fails the run's start, naming it,
+        instead of answering every call with an error."""
+        for name, (function, _, _) in self.tools.items():
+            if function in self.loaded or not any(function == t.function for t in self._specs):
+                continue
+            if self.proc is None or self.proc.poll() is not None:
+                self._start()
+            loaded = self._request({"load": function}, STARTUP_S)
+            if loaded is None or "error" in loaded:
+                raise RuntimeError(f"train.agent.tools: {name} ({function}) cannot be loaded on this worker: "
+                                   f"{(loaded or {}).get('error', 'timed out')}")
+            self.loaded.add(function)
 
     def _start(self) -> None:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))  # what this process imports

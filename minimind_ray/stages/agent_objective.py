@@ -24,4 +24,6 @@ class AgentObjective(GRPOObjective):
         self.reference = frozen_copy(model).to(device) if g.beta > 0 else None
         with torch.random.fork_rng(devices=[]):  # loading a reward model must not move the sampling RNG
             self.rewards = build_agent_rewards(a.rewards, device, run_name=self.cfg.name)
-        self.plan = AgentPlan(self.cfg, ToolBox(a.tools, a.max_tool_response_chars))
+        tools = ToolBox(a.tools, a.max_tool_response_chars)
+        tools.load_user_tools()  # a tool of the user's that did not reach this worker fails here, named
+        self.plan = AgentPlan(self.cfg, tools)

@@ -16,6 +16,7 @@ for the module (a 3-node start and stop cost ~35 CPU seconds on 2 cores); each t
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -276,3 +277,89 @@ def test_a_drained_node_costs_no_step(two_worker_nodes, tiny_baseline, tmp_path)
           f"notice seen by the ranks {notice['noticed_at'] - drained_at:.1f}s after the drain; "
           f"{notice['asks']} asks cost {notice['ask_seconds'] * 1000 / max(notice['asks'], 1):.1f} ms each; "
           f"steps lost 0; final weights equal the twin's")
+
+
+USER_REWARDS = '''"""A user's reward terms, outside the repository: each call notes where this module was imported from."""
+import json
+import os
+
+MARKS = {marks!r}
+
+
+def _note(kind):
+    with open(os.path.join(MARKS, f"{{kind}}-{{os.getpid()}}.json"), "w") as f:
+        json.dump({{"file": __file__}}, f)
+
+
+def ppo_bonus(prompts, completions, answers, **kwargs):
+    _note("ppo")
+    return [0.0] * len(completions)
+
+
+def agent_bonus(trajectories, **kwargs):
+    _note("agent")
+    return [0.0] * len(trajectories)
+'''
+
+USER_TOOLS = '''"""A user's tool, outside the repository; importing it notes where from (the tool worker loads it at the start)."""
+import json
+import os
+
+with open(os.path.join({marks!r}, f"tool-{{os.getpid()}}.json"), "w") as f:
+    json.dump({{"file": __file__}}, f)
+
+
+def add(a, b):
+    return a + b
+'''
+
+
+@pytest.mark.timeout(900)
+def test_user_plugins_reach_the_workers_of_every_rl_stage(two_worker_nodes, tmp_path):
+    """Issue 33: a PPO run and an agent run, sent with `ray job submit` (the repo as the working dir), whose reward
+    terms and tool are the user's own modules in a folder outside the repository. Only the driver can see that folder
+    (its own PYTHONPATH, in the job's entry point); the job's working_dir does not hold it, and Ray passes no driver
+    path to the workers when there is a working_dir. The workers import the modules only because the run ships them
+    (the stage's record names them: stages/<stage>.py plugins; raytrain/runtime_env.py ships them as py_modules): each
+    term ran on a training worker, and the tool was loaded by the agent's tool worker, from Ray's copy of the module.
+    Before, only GRPO's reward terms were shipped, and these runs failed on every worker ("No module named ...")."""
+    from minimind_ray.config import load_config
+    from minimind_ray.model.minimind import build_model
+    from minimind_ray.store.pth import save_pth
+
+    cluster = two_worker_nodes
+    plugins, marks = tmp_path / "user-plugins", tmp_path / "marks"
+    plugins.mkdir()
+    marks.mkdir()
+    (plugins / "my_rewards.py").write_text(USER_REWARDS.format(marks=str(marks)))
+    (plugins / "my_tools.py").write_text(USER_TOOLS.format(marks=str(marks)))
+    base = tmp_path / "base.pth"
+    save_pth(build_model(load_config(None, ["data.train_path=[demo]", "model.preset=tiny"]).model, seed=5), str(base),
+             dtype=torch.float32)
+    tiny = ["model.preset=tiny", "data.train_path=[demo]", f"train.init_from={base}", "train.max_steps=2",
+            "train.global_batch_size=2", "train.micro_batch_size=1", "train.log_interval=1", "checkpoint.interval=2",
+            "cluster.num_workers=1", "train.warmup_steps=1", "tracking.enabled=false",
+            f"checkpoint.storage_path={tmp_path}/runs", f"data.cache_dir={tmp_path}/cache"]
+    runs = {
+        "ppo": ["data.format=prompt", "data.max_seq_len=48", "train.ppo.max_gen_len=4",
+                "train.ppo.rewards=[{name: 'my_rewards:ppo_bonus'}]"],
+        "agent": ["data.format=agent_rl", "data.max_seq_len=320", "train.grpo.num_generations=2",
+                  "train.grpo.max_gen_len=8", "train.agent.max_total_len=360", "train.agent.max_turns=1",
+                  "train.agent.rewards=[{name: 'my_rewards:agent_bonus'}]",
+                  "train.agent.tools=[{name: add, function: 'my_tools:add', schema: {type: function, function: "
+                  "{name: add, parameters: {type: object, properties: {a: {type: number}, b: {type: number}}}}}}]"],
+    }
+    mirror = {"env_vars": {"MINIMIND_RAY_TOKENIZER_MIRROR": os.environ["MINIMIND_RAY_TOKENIZER_MIRROR"]}}
+    for stage, extra in runs.items():
+        log = tmp_path / f"{stage}.log"
+        with open(log, "w") as out:
+            r = subprocess.run(
+                [str(RAY_BIN), "job", "submit", "--address", cluster.dashboard, "--working-dir", str(REPO),
+                 "--runtime-env-json", json.dumps(mirror), "--",
+                 "env", f"PYTHONPATH={plugins}", "python", "-m", f"pipelines.{stage}", f"name=plugins-{stage}",
+                 *tiny, *extra],
+                cwd=REPO, env=cluster.env, stdout=out, stderr=subprocess.STDOUT, timeout=600)
+        assert r.returncode == 0 and "succeeded" in log.read_text().lower(), log.read_text()[-5000:]
+    seen = {p.name.split("-")[0]: json.loads(p.read_text())["file"] for p in marks.glob("*.json")}
+    assert set(seen) == {"ppo", "agent", "tool"}, sorted(p.name for p in marks.glob("*.json"))
+    assert not any(f.startswith(str(plugins)) for f in seen.values()), seen  # Ray's copy, not the user's folder

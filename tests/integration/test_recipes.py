@@ -4,7 +4,7 @@ MiniMind's tokenizer fetched by name (through the test mirror), to step 2, with 
 
 The chain is the user's (pretrain through Ray Train, the later stages on the in-process engine each worker
 runs): pretrain -> its exported ``pretrain_512.pth`` starts SFT -> SFT's
-``full_sft_512.pth`` starts LoRA, DPO and distillation (whose teacher, ``full_sft_768.pth``, is a
+``full_sft_512.pth`` starts LoRA, DPO, SimPO and distillation (whose teacher, ``full_sft_768.pth``, is a
 freshly initialised 104M minimind2 here). Sequences are cut to 64 tokens so a 26M step costs seconds.
 
 The minimind-3 recipes (MiniMind @ d65ef2c) chain the same way under MiniMind's current file names, with the
@@ -96,7 +96,7 @@ def test_every_26m_recipe_runs_from_a_user_directory(ray_session, workdir, monke
     save_pth(build_model(ModelConfig(**preset_values("minimind2")), seed=3), str(workdir / "out" / "full_sft_768.pth"))
 
     for recipe, export_as in (("lora_26m", "lora_512.pth"), ("dpo_26m", "dpo_512.pth"),
-                              ("distill_26m", "full_dist_512.pth")):
+                              ("simpo_26m", "simpo_512.pth"), ("distill_26m", "full_dist_512.pth")):
         cfg, state, pth = _train_in_process(workdir, recipe, "data.eval_fraction=0", "train.global_batch_size=2")
         assert state.step == 2 and cfg.model.preset == "minimind2-small" and pth.name == export_as, recipe
         if recipe == "lora_26m":  # MiniMind's LoRA file: the adapters alone

@@ -169,9 +169,9 @@ def _same_weights(a, b):
     return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
-def test_dpo_margin_grows_on_hand_made_pairs(ray_session, shared, tmp_path):
-    d = tmp_path / "dpo_data"
-    d.mkdir()
+def _preference_pairs(d: Path) -> Path:
+    """64 hand-made pairs in DPO's format: a right sum chosen, a refusal rejected."""
+    d.mkdir(exist_ok=True)
     pairs = []
     for i in range(64):
         q = f"What is {i} plus {i}?"
@@ -180,6 +180,11 @@ def test_dpo_margin_grows_on_hand_made_pairs(ray_session, shared, tmp_path):
                                    {"role": "assistant", "content": "I refuse to count, sorry, bananas."}]})
     f = d / "pairs.jsonl"
     f.write_text("\n".join(json.dumps(p, ensure_ascii=False) for p in pairs) + "\n")
+    return f
+
+
+def test_dpo_margin_grows_on_hand_made_pairs(ray_session, shared, tmp_path):
+    f = _preference_pairs(tmp_path / "dpo_data")
     straight, seen, resumed, halves = run_in_process(
         shared, tmp_path, "train.stage=dpo", "data.format=dpo", f"data.train_path=[{f}]", "train.lr=3e-3",
         "train.dpo.beta=0.5")
@@ -222,3 +227,37 @@ def test_distillation_from_a_frozen_teacher(ray_session, shared, tmp_path):
     assert set(w) == set(before), "the teacher must not enter the student's checkpoint"
     # loss = alpha * CE + (1 - alpha) * T^2 * KL with MiniMind's alpha 0.5 (per-token means)
     assert losses[-1][1] == pytest.approx(0.5 * ce[-1][1] + 0.5 * kl[-1][1], rel=1e-4)
+
+
+def test_simpo_learns_the_preference_and_resumes_bit_for_bit(shared, tmp_path):
+    """SimPO (stages/simpo.py, added by its own modules and one registry name) on the in-process engine, straight
+    and stopped at step 4 then restored: the same weights and losses, bit for bit; the implicit-reward margin grows
+    and the chosen answers win; no reference model is built, and the checkpoint holds the policy only."""
+    from minimind_ray.store.checkpoint import open_checkpoint
+
+    f = _preference_pairs(tmp_path / "pairs")
+    straight, seen, resumed, halves = run_in_process(
+        shared, tmp_path, "train.stage=simpo", "data.format=dpo", f"data.train_path=[{f}]", "train.lr=3e-3")
+    assert _same_weights(straight, resumed) and halves.series("loss") == seen.series("loss")
+    margins, acc = seen.series("reward_margin"), seen.series("reward_accuracy")
+    assert [s for s, _ in margins] == list(range(1, STEPS + 1))
+    assert margins[-1][1] > margins[0][1] + 0.5 and acc[-1][1] >= 0.9, (margins, acc)
+    assert not hasattr(straight.objective, "reference")
+    w = open_checkpoint(tmp_path / "ck").model_state()
+    assert set(w) == set(build_model(load_config("pipelines/configs/tiny.yaml").model).state_dict())
+
+
+def test_simpo_trains_on_two_workers_and_exports_as_its_own_stage(ray_session, shared, tmp_path):
+    """The `simpo` verb's run on Ray Train (2 gloo workers, DDP over the chosen+rejected forward): every step trains
+    the same 8 pairs' global batch, and the final model is exported as simpo_<hidden>.pth beside the HF folder."""
+    f = _preference_pairs(tmp_path / "pairs")
+    res = run_stage(shared, "simpo", "train.stage=simpo", "data.format=dpo", f"data.train_path=[{f}]",
+                    "train.lr=3e-3", "train.global_batch_size=8", "train.micro_batch_size=2")
+    per_step, attempts = sample_record(shared, "simpo")
+    assert attempts == {0} and sorted(per_step) == list(range(1, STEPS + 1))
+    assert all(len(ids) == 8 for ids in per_step.values())
+    exported = Path(res.exports["pth"])
+    assert exported.name == "simpo_64.pth", res.exports
+    w = torch.load(exported, weights_only=True)
+    base = torch.load(shared["base_pth"], weights_only=True)
+    assert set(w) == set(base) and any(not torch.equal(w[k].float(), base[k]) for k in base)

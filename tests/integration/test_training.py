@@ -123,7 +123,7 @@ def test_checkpoint_loads_into_a_bare_model_with_strict_keys(baseline):
 def test_a_request_the_cluster_cannot_hold_fails_fast(ray_session, shared):
     import time
 
-    from minimind_ray.raytrain.driver import ClusterTooSmall
+    from minimind_ray.raytrain.resources import ClusterTooSmall
 
     t0 = time.monotonic()
     with pytest.raises(ClusterTooSmall, match="GPU"):
@@ -136,7 +136,7 @@ def test_rollout_actors_the_cluster_cannot_place_fail_fast_naming_the_field(ray_
     actors of 1 CPU) is an error naming train.rollout.actors, not an actor left pending forever."""
     from minimind_ray.config import load_config
     from minimind_ray.model.minimind import build_model
-    from minimind_ray.raytrain.driver import ClusterTooSmall, check_resources
+    from minimind_ray.raytrain.resources import ClusterTooSmall, check_resources
     from minimind_ray.store.pth import save_pth
 
     base = tmp_path / "base.pth"

@@ -1,12 +1,15 @@
-"""The house rules of docs/architecture.md, checked on the source: no import circle, Ray only where it
-belongs, no module over 450 lines. Every import counts, including the ones inside functions."""
+"""The house rules of docs/architecture.md, checked on the source: its table of rooms and what each may import, no
+import circle between modules or between rooms, Ray only where it belongs, no module over 450 lines, no stage name
+compared outside the stages room. Every import counts, including the ones inside functions."""
 from __future__ import annotations
 
 import ast
+import re
 from collections import defaultdict
 from pathlib import Path
 
-PKG = Path(__file__).resolve().parents[2] / "minimind_ray"
+REPO = Path(__file__).resolve().parents[2]
+PKG = REPO / "minimind_ray"
 MAX_LINES = 450
 # Ray Train is used by the Ray layer only; Ray itself (actors, Ray Data, Serve) also by these.
 RAY_TRAIN_ROOMS = {"raytrain"}
@@ -93,3 +96,88 @@ def test_no_module_over_450_lines():
     long = {str(p.relative_to(PKG.parent)): n for p in PKG.rglob("*.py")
             if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, f"modules over {MAX_LINES} lines: {long}"
+
+
+def _stage_registry_edges():
+    """stages/__init__.py imports its stage modules by name (STAGE_MODULES): edges the AST cannot see."""
+    tree = ast.parse((PKG / "stages" / "__init__.py").read_text())
+    names = next(ast.literal_eval(n.value) for n in tree.body
+                 if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "STAGE_MODULES")
+    return {f"minimind_ray.stages.{n}" for n in names}
+
+
+def _room_graph():
+    """room -> {(imported room, importing module)}, every import counted (inside functions too)."""
+    _, internal, _ = _graph()
+    internal["minimind_ray.stages"] |= _stage_registry_edges()
+    rooms = defaultdict(set)
+    for mod, targets in internal.items():
+        for t in targets:
+            if _room(t) and _room(t) != _room(mod):
+                rooms[_room(mod)].add((_room(t), mod))
+    return rooms
+
+
+def _table():
+    """docs/architecture.md's rooms: room -> the rooms it may import (None: every room)."""
+    text = (REPO / "docs" / "architecture.md").read_text()
+    body = text.split("<!-- rooms:", 1)[1].split("<!-- /rooms -->", 1)[0]
+    allowed = {}
+    for row in body.splitlines():
+        cells = [c.strip() for c in row.strip().strip("|").split("|")]
+        if len(cells) != 3 or not cells[0].startswith("`"):
+            continue
+        rooms = [r.split("/")[0].removesuffix(".py") for r in re.findall(r"`([^`]+)`", cells[0])]
+        rule = re.sub(r"\([^)]*\)", "", cells[2]).strip()
+        may = None if rule == "everything" else set() if rule == "nothing" else {r.strip() for r in rule.split(",")}
+        for r in rooms:
+            allowed[r] = may
+    return allowed
+
+
+def test_the_architecture_table_lists_every_room_and_only_rooms():
+    actual = {p.stem if p.is_file() else p.name for p in PKG.iterdir()
+              if (p.suffix == ".py" and p.name != "__init__.py") or (p.is_dir() and (p / "__init__.py").exists())}
+    table = _table()
+    assert set(table) == actual, f"not in the table: {sorted(actual - set(table))}; gone: {sorted(set(table) - actual)}"
+    named = {r for may in table.values() if may for r in may}
+    assert named <= actual, f"the table lets rooms import what does not exist: {sorted(named - actual)}"
+
+
+def test_every_import_is_one_the_architecture_table_allows():
+    table = _table()
+    wrong = sorted(f"{mod} imports {room} ({src} may import: {', '.join(sorted(table[src])) or 'nothing'})"
+                   for src, edges in _room_graph().items() for room, mod in edges
+                   if table.get(src) is not None and room not in table[src])
+    assert not wrong, "imports the table of docs/architecture.md does not allow:\n" + "\n".join(wrong)
+
+
+def test_no_circle_between_rooms():
+    graph = {src: {room for room, _ in edges} for src, edges in _room_graph().items()}
+    state, cycles = {}, []
+
+    def visit(n, stack):
+        state[n] = "open"
+        stack.append(n)
+        for m in sorted(graph.get(n, ())):
+            if state.get(m) == "open":
+                cycles.append(stack[stack.index(m):] + [m])
+            elif m not in state:
+                visit(m, stack)
+        stack.pop()
+        state[n] = "done"
+
+    for n in sorted(graph):
+        if n not in state:
+            visit(n, [])
+    assert not cycles, "circles between rooms: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_no_stage_name_is_compared_outside_the_stages_room():
+    """What differs between stages is asked of their records (stages/stage.py), not switched on by name."""
+    pattern = re.compile(r"stage\s*(==|!=|\bin\s*[\(\[{])")
+    found = [f"{p.relative_to(REPO)}:{i}: {line.strip()}"
+             for root in (PKG, REPO / "pipelines") for p in root.rglob("*.py") if "stages" not in p.relative_to(REPO).parts
+             for i, line in enumerate(p.read_text().splitlines(), 1)
+             if pattern.search(line) and "lifecycle_stage" not in line]
+    assert not found, "stage switches outside minimind_ray/stages/:\n" + "\n".join(found)

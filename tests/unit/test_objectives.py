@@ -1,5 +1,6 @@
 """Stage plug-ins without Ray: what each loss sees and what it may touch."""
 import copy
+import math
 
 import pytest
 import torch
@@ -153,3 +154,38 @@ def test_lora_objective_trains_adapters_only():
     obj.setup(model, torch.device("cpu"))
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert trainable and all(".lora." in n for n in trainable)
+
+
+def test_simpo_loss_is_the_papers_formula_computed_by_hand():
+    """SimPO (stages/simpo.py): -log sigmoid(beta * (mean log p(chosen) - mean log p(rejected)) - gamma), summed over
+    the pairs; the means are over each response's target tokens (here of unequal lengths), computed token by token
+    from the model's logits; the margin metric is beta times the difference of the means, and there is no reference."""
+    cfg = cfg_for("simpo", "dpo", "train.simpo.beta=2.5", "train.simpo.gamma=0.75")
+    model = build_model(cfg.model, seed=0)
+    obj = build_objective(cfg)
+    obj.setup(model, torch.device("cpu"))
+    assert not hasattr(obj, "reference")
+    g = torch.Generator().manual_seed(3)
+    ids, rej = torch.randint(3, 6400, (3, 10), generator=g), torch.randint(3, 6400, (3, 10), generator=g)
+    tgt, rtgt = torch.full((3, 10), -100), torch.full((3, 10), -100)
+    for row, (a, b) in enumerate(((2, 9), (4, 9), (1, 6))):  # responses of 7, 5 and 5 tokens
+        tgt[row, a:b] = ids[row, a + 1:b + 1]
+        rtgt[row, a + 1:b] = rej[row, a + 2:b + 1]  # rejected: one token shorter
+    batch = {"chosen_input_ids": ids, "chosen_targets": tgt, "rejected_input_ids": rej, "rejected_targets": rtgt}
+    loss, aux, extra = obj.loss_sum(model, batch)
+
+    def mean_logp(input_ids, targets, row):
+        logits = model(input_ids[row:row + 1]).logits[0].double()  # (T, V)
+        picked = [torch.log_softmax(logits[t], -1)[targets[row, t]] for t in range(targets.shape[1])
+                  if targets[row, t] != -100]
+        return sum(picked) / len(picked)
+
+    with torch.no_grad():
+        expected, margin = 0.0, 0.0
+        for row in range(3):
+            diff = 2.5 * (mean_logp(ids, tgt, row) - mean_logp(rej, rtgt, row))
+            expected += -math.log(1 / (1 + math.exp(-(float(diff) - 0.75))))
+            margin += float(diff)
+    assert float(loss) == pytest.approx(expected, rel=1e-5)
+    assert float(extra["reward_margin"]) == pytest.approx(margin, rel=1e-5)
+    assert obj.weight(batch) == 3 and obj.tokens(batch) == 60

@@ -1,0 +1,60 @@
+"""What a run asks of the cluster: one worker's resources, and the check that the worker group and what runs beside
+it (the evaluation task, an RL stage's rollout actors) fit before any work starts."""
+from __future__ import annotations
+
+import time
+from typing import Dict
+
+from minimind_ray.config import ConfigError, RunConfig
+
+
+class ClusterTooSmall(ConfigError):
+    """The cluster cannot place the requested worker group; the message names the field to change."""
+
+
+def worker_resources(cfg: RunConfig, use_gpu: bool) -> Dict[str, float]:
+    res = {"CPU": cfg.cluster.cpus_per_worker}
+    if use_gpu:
+        res["GPU"] = 1
+    if cfg.cluster.worker_resource:
+        res[cfg.cluster.worker_resource] = 1
+    return res
+
+
+def check_resources(cfg: RunConfig, use_gpu: bool) -> None:
+    """Wait up to cluster.resource_timeout_s for the worker group and what runs beside it (the evaluation task, an RL
+    stage's rollout actors) to fit, then fail with what is missing.
+
+    Ray Train V2 would otherwise wait for resources forever, and a rollout actor Ray cannot place waits forever
+    too; this turns a request the cluster cannot hold (4 GPU workers on a CPU cluster) into an error in seconds."""
+    import ray
+
+    from minimind_ray.raytrain.runtime_env import beside_workers
+    from minimind_ray.rl.rollout_config import actor_resources
+
+    need_workers = cfg.cluster.min_workers or cfg.cluster.num_workers
+    per = worker_resources(cfg, use_gpu)
+    need = {k: v * need_workers for k, v in per.items()}
+    for k, v in beside_workers(cfg).items():
+        need[k] = need.get(k, 0.0) + v
+    deadline = time.monotonic() + cfg.cluster.resource_timeout_s
+    while True:
+        total = ray.cluster_resources()
+        short = {k: (n, total.get(k, 0.0)) for k, n in need.items() if total.get(k, 0.0) < n}
+        if not short:
+            return
+        if time.monotonic() >= deadline:
+            detail = ", ".join(f"{k}: need {n:g}, cluster has {h:g}" for k, (n, h) in short.items())
+            waited = f"waited {cfg.cluster.resource_timeout_s:g}s (cluster.resource_timeout_s)"
+            workers_fit = all(total.get(k, 0.0) >= v * need_workers for k, v in per.items())
+            r = cfg.train.rollout
+            if workers_fit and actor_resources(cfg):
+                raise ClusterTooSmall(
+                    f"train.rollout.actors: the cluster holds the {need_workers} worker(s) of {per} but not {r.actors} "
+                    f"rollout actor(s) of {r.actor_cpus:g} CPU / {r.actor_gpus:g} GPU beside them ({detail}); {waited}. "
+                    f"Lower train.rollout.actors or actor_cpus/actor_gpus, use train.rollout.engine=worker, or add nodes.")
+            field = "cluster.use_gpu" if "GPU" in short else "cluster.num_workers"
+            raise ClusterTooSmall(
+                f"{field}: the cluster cannot hold {need_workers} worker(s) of {per} and what runs beside them "
+                f"({detail}); {waited}. Lower cluster.num_workers, set cluster.use_gpu=false, or add nodes.")
+        time.sleep(min(2.0, max(0.1, deadline - time.monotonic())))
