@@ -4,7 +4,8 @@ A recipe's ``eval.tasks`` (minimind_ray/evals/config.py:EvalConfig) make every `
 last a checkpoint step whose ``ray.train.report(..., validation=True)`` hands the checkpoint to the Train
 controller; its ValidationManager runs :func:`validate_checkpoint` as a Ray task of its own (``eval.num_cpus`` /
 ``num_gpus`` reserved, at most one at a time, cancelled after ``eval.timeout_s``) while the workers train on.
-The task loads the checkpoint's model, runs each task (minimind_ray/evals/run.py), logs
+The task loads the checkpoint's model, runs each task through its kind in the eval registry
+(minimind_ray/evals/run.py, evals/registry.py: the built-in kinds and a user's ``package.module:Class``), logs
 ``eval/<name>/<metric>`` to the run's MLflow run at the checkpoint's step, and returns the scores, which Ray
 merges into the checkpoint's metrics (so ``checkpoint.score_metric`` can keep the best ones).
 
@@ -85,8 +86,8 @@ def run_tasks(ckpt_dir: str, tasks: List[EvalTaskConfig], cache_dir: str, device
     errors: Dict[str, str] = {}
     for t in tasks:
         try:
-            scores.update(metric_items(evaluate_task(ckpt_dir, t, model=model, tok=tok, cache_dir=cache_dir,
-                                                     device=device)))
+            scores.update(metric_items(evaluate_task(ckpt_dir, t, model=model, tok=tok, loaded=lw,
+                                                     cache_dir=cache_dir, device=device)))
         except Exception as e:  # noqa: BLE001 - one task's failure is reported, never fatal
             errors[task_name(t)] = " ".join(f"{type(e).__name__}: {e}".split())[:500]
     return scores, errors
