@@ -276,8 +276,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     from minimind_ray.evals.verb import __doc__ as eval_doc, add_arguments as add_eval_arguments
 
-    sp = sub.add_parser("eval", help="benchmark scores (ceval, cmmlu, mc, gen) or the loss of any weights "
-                                     "(docs/evaluation.md)", description=eval_doc,
+    sp = sub.add_parser("eval", help="benchmark scores (ceval, cmmlu, mc, gen, toolcall, your own task class) or "
+                                     "the loss of any weights (docs/evaluation.md)", description=eval_doc,
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     add_eval_arguments(sp)
     add_rope_scaling_arguments(sp)

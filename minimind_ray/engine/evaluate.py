@@ -3,7 +3,7 @@
 The held-out split is the data pipeline's (sequences whose sample-id hash falls under
 ``data.eval_fraction``), so a run's eval split is never trained on. During training each rank
 evaluates its share and the sums are all-reduced; the ``eval`` verb runs the same sums on one
-process (minimind_ray/evaluate.py).
+process (the ``loss`` task, minimind_ray/evals/loss.py).
 """
 from __future__ import annotations
 

@@ -1,6 +1,10 @@
 """Benchmark evaluation (docs/evaluation.md): multiple-choice tasks scored by log-likelihood as lm-eval scores them
-(C-Eval, CMMLU, any jsonl of choices), generative tasks by exact match, in one process or over Ray tasks.
+(C-Eval, CMMLU, any jsonl of choices), generative tasks by exact match, tool calls, the training objective's loss,
+in one process or over Ray tasks.
 
-config.py (EvalTaskConfig, a recipe's EvalConfig), tasks.py (files -> prompts), scoring.py (the model's
-log-probs and completions), run.py (one task end to end, metrics), parallel.py (--workers), verb.py (the CLI).
+registry.py (the task kinds: one EvalTask class each, named by kind or 'package.module:Class'), one module per
+built-in kind (ceval.py, cmmlu.py, mc.py, gen.py, toolcall.py, loss.py) over what they share (kinds.py: choices
+and generations; tasks.py: files -> prompts; scoring.py: the model's log-probs and completions), config.py
+(EvalTaskConfig, a recipe's EvalConfig), run.py (one task end to end, metrics), parallel.py (--workers), verb.py
+(the CLI).
 """

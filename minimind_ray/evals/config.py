@@ -6,22 +6,23 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 from minimind_ray.config_checks import ConfigError, check_bounds, config_field as _f, need
-
-TASKS = ("ceval", "cmmlu", "mc", "gen", "toolcall")
+from minimind_ray.evals.registry import task_class
 
 
 @dataclass
 class EvalTaskConfig:
     """One benchmark task over local files (docs/evaluation.md)."""
 
-    task: str = _f("mc", "ceval | cmmlu (a benchmark folder in its own layout, letters scored as lm-eval does) | "
-                         "mc (jsonl {question, choices, answer}: the choice texts scored) | gen (jsonl {prompt, "
-                         "answer}: greedy and sampled exact match) | toolcall (jsonl {prompt, tools, tool, arguments}: "
-                         "the tool called and its arguments' validity)")
+    task: str = _f("mc", "a kind of evals/registry.py: ceval | cmmlu (a benchmark folder in its own layout, letters "
+                         "scored as lm-eval does) | mc (jsonl {question, choices, answer}: the choice texts scored) | "
+                         "gen (jsonl {prompt, answer}: greedy and sampled exact match) | toolcall (jsonl {prompt, "
+                         "tools, tool, arguments}: the tool called and its arguments' validity) | loss (the training "
+                         "objective's loss and perplexity on a prepared split); or your own 'package.module:Class'")
     data: str = _f("", "ceval: a folder with val/<subject>_val.csv and dev/<subject>_dev.csv; cmmlu: test/<subject>.csv "
-                       "and dev/<subject>.csv; mc/gen: a jsonl file; 'demo:<name>' = a file of the built-in corpus")
-    name: Optional[str] = _f(None, "the task's name in reports and MLflow (eval/<name>/acc); None = the task kind, or "
-                                   "the data file's stem for mc/gen")
+                       "and dev/<subject>.csv; mc/gen: a jsonl file; 'demo:<name>' = a file of the built-in corpus; "
+                       "loss: a prepared dir ('' = the eval split of the run the weights come from)")
+    name: Optional[str] = _f(None, "the task's name in reports and MLflow (eval/<name>/acc); None = the kind's "
+                                   "default: the data file's stem (mc, gen, toolcall, a user kind), else the kind")
     shots: int = _f(0, "k-shot: the first k examples of the dev split (ceval/cmmlu) or of fewshot_data (mc/gen; "
                        "default: the same file, without the question itself)", ge=0)
     fewshot_data: Optional[str] = _f(None, "mc/gen: the jsonl the shots come from (None = data)")
@@ -29,17 +30,19 @@ class EvalTaskConfig:
                                     "--apply_chat_template: description as the system turn, shots and question as one "
                                     "user turn, the answer as the assistant's reply); False = raw text")
     limit: Optional[int] = _f(None, "at most this many questions per subject (ceval/cmmlu) or per file (mc/gen), the "
-                                    "first ones (lm-eval's --limit)", ge=1)
+                                    "first ones (lm-eval's --limit); loss: this many micro-batches", ge=1)
     subjects: List[str] = _f([], "ceval/cmmlu: only these subjects (default: every file in the folder)")
-    description: Optional[str] = _f(None, "text before the shots; None = the task's own (lm-eval's for ceval/cmmlu, "
-                                          "with the subject's Chinese name from subject_mapping.json when the folder "
-                                          "has one; none for mc/gen)")
+    description: Optional[str] = _f(None, "text before the shots, '{subject}' standing for the subject's name; None = "
+                                          "the task's own (lm-eval's for ceval/cmmlu; none for mc/gen). ceval/cmmlu "
+                                          "name a subject from subject_mapping.json when the folder has one, else "
+                                          "from the file name with '_' as a space (poem_author: 'poem author')")
     doc_to_text: Optional[str] = _f(None, "mc/gen: the question as a Python format string over the record's fields; "
                                           "None = 'Question: {question}\\nAnswer:' (mc, lm-eval's ARC layout) or "
                                           "'{prompt}' (gen)")
     target_delimiter: str = _f(" ", "raw prompts: between a question and its answer (lm-eval's target_delimiter)")
     fewshot_delimiter: str = _f("\n\n", "raw prompts: after each shot's answer")
-    batch_size: int = _f(16, "questions (mc) or prompts (gen) per forward pass", ge=1)
+    batch_size: int = _f(16, "questions (mc) or prompts (gen) per forward pass; loss: sequences per micro-batch",
+                         ge=1)
     bad_records: str = _f("skip", "a malformed row: 'skip' (counted per reason with file:line) or 'strict' (stop at "
                                   "the first, naming file, line and field)")
     max_new_tokens: int = _f(32, "gen: the most new tokens of a completion", ge=1)
@@ -67,27 +70,23 @@ class EvalConfig:
 
 
 def validate_task(t: EvalTaskConfig, where: str = "") -> None:
-    """Refuse, naming the field, a task that cannot run."""
+    """Refuse, naming the field, a task that cannot run: the common fields here, then its kind's own checks
+    (evals/registry.py: ``check`` of the kind's class, which a user's ``package.module:Class`` is loaded for)."""
     check_bounds(t, where)
-    need(t.task in TASKS, f"{where}task", f"unknown task {t.task!r}; one of {TASKS}")
-    need(bool(t.data), f"{where}data", "no data given (a benchmark folder or a jsonl file)")
+    try:
+        kind = task_class(t.task)
+    except ValueError as e:
+        raise ConfigError(f"{where}task: {e}") from None
     need(t.bad_records in ("skip", "strict"), f"{where}bad_records", "must be 'skip' or 'strict'")
     if t.k is not None:
         need(t.samples >= t.k, f"{where}k", f"pass@{t.k} needs samples >= {t.k}, got samples={t.samples}")
-    if t.task in ("ceval", "cmmlu") and t.fewshot_data:
-        raise ConfigError(f"{where}fewshot_data: {t.task} takes its shots from the folder's dev split")
-    need(t.task != "toolcall" or t.shots == 0, f"{where}shots", "toolcall prompts are conversations with their tools: "
-                                                                  "no shots")
+    kind.check(t, where)
 
 
 def task_name(t: EvalTaskConfig) -> str:
-    """The name a task's scores are reported under."""
-    if t.name:
-        return t.name
-    if t.task in ("mc", "gen", "toolcall"):
-        stem = t.data.split(":", 1)[1] if t.data.startswith("demo:") else t.data.rstrip("/").rsplit("/", 1)[-1]
-        return stem.split(".", 1)[0] or t.task
-    return t.task
+    """The name a task's scores are reported under: its ``name``, else its kind's default (the data file's stem
+    for mc/gen/toolcall, the kind for ceval/cmmlu/loss)."""
+    return t.name or task_class(t.task).default_name(t)
 
 
 def validate_eval(e: EvalConfig) -> None:

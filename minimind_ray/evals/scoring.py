@@ -19,8 +19,6 @@ from typing import List, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from minimind_ray.evals.config import EvalTaskConfig
-
 Encoded = Tuple[List[int], List[List[int]]]  # (context ids, each choice's continuation ids)
 
 
@@ -164,15 +162,3 @@ def generate_batch(model, prompts: List[List[int]], *, max_new_tokens: int, samp
         flat = completions(ids.repeat_interleave(samples, 0), mask.repeat_interleave(samples, 0), params, gen)
         sampled = [flat[i * samples:(i + 1) * samples] for i in range(len(prompts))]
     return greedy, sampled
-
-
-def score_batch(model, task: EvalTaskConfig, encoded_batch: list, batch_index: int, eos_id: int, pad_id: int,
-                device, autocast=None):
-    """What one batch returns: each question's choice log-probs (mc), or the greedy and sampled completions
-    (gen). The batch's sampling seed is derived from the task's seed and the batch's index alone."""
-    if task.task in ("gen", "toolcall"):
-        return generate_batch(model, encoded_batch, max_new_tokens=task.max_new_tokens, samples=task.samples,
-                              temperature=task.temperature, top_p=task.top_p, top_k=task.top_k, eos_id=eos_id,
-                              pad_id=pad_id, seed=task.seed * 1_000_003 + batch_index, device=device,
-                              autocast=autocast)
-    return choice_logprobs(model, encoded_batch, pad_id=pad_id, device=device, autocast=autocast)

@@ -5,21 +5,23 @@
     minimind-ray eval WEIGHTS --task mc --data questions.jsonl        (choice texts scored)
     minimind-ray eval WEIGHTS --task gen --data prompts.jsonl --samples 16   (greedy acc, pass@1, pass@16)
     minimind-ray eval WEIGHTS --task toolcall --data tool_prompts.jsonl       (the tool called, its arguments valid)
+    minimind-ray eval WEIGHTS --task mypkg.tasks:MyTask --data ...   (your own kind: an EvalTask subclass)
     minimind-ray eval WEIGHTS --config task.yaml [flags override it]  (an EvalTaskConfig YAML)
-    minimind-ray eval WEIGHTS [--data PREPARED_DIR]                   (loss and perplexity, as before)
+    minimind-ray eval WEIGHTS [--data PREPARED_DIR]                   (--task loss: loss and perplexity, as before)
+    minimind-ray eval --task list                                     (the kinds of the registry)
 
 WEIGHTS is a run directory, checkpoint, .pth, HF export folder or MLflow model URI (store/weights.py).
+--out FILE.json --log-samples also writes FILE.samples.jsonl: one record per question (lm-eval's --log_samples).
 """
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
-from typing import Optional
 
 from minimind_ray.config_checks import int_at_least
-from minimind_ray.evals.config import TASKS, EvalTaskConfig
+from minimind_ray.evals.config import EvalTaskConfig
+from minimind_ray.evals.registry import task_for, task_kinds
 
 # flag -> EvalTaskConfig field, for the flags that override a task YAML
 _FLAGS = {"task": "task", "data": "data", "shots": "shots", "chat_template": "chat_template", "limit": "limit",
@@ -28,14 +30,24 @@ _FLAGS = {"task": "task", "data": "data", "shots": "shots", "chat_template": "ch
           "subjects": "subjects", "fewshot_data": "fewshot_data"}
 
 
+def task_kind(text: str) -> str:
+    """An argparse type: a kind of the registry, 'list', or a user's 'package.module:Class' (loaded later, when
+    the task is checked, so that a wrong one is named with its import error)."""
+    if text in task_kinds() or text == "list" or ":" in text:
+        return text
+    raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from {', '.join(task_kinds())}, list, or "
+                                     f"your own package.module:Class)")
+
+
 def add_arguments(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("weights_arg", nargs="?", metavar="WEIGHTS", help=".pth, checkpoint dir, run dir, HF folder or URI")
     sp.add_argument("--weights", help="the same as WEIGHTS (the older spelling)")
     sp.add_argument("--preset", help="model preset for a bare .pth (default: inferred from shapes)")
     sp.add_argument("--tokenizer", help="minimind2 | minimind3 | auto | builtin | a tokenizer dir (default: the run's)")
-    sp.add_argument("--task", choices=("loss", *TASKS), default=None,
-                    help="ceval | cmmlu | mc | gen | toolcall, or loss (the default without --config: loss and "
-                         "perplexity)")
+    sp.add_argument("--task", type=task_kind, default=None, metavar="{" + ",".join(task_kinds()) + "}|MODULE:CLASS",
+                    help=f"a kind of the registry (evals/registry.py): {' | '.join(task_kinds())} (loss, the default "
+                         f"without --config: loss and perplexity); or your own 'package.module:Class' (a subclass of "
+                         f"minimind_ray.evals.registry.EvalTask); 'list' prints the kinds")
     sp.add_argument("--config", help="a task YAML (EvalTaskConfig fields; the flags below override it)")
     sp.add_argument("--data", help="the task's files (docs/evaluation.md); for loss: a prepared dir (default: the "
                                    "eval split of the run the weights come from)")
@@ -56,6 +68,9 @@ def add_arguments(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--workers", type=int_at_least(0), default=0,
                     help="shard the questions over N Ray tasks (0 = this process)")
     sp.add_argument("--out", help="write the result as JSON here")
+    sp.add_argument("--log-samples", dest="log_samples", action="store_true",
+                    help="with --out FILE.json, also FILE.samples.jsonl: per question the prompt, each choice's "
+                         "log-likelihood, the pick and the gold (gen: the completions and their verdicts)")
     sp.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
     sp.add_argument("--batches", type=int_at_least(0), default=0, help="loss: micro-batches to use (0 = all)")
     sp.add_argument("--micro-batch-size", dest="micro_batch_size", type=int_at_least(1), default=8,
@@ -82,33 +97,10 @@ def task_from_args(args) -> EvalTaskConfig:
     return task
 
 
-def _fmt(x: Optional[float]) -> str:
-    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.4f}"
-
-
 def format_table(res: dict) -> str:
-    """The result as a plain table: one row per subject, then the whole task."""
-    if res["kind"] == "toolcall":
-        cols = ("acc", "name_acc", "args_valid", "args_match", "call_rate")
-        rows = [(s, r) for s, r in res["subjects"].items()] if len(res["subjects"]) > 1 else []
-        rows.append((f"all ({res['task']})", res))
-        lines = [f"{'subject':<28} {'n':>6} " + " ".join(f"{c:>10}" for c in cols)]
-        lines += [f"{name:<28} {r['n']:>6} " + " ".join(f"{_fmt(r.get(c)):>10}" for c in cols) for name, r in rows]
-        if res.get("pass@1") is not None:
-            lines.append(f"sampled: pass@1 {_fmt(res['pass@1'])}  pass@{res['k']} {_fmt(res['pass@k'])}")
-    elif res["kind"] == "gen":
-        cols = "greedy_acc pass@1 pass@k".split()
-        rows = [(s, r["n"], [r.get(c) for c in cols]) for s, r in res["subjects"].items()] if len(
-            res["subjects"]) > 1 else []
-        rows.append((f"all ({res['task']})", res["n"], [res.get(c) for c in cols]))
-        head = f"{'subject':<28} {'n':>6} {'greedy_acc':>10} {'pass@1':>8} {'pass@' + str(res.get('k', 'k')):>8}"
-        lines = [head] + [f"{name:<28} {n:>6} {_fmt(v[0]):>10} {_fmt(v[1]):>8} {_fmt(v[2]):>8}" for name, n, v in rows]
-    else:
-        head = f"{'subject':<40} {'n':>6} {'acc':>8} {'acc_norm':>8}"
-        lines = [head] + [f"{s:<40} {r['n']:>6} {_fmt(r['acc']):>8} {_fmt(r['acc_norm']):>8}"
-                          for s, r in res["subjects"].items()]
-        lines.append(f"{'all (' + res['task'] + ')':<40} {res['n']:>6} {_fmt(res['acc']):>8} "
-                     f"{_fmt(res['acc_norm']):>8}   stderr {_fmt(res['acc_stderr'])}")
+    """The result as its kind prints it (for the benchmarks: one row per subject, then the whole task), with the
+    bad rows skipped and the pace."""
+    lines = [task_for(EvalTaskConfig(**res["config"])).table(res)]
     if res.get("bad_records"):
         lines.append(f"bad rows skipped: {res['bad_records']}  e.g. {next(iter(res['bad_samples'].values()))[0]}")
     if res.get("questions_per_s"):
@@ -116,31 +108,60 @@ def format_table(res: dict) -> str:
     return "\n".join(lines)
 
 
+def loss_task(args) -> EvalTaskConfig:
+    """``eval WEIGHTS [--data DIR]`` without --config: the loss task with the verb's own flags, as before."""
+    from minimind_ray.evals.config import validate_task
+
+    task = EvalTaskConfig(task="loss", data=args.data or "", batch_size=args.micro_batch_size,
+                          limit=args.batches or None)
+    validate_task(task)
+    return task
+
+
+def samples_path(out: str) -> str:
+    """Where --log-samples writes beside ``--out``: FILE.json -> FILE.samples.jsonl."""
+    return (out[:-len(".json")] if out.endswith(".json") else out) + ".samples.jsonl"
+
+
+def print_kinds() -> None:
+    from minimind_ray.evals.registry import summary_line
+
+    for kind in task_kinds():
+        print(f"{kind:<10} {summary_line(kind) or ''}")
+    print(f"{'yours':<10} --task package.module:Class, a subclass of minimind_ray.evals.registry.EvalTask "
+          "(docs/evaluation.md)")
+
+
 def run_from_args(args) -> int:
+    if args.task == "list":
+        print_kinds()
+        return 0
     weights = args.weights_arg or args.weights
     if not weights:
         raise ValueError("eval: which weights? give WEIGHTS (a run dir, checkpoint, .pth, HF folder or URI)")
-    if (args.task in (None, "loss")) and not args.config:
-        from minimind_ray.evaluate import evaluate_weights
-
-        res = evaluate_weights(weights, data=args.data, preset=args.preset, batches=args.batches,
-                               micro_batch_size=args.micro_batch_size, tokenizer=args.tokenizer)
-        print(json.dumps(res, indent=1))
-        return 0
+    if args.log_samples and not args.out:
+        raise ValueError("eval: --log-samples writes beside the result: give --out FILE.json")
+    task = loss_task(args) if args.task in (None, "loss") and not args.config else task_from_args(args)
+    if args.log_samples and task.task == "loss":
+        raise ValueError("eval: --log-samples: the loss task has no per-question records")
     from minimind_ray.evals.run import evaluate_task
-
     from minimind_ray.store.weights import rope_scaling_spec
 
-    task = task_from_args(args)
     rope = rope_scaling_spec(getattr(args, "rope_scaling", None), getattr(args, "factor", None),
                              getattr(args, "original_max_position_embeddings", None))  # cli.add_rope_scaling_arguments
     res = evaluate_task(weights, task, preset=args.preset, tokenizer=args.tokenizer, device=args.device,
-                        workers=args.workers, rope_scaling=rope)
+                        workers=args.workers, rope_scaling=rope, log_samples=args.log_samples)
     print(format_table(res))
     if args.out:
         from minimind_ray.fsio import write_text_atomic
 
+        records = res.pop("samples_log", None)
         brief = {k: v for k, v in res.items() if k != "details"}
+        if records is not None:
+            brief["samples_file"] = samples_path(args.out)
+            write_text_atomic(brief["samples_file"], "".join(json.dumps(r, ensure_ascii=False) + "\n"
+                                                             for r in records))
+            print(f"written: {brief['samples_file']} ({len(records)} records)", file=sys.stderr)
         write_text_atomic(args.out, json.dumps(brief, indent=1, ensure_ascii=False))
         print(f"written: {args.out}", file=sys.stderr)
     return 0

@@ -333,11 +333,12 @@ def run(cfg: RunConfig, *, tags: Optional[Dict[str, str]] = None, callbacks=(), 
                       mlflow_run_id=run_id, progress_sink=sink, report_every_eval=report_every_eval,
                       launch_fault=LaunchFault(start_faults) if start_faults and start_faults.has("launch") else None)
     threads = worker_threads(cfg)
-    plugin_modules = user_modules(cfg)
+    plugin_modules = user_modules(cfg)  # the user's own modules: the workers' and the validation task's
     num_workers = (cfg.cluster.min_workers, cfg.cluster.num_workers) if cfg.cluster.min_workers else cfg.cluster.num_workers
     validation = validation_config(cfg.eval, run_dir=run_dir, tracking_uri=uri if run_id else None,
                                    cache_dir=str(Path(cfg.data.cache_dir).resolve()) if not is_uri(cfg.data.cache_dir)
-                                   else cfg.data.cache_dir, tracking_timeout_s=cfg.tracking.timeout_s)
+                                   else cfg.data.cache_dir, tracking_timeout_s=cfg.tracking.timeout_s,
+                                   py_modules=plugin_modules)
     make_trainer = lambda failures_left: TorchTrainer(  # noqa: E731 (start_guard.fit makes one per attempt)
         functools.partial(train_loop_per_worker, spec),
         validation_config=validation,

@@ -13,48 +13,27 @@ workers of a local Ray or ``cluster.address`` as well (:func:`worker_pythonpath`
 """
 from __future__ import annotations
 
-import importlib.util
 import os
-import sysconfig
 from pathlib import Path
 from typing import Dict, List
 
+from minimind_ray.evals.registry import plugin_names as eval_plugin_names
+from minimind_ray.plugins import module_paths
 from minimind_ray.stages import get_stage
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def plugin_names(cfg) -> List[str]:
-    """The ``module:function`` names a run's config holds: its stage's (reward terms, tools)."""
-    return get_stage(cfg.train.stage).plugins(cfg)
-
-
-def _installed_roots() -> List[Path]:
-    roots = {sysconfig.get_paths()[k] for k in ("purelib", "platlib", "stdlib", "platstdlib")}
-    return [Path(r).resolve() for r in roots if r]
+    """The ``module:function`` / ``module:Class`` names a run's config holds: its stage's (reward terms, tools) and its
+    evaluation tasks' own kinds (evals/registry.py)."""
+    return get_stage(cfg.train.stage).plugins(cfg) + eval_plugin_names(cfg.eval)
 
 
 def user_modules(cfg) -> List[str]:
     """Local paths to ship as ``py_modules``: each plug-in's top-level package directory or module file that lies
-    outside this project and outside the interpreter's installed packages."""
-    out = []
-    skip = [REPO_ROOT, *_installed_roots()]
-    for name in plugin_names(cfg):
-        top = name.partition(":")[0].split(".")[0]
-        spec = importlib.util.find_spec(top)
-        if spec is None:
-            continue  # config.validate has refused it already
-        if spec.submodule_search_locations:
-            path = Path(next(iter(spec.submodule_search_locations))).resolve()
-        elif spec.origin and spec.origin.endswith(".py"):
-            path = Path(spec.origin).resolve()
-        else:
-            continue  # a built-in or compiled module: installed with the interpreter
-        if any(path == root or root in path.parents for root in skip):
-            continue
-        if str(path) not in out:
-            out.append(str(path))
-    return out
+    outside this project and outside the interpreter's installed packages (plugins.py:module_paths)."""
+    return module_paths(plugin_names(cfg))
 
 
 def worker_pythonpath() -> str:

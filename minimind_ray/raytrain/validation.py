@@ -4,7 +4,8 @@ A recipe's ``eval.tasks`` (minimind_ray/evals/config.py:EvalConfig) make every `
 last a checkpoint step whose ``ray.train.report(..., validation=True)`` hands the checkpoint to the Train
 controller; its ValidationManager runs :func:`validate_checkpoint` as a Ray task of its own (``eval.num_cpus`` /
 ``num_gpus`` reserved, at most one at a time, cancelled after ``eval.timeout_s``) while the workers train on.
-The task loads the checkpoint's model, runs each task (minimind_ray/evals/run.py), logs
+The task loads the checkpoint's model, runs each task through its kind in the eval registry
+(minimind_ray/evals/run.py, evals/registry.py: the built-in kinds and a user's ``package.module:Class``), logs
 ``eval/<name>/<metric>`` to the run's MLflow run at the checkpoint's step, and returns the scores, which Ray
 merges into the checkpoint's metrics (so ``checkpoint.score_metric`` can keep the best ones).
 
@@ -24,8 +25,9 @@ from minimind_ray.evals.config import EvalConfig, EvalTaskConfig, task_name
 
 
 def validation_config(eval_cfg: EvalConfig, *, run_dir: str, tracking_uri: Optional[str], cache_dir: str,
-                      tracking_timeout_s: float):
-    """The ``ValidationConfig`` of a run with ``eval.tasks`` (None without)."""
+                      tracking_timeout_s: float, py_modules=()):
+    """The ``ValidationConfig`` of a run with ``eval.tasks`` (None without); ``py_modules``: the user's modules the
+    task needs (a task class of their own: raytrain/runtime_env.py:user_modules)."""
     import dataclasses
 
     from ray.train.v2.api.validation_config import ValidationConfig, ValidationTaskConfig
@@ -37,7 +39,9 @@ def validation_config(eval_cfg: EvalConfig, *, run_dir: str, tracking_uri: Optio
               "tracking_timeout_s": tracking_timeout_s}
     return ValidationConfig(fn=validate_checkpoint, task_config=ValidationTaskConfig(kwargs, eval_cfg.timeout_s),
                             ray_remote_kwargs={"num_cpus": eval_cfg.num_cpus, "num_gpus": eval_cfg.num_gpus,
-                                               "max_retries": 0})
+                                               "max_retries": 0,
+                                               **({"runtime_env": {"py_modules": list(py_modules)}} if py_modules
+                                                  else {})})
 
 
 def _marker(run_dir: str, step: int) -> str:
@@ -85,8 +89,8 @@ def run_tasks(ckpt_dir: str, tasks: List[EvalTaskConfig], cache_dir: str, device
     errors: Dict[str, str] = {}
     for t in tasks:
         try:
-            scores.update(metric_items(evaluate_task(ckpt_dir, t, model=model, tok=tok, cache_dir=cache_dir,
-                                                     device=device)))
+            scores.update(metric_items(evaluate_task(ckpt_dir, t, model=model, tok=tok, loaded=lw,
+                                                     cache_dir=cache_dir, device=device)))
         except Exception as e:  # noqa: BLE001 - one task's failure is reported, never fatal
             errors[task_name(t)] = " ".join(f"{type(e).__name__}: {e}".split())[:500]
     return scores, errors

@@ -26,7 +26,6 @@ No reward draws random numbers: scoring never moves the sampling RNG that checkp
 """
 from __future__ import annotations
 
-import importlib
 import math
 import os
 import re
@@ -34,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from minimind_ray.config_checks import ConfigError, config_field as _f, need
+from minimind_ray.plugins import callable_object
 
 BUILTIN_REWARDS = ("length", "think_format", "repetition", "exact_answer", "close_answer", "permutation_answer",
                    "reward_model")
@@ -147,16 +147,9 @@ RULES: Dict[str, RewardFn] = {"length": length_reward, "think_format": think_for
 
 def load_callable(spec: str) -> RewardFn:
     """``package.module:function`` -> the function; ValueError naming what is wrong."""
-    module, _, attr = spec.partition(":")
-    if not module or not attr:
+    if ":" not in spec:
         raise ValueError(f"{spec!r} is neither a built-in reward ({', '.join(BUILTIN_REWARDS)}) nor 'module:function'")
-    try:
-        fn = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"cannot load reward {spec!r}: {type(e).__name__}: {e}") from None
-    if not callable(fn):
-        raise ValueError(f"reward {spec!r} is a {type(fn).__name__}, not a callable")
-    return fn
+    return callable_object(spec, "reward")
 
 
 @dataclass

@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import ast
-import importlib
 import json
 import math
 import operator
@@ -27,6 +26,8 @@ import subprocess
 import sys
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from minimind_ray.plugins import callable_object
 
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
@@ -163,16 +164,8 @@ def check_arguments(function_schema: dict, arguments) -> Optional[str]:
 
 
 def load_tool_function(spec: str) -> Callable:
-    module, _, attr = spec.partition(":")
-    if not module or not attr:
-        raise ValueError(f"{spec!r} is not 'package.module:function'")
-    try:
-        fn = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"cannot load tool {spec!r}: {type(e).__name__}: {e}") from None
-    if not callable(fn):
-        raise ValueError(f"tool {spec!r} is a {type(fn).__name__}, not a callable")
-    return fn
+    """``package.module:function`` -> the tool's function; ValueError naming what is wrong."""
+    return callable_object(spec, "tool")
 
 
 # --------------------------------------------------------------------------- running them

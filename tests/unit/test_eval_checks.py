@@ -16,7 +16,7 @@ from minimind_ray.config import from_dict
 from minimind_ray.config import to_dict
 from minimind_ray.data.manifest import DataError
 from minimind_ray.engine.state import RNGState
-from minimind_ray.evaluate import evaluate_weights
+from minimind_ray.evals.loss import evaluate_weights
 from minimind_ray.store import checkpoint as ckpt_io
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "checkpoint_v1"
