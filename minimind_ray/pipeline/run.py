@@ -82,14 +82,14 @@ def _first_config(pipe: PipelineConfig, cli: List[str]) -> RunConfig:
 
 
 def run_pipeline(pipe: PipelineConfig, cli: Optional[List[str]] = None, text: str = "") -> PipelineResult:
-    from minimind_ray.raytrain.driver import _storage
+    from minimind_ray.raytrain.driver import storage_root
     from minimind_ray.tracking.parents import end_run, start_parent
     from minimind_ray.tracking.runs import resolve_tracking_uri
 
     t0 = time.monotonic()
     cli = list(cli or [])
     first = _first_config(pipe, cli)
-    storage = _storage(first)
+    storage = storage_root(first)
     state_path = join(join(storage, pipe.name), STATE)
     state = _read_state(state_path)
     experiment = pipe.experiment or f"minimind-{pipe.name}"
@@ -170,9 +170,9 @@ def _train(ctx: _Context, stage: StageConfig) -> Dict[str, Any]:
     try:
         res = run(cfg, tags=ctx.tags(stage))
     except RunFinished:  # trained to its end before, but killed before the pipeline wrote that down
-        from minimind_ray.raytrain.driver import _storage
+        from minimind_ray.raytrain.driver import storage_root
 
-        run_dir = join(_storage(cfg), cfg.name)
+        run_dir = join(storage_root(cfg), cfg.name)
         latest = newest_complete(run_dir)
         print(f"[{ctx.pipe.name}] stage {stage.name}: its run {cfg.name} had finished; using {latest.location} "
               f"(its exports and registered version may be missing: the driver was stopped before writing them)",

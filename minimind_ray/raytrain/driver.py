@@ -25,8 +25,8 @@ from typing import Any, Dict, Optional, Tuple
 from minimind_ray.cluster_config import worker_threads
 from minimind_ray.config import ConfigError, RunConfig, from_dict, run_identity
 from minimind_ray.fsio import is_uri, redact
-from minimind_ray.raytrain.resources import check_resources, worker_resources
-from minimind_ray.raytrain.runtime_env import side_cpus, user_modules, worker_pythonpath
+from minimind_ray.raytrain.resources import ClusterTooSmall, check_resources, worker_resources
+from minimind_ray.raytrain.runtime_env import shipped_modules, side_cpus, worker_pythonpath
 from minimind_ray.raytrain.spec import WorkerSpec
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -205,7 +205,8 @@ def _has_run_state(run_dir: str) -> bool:
     return fs.get_file_info(root).type == pafs.FileType.Directory
 
 
-def _storage(cfg: RunConfig) -> str:
+def storage_root(cfg: RunConfig) -> str:
+    """checkpoint.storage_path as the run sees it: a URI as given, a local path made absolute."""
     sp = cfg.checkpoint.storage_path
     return sp if is_uri(sp) else str(Path(sp).expanduser().resolve())
 
@@ -281,7 +282,7 @@ def run(cfg: RunConfig, *, tags: Optional[Dict[str, str]] = None, callbacks=(), 
 
     from minimind_ray.data.prepare import ensure_prepared
     from minimind_ray.raytrain.faults import (LaunchFault, StartFaults, failure_callback, lost_report_callbacks,
-                                             start_fault_callbacks, torch_config)
+                                             not_placed, start_fault_callbacks, torch_config)
     from minimind_ray.raytrain.restarts import fit as fit_with_restarts
     from minimind_ray.raytrain.lineage import lineage_tags
     from minimind_ray.raytrain.oom import explain as explain_oom, warn_if_short
@@ -291,7 +292,7 @@ def run(cfg: RunConfig, *, tags: Optional[Dict[str, str]] = None, callbacks=(), 
     from minimind_ray.tokenizer import resolve_tokenizer
     from minimind_ray.tracking.runs import finish_run, resolve_tracking_uri, start_run
 
-    storage = _storage(cfg)
+    storage = storage_root(cfg)
     name, plan = decide_run(cfg, storage)  # before Ray starts: a run the user must decide about fails in a second
     print(redact(f"[minimind-ray] {plan}"), flush=True)
     run_dir = f"{storage.rstrip('/')}/{name}"
@@ -333,7 +334,7 @@ def run(cfg: RunConfig, *, tags: Optional[Dict[str, str]] = None, callbacks=(), 
                       mlflow_run_id=run_id, progress_sink=sink, report_every_eval=report_every_eval,
                       launch_fault=LaunchFault(start_faults) if start_faults and start_faults.has("launch") else None)
     threads = worker_threads(cfg)
-    plugin_modules = user_modules(cfg)  # the user's own modules: the workers' and the validation task's
+    plugin_modules = shipped_modules(cfg)  # the user's own modules: the workers' and the validation task's
     num_workers = (cfg.cluster.min_workers, cfg.cluster.num_workers) if cfg.cluster.min_workers else cfg.cluster.num_workers
     validation = validation_config(cfg.eval, run_dir=run_dir, tracking_uri=uri if run_id else None,
                                    cache_dir=str(Path(cfg.data.cache_dir).resolve()) if not is_uri(cfg.data.cache_dir)
@@ -374,10 +375,11 @@ def run(cfg: RunConfig, *, tags: Optional[Dict[str, str]] = None, callbacks=(), 
     except BaseException as e:
         printer.close()
         oom = explain_oom(run_cfg, e)  # one line naming the settings, instead of Ray's traceback
+        one_line = oom or (ClusterTooSmall(not_placed(e)) if not_placed(e) else None)
         if run_id:
-            finish_run(uri, run_id, "FAILED", error=redact(str(oom) if oom else f"{type(e).__name__}: {e}"))
-        if oom is not None:
-            raise oom from None
+            finish_run(uri, run_id, "FAILED", error=redact(str(one_line) if one_line else f"{type(e).__name__}: {e}"))
+        if one_line is not None:
+            raise one_line from None
         raise
     printer.close()
     try:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 from dataclasses import dataclass
@@ -243,6 +244,7 @@ def failure_callback(sink, run_dir: Optional[str]):
             errors = {r: repr(e)[:500] for r, e in worker_exceptions.items()}
             try:
                 stop_on_out_of_memory(worker_exceptions)
+                stop_when_not_placed(worker_exceptions)
             except Exception:
                 self._record(errors)
                 raise
@@ -258,6 +260,26 @@ def failure_callback(sink, run_dir: Optional[str]):
                     pass  # a record for benchmarks: never worth failing the controller
 
     return FailureNotice()
+
+
+NOT_PLACED = re.compile(r"train\.rollout\.actors: [^\n]*could not be placed[^\n]*")
+
+
+def stop_when_not_placed(worker_exceptions) -> None:
+    """In the controller: end the run (no restart) when a worker could not place its rollout actors (rl/actors.py):
+    a restart would wait as long for the same resources."""
+    from ray.train import ControllerError
+
+    for error in worker_exceptions.values():
+        found = NOT_PLACED.search(str(error))
+        if found:
+            raise ControllerError(RuntimeError(found.group(0)))
+
+
+def not_placed(error: BaseException) -> Optional[str]:
+    """The one line of a run that stopped because its rollout actors could not be placed, or None."""
+    found = NOT_PLACED.search(str(error))
+    return found.group(0) if found else None
 
 
 def fired(run_dir: str) -> Dict[str, dict]:

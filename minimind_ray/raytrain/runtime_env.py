@@ -5,9 +5,9 @@ A run may name code of the user's as ``package.module:function``: a reward term 
 which names its config holds (stages/stage.py: ``plugins``). The driver can import it (its
 ``PYTHONPATH``, its working directory), but the workers run elsewhere: in Ray's session directory, on other
 nodes. :func:`user_modules` finds each named module that is neither part of this project nor an installed
-package, and the driver ships it to every training worker the way Ray does it, as a ``py_modules`` entry of the
-workers' runtime env (a package's directory, or a single module's ``.py`` file), in every mode, a submitted job
-included (its ``working_dir`` holds only what was in it). What a worker starts inherits it (rollout actors; the
+package, and the driver ships it to every training worker (and the validation task) the way Ray does it, as a
+``py_modules`` entry of their runtime env (a package's directory, or a single module's ``.py`` file, uploaded:
+:func:`shipped_modules`), in every mode, a submitted job included (its ``working_dir`` holds only what was in it). What a worker starts inherits it (rollout actors; the
 tool worker process gets the worker's ``sys.path``). The driver's own ``PYTHONPATH`` entries are kept for the
 workers of a local Ray or ``cluster.address`` as well (:func:`worker_pythonpath`).
 """
@@ -34,6 +34,23 @@ def user_modules(cfg) -> List[str]:
     """Local paths to ship as ``py_modules``: each plug-in's top-level package directory or module file that lies
     outside this project and outside the interpreter's installed packages (plugins.py:module_paths)."""
     return module_paths(plugin_names(cfg))
+
+
+def shipped_modules(cfg) -> List[str]:
+    """:func:`user_modules` uploaded to the cluster: the ``gcs://`` URIs of their packages, for the runtime envs of the
+    workers and of the validation task. Ray turns local paths into such URIs only for a job's own runtime env (what
+    ``ray.init`` is given), not for a task's or an actor's, and a submitted job's driver cannot extend its job's: so
+    the driver uploads them the way ``ray.init`` does (Ray's own ``upload_py_modules_if_needed``). Call it connected."""
+    import tempfile
+
+    from ray._private.runtime_env.py_modules import upload_py_modules_if_needed
+
+    paths = user_modules(cfg)
+    if not paths:
+        return []
+    with tempfile.TemporaryDirectory(prefix="mmr-plugins-") as scratch:  # where Ray zips them before the upload
+        return list(upload_py_modules_if_needed({"py_modules": paths}, include_gitignore=False,
+                                                scratch_dir=scratch)["py_modules"])
 
 
 def worker_pythonpath() -> str:

@@ -186,14 +186,14 @@ def _same_sweep(storage: str, sweep: SweepConfig, text: str) -> None:
 def run_sweep(sweep: SweepConfig, text: str = "") -> SweepResult:
     """Run (or resume) the sweep to its end; the trials, the best one and its recipe."""
     from minimind_ray.data.prepare import ensure_prepared
-    from minimind_ray.raytrain.driver import _storage, connect_ray
+    from minimind_ray.raytrain.driver import connect_ray, storage_root
     from minimind_ray.tokenizer import resolve_tokenizer
     from minimind_ray.tracking.parents import start_parent
     from minimind_ray.tracking.runs import resolve_tracking_uri
 
     t0 = time.monotonic()
     base = base_config(sweep)
-    storage = _storage(base)
+    storage = storage_root(base)
     _same_sweep(storage, sweep, text)
     need = trial_resources(sweep, base)
     # a local Ray started here gets room for max_concurrent_trials trials (logical CPUs, like connect_ray's own sizing)

@@ -81,6 +81,11 @@ def actor_name(run_name: str, index: int) -> str:
     return f"minimind-rollout-{run_name}-{index}"
 
 
+class RolloutActorsNotPlaced(RuntimeError):
+    """The pool of rollout actors could not be placed in time: the message is one line naming train.rollout.actors.
+    A restart would wait the same, so the run stops (raytrain/faults.py: failure_callback)."""
+
+
 class ActorRollout(RolloutEngine):
     """The engine of ``rollout: actors`` on one training rank (see the module docstring)."""
 
@@ -92,6 +97,22 @@ class ActorRollout(RolloutEngine):
         self.calls = 0
         self.recreated = 0
         self.actors = [self._actor(i) for i in range(self.r.actors)]
+        self._wait_placed()
+
+    def _wait_placed(self) -> None:
+        """Every actor started within train.rollout.placement_timeout_s; else one line, instead of an actor left
+        pending for ever (PENDING_CREATION) on a cluster short of what it asks."""
+        import ray
+
+        r = self.r
+        _, pending = ray.wait([a.pid.remote() for a in self.actors], num_returns=len(self.actors),
+                              timeout=r.placement_timeout_s)
+        if pending:
+            raise RolloutActorsNotPlaced(
+                f"train.rollout.actors: {len(pending)} of {r.actors} rollout actor(s) of {r.actor_cpus:g} CPU / "
+                f"{r.actor_gpus:g} GPU each could not be placed within {r.placement_timeout_s:g} s "
+                f"(train.rollout.placement_timeout_s); the cluster has no room for them beside the workers: lower "
+                f"train.rollout.actors or actor_cpus/actor_gpus, use train.rollout.engine=worker, or add nodes")
 
     def _actor(self, index: int):
         import dataclasses

@@ -91,17 +91,37 @@ def _bytes_text(t: Tensor, n: int) -> str:
     return bytes(t[:n].tolist()).decode("utf-8")
 
 
+def first_turn_request(mb: Dict[str, Tensor], *, params, group_size: int, max_total_len: int, seed: int, step: int,
+                       device):
+    """(prompt ids, mask, sampling params, seeds) of every trajectory's first turn: what :func:`agent_rollout`
+    generates first, and what a plan may send to a pool of rollout actors ahead of time (train.rollout.overlap)."""
+    from minimind_ray.rl.rollout import row_seeds
+
+    prompts = _prompts(mb)
+    rows = [i for i in range(len(prompts) * group_size) if len(prompts[i // group_size]) < max_total_len]
+    room = max(max_total_len - len(prompts[i // group_size]) for i in rows)
+    ids, mask = _left_pad([prompts[i // group_size] for i in rows], params.pad_id, device)
+    seeds = row_seeds(seed, step, mb["sample_ids"], group_size, 0)[torch.tensor(rows)].to(device)
+    return ids, mask, dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, room)), seeds
+
+
+def _prompts(mb: Dict[str, Tensor]) -> List[List[int]]:
+    prompt_ids, prompt_mask = mb["prompt_ids"].cpu(), mb["prompt_mask"].cpu().bool()
+    return [row[m].tolist() for row, m in zip(prompt_ids, prompt_mask)]
+
+
 def agent_rollout(mb: Dict[str, Tensor], *, engine, params, group_size: int, toolbox, tokenizer, max_turns: int,
-                  max_total_len: int, seed: int, step: int, device) -> Tuple[List[Trajectory], Dict[str, Tensor]]:
+                  max_total_len: int, seed: int, step: int, device, first_turn=None
+                  ) -> Tuple[List[Trajectory], Dict[str, Tensor]]:
     """One prepared micro-batch of B agent_rl prompts -> B * group_size trajectories and their tensors:
     ``input_ids``/``attention_mask`` (N, P + R), the left-padded prompt then the trajectory; ``completion_mask``
-    (N, R), 1 on the policy's own tokens; ``old_logp`` (N, R) their behaviour log-probs; ``total_len`` (N,)."""
+    (N, R), 1 on the policy's own tokens; ``old_logp`` (N, R) their behaviour log-probs; ``total_len`` (N,).
+    ``first_turn``: the first turn's rollout of :func:`first_turn_request`, generated ahead (else generated here)."""
     from minimind_ray.rl.rollout import row_seeds
     from minimind_ray.rl.tools import parse_tool_calls, tool_schemas
 
     G = group_size
-    prompt_ids, prompt_mask = mb["prompt_ids"].cpu(), mb["prompt_mask"].cpu().bool()
-    prompts = [row[m].tolist() for row, m in zip(prompt_ids, prompt_mask)]
+    prompts = _prompts(mb)
     trajs, history = [], []
     for b in range(len(prompts)):
         ctx = json.loads(_bytes_text(mb["context_utf8"][b], int(mb["context_len"][b])))
@@ -122,10 +142,15 @@ def agent_rollout(mb: Dict[str, Tensor], *, engine, params, group_size: int, too
         if not rows:
             break
         room = {i: max_total_len - len(prompts[i // G]) - len(tokens[i]) for i in rows}
-        ids, mask = _left_pad([prompts[i // G] + tokens[i] for i in rows], params.pad_id, device)
-        seeds = row_seeds(seed, step, mb["sample_ids"], G, turn)[torch.tensor(rows)].to(device)
-        roll = engine.generate(ids, mask, dataclasses.replace(params, max_new_tokens=min(
-            params.max_new_tokens, max(room.values()))), seeds=seeds)
+        if turn == 0:
+            request = first_turn_request(mb, params=params, group_size=G, max_total_len=max_total_len, seed=seed,
+                                         step=step, device=device)
+            roll = first_turn if first_turn is not None else engine.generate(*request[:3], seeds=request[3])
+        else:
+            ids, mask = _left_pad([prompts[i // G] + tokens[i] for i in rows], params.pad_id, device)
+            seeds = row_seeds(seed, step, mb["sample_ids"], G, turn)[torch.tensor(rows)].to(device)
+            roll = engine.generate(ids, mask, dataclasses.replace(params, max_new_tokens=min(
+                params.max_new_tokens, max(room.values()))), seeds=seeds)
         going = []
         for j, i in enumerate(rows):
             n = min(int(roll.completion_mask[j].sum()), room[i])

@@ -58,8 +58,6 @@ def validate_agent(cfg) -> None:
 
     a, g, d = cfg.train.agent, cfg.train.grpo, cfg.data
     validate_grpo(cfg)  # the policy loss, the group, the sampling
-    need(cfg.train.rollout.engine == "worker", "train.rollout.engine",
-         "the agent stage samples its multi-turn rollouts in the worker: 'worker'")
     need(g.dynamic_sampling == 0, "train.grpo.dynamic_sampling", "not available for the agent stage (0)")
     need([r.name for r in g.rewards] == [r.name for r in GRPOConfig().rewards], "train.grpo.rewards",
          "the agent stage scores whole trajectories with train.agent.rewards; leave train.grpo.rewards as it is")

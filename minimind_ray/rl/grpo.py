@@ -204,7 +204,7 @@ def rollout_micro_batch(mb: Dict[str, Tensor], *, engine: RolloutEngine, params:
     roll = pending if pending is not None else engine.generate(
         prompt_ids, prompt_mask, params, seeds=row_seeds(seed, step, mb["sample_ids"], G).to(device))
     ids, valid, logp, truncated = roll.completion_ids, roll.completion_mask, roll.logprobs.float(), roll.truncated
-    total, per_term = _score(tokenizer, rewards, mb, ids, eos_mask(ids, params.eos_id, valid), G)
+    total, per_term = score_rollouts(tokenizer, rewards, mb, ids, eos_mask(ids, params.eos_id, valid), G)
     resampled = torch.zeros(mb["prompt_ids"].shape[0], dtype=torch.bool, device=device)
     for round_ in range(1, dynamic_rounds + 1):
         flat = group_std(total, G).view(-1, G)[:, 0].le(1e-6)  # (B,): a group that teaches nothing
@@ -221,7 +221,7 @@ def rollout_micro_batch(mb: Dict[str, Tensor], *, engine: RolloutEngine, params:
         logp[rows], truncated = _widen(again.logprobs.float(), width, 0.0), truncated.clone()
         truncated[rows] = again.truncated
         sub_mb = {k: v[groups.to(v.device)] for k, v in mb.items()}
-        sub_total, sub_terms = _score(tokenizer, rewards, sub_mb, again.completion_ids,
+        sub_total, sub_terms = score_rollouts(tokenizer, rewards, sub_mb, again.completion_ids,
                                       eos_mask(again.completion_ids, params.eos_id, again.completion_mask), G)
         total[rows] = sub_total
         for label in per_term:
@@ -255,7 +255,7 @@ def rollout_micro_batch(mb: Dict[str, Tensor], *, engine: RolloutEngine, params:
     return batch
 
 
-def _score(tokenizer, rewards: List[RewardTerm], mb: Dict[str, Tensor], ids: Tensor, mask: Tensor,
+def score_rollouts(tokenizer, rewards: List[RewardTerm], mb: Dict[str, Tensor], ids: Tensor, mask: Tensor,
            group_size: int) -> Tuple[Tensor, Dict[str, Tensor]]:
     """(total reward per completion (N,), each term's values by label), as float32 tensors on ids' device."""
     prompts, completions, answers = _texts(tokenizer, mb, ids, mask, group_size)

@@ -1,4 +1,4 @@
-"""One GRPO step's plan, for the grpo objective (engine/objectives.py:GRPOObjective): rollouts, advantages, the
+"""One GRPO step's plan, for the grpo objective (stages/grpo_objective.py), on the shared base (rl/plan.py): rollouts, advantages, the
 optimizer updates over them, and the adaptive KL controller. The math is in rl/grpo.py.
 
     prepare(step)   the policy's weights to the rollout engine (once per step)
@@ -19,6 +19,8 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from minimind_ray.rl.plan import RolloutPlan
 
 Batch = Dict[str, Tensor]
 
@@ -42,73 +44,35 @@ class AdaptiveKL:
         self.beta = float(sd.get("beta", self.beta))
 
 
-def _rows(batch: Batch, lo: int, hi: int, keep_metrics: bool) -> Batch:
-    """Rows lo:hi of a rolled-out micro-batch; its metric sums and metric_rows stay with one slice only."""
-    out = {k: v[lo:hi] for k, v in batch.items() if not k.startswith("metric_") and v.dim() > 0}
-    if keep_metrics:
-        out.update({k: v for k, v in batch.items() if k.startswith("metric_")})
-    out["metric_rows"] = torch.tensor(batch["completion_mask"].shape[0] if keep_metrics else 0)
-    return out
-
-
-def build_rollout(cfg, state):
-    """The engine ``train.rollout.engine`` names: this worker's sampler, or a pool of Ray actors (rl/actors.py)."""
-    from minimind_ray.rl.rollout import TorchRollout
-
-    engine = cfg.train.rollout.engine
-    if engine == "worker":
-        return TorchRollout(state.autocast)
-    if engine == "actors":
-        from minimind_ray.rl.actors import ActorRollout
-
-        return ActorRollout(cfg, state.rank, state.world)
-    raise ValueError(f"train.rollout.engine: unknown rollout engine {engine!r}; one of ('worker', 'actors')")
-
-
-class GRPOPlan:
+class GRPOPlan(RolloutPlan):
     def __init__(self, cfg):
         g = cfg.train.grpo
-        self.cfg, self.g = cfg, g
+        super().__init__(cfg, g)
+        self.g = g
         self.kl = AdaptiveKL(g.beta, g.kl_target, g.kl_horizon)
-        self.engine = self.tokenizer = None
         self.pending: Dict[int, list] = {}  # step -> this rank's submitted requests, one per micro-batch
-
-    def _setup(self, state) -> None:
-        from minimind_ray.rl.grpo import run_tokenizer
-
-        self.engine = build_rollout(self.cfg, state)
-        self.tokenizer = run_tokenizer(self.cfg, state.dataset.manifest)
-
-    def _params(self):
-        from minimind_ray.rl.rollout import SamplingParams
-
-        g = self.g
-        return SamplingParams(g.max_gen_len, g.temperature, g.top_p, g.top_k, self.tokenizer.eos_id,
-                              self.tokenizer.pad_id)
 
     def _submit(self, state, batches: List[Batch], step: int) -> list:
         from minimind_ray.rl.rollout import row_seeds
 
         G, dev = self.g.num_generations, state.device
         return [self.engine.submit(mb["prompt_ids"].to(dev).repeat_interleave(G, 0),
-                                   mb["prompt_mask"].to(dev).repeat_interleave(G, 0), self._params(),
+                                   mb["prompt_mask"].to(dev).repeat_interleave(G, 0), self.params(),
                                    row_seeds(self.cfg.train.seed, step, mb["sample_ids"], G)) for mb in batches]
 
     def prepare(self, state, batches: List[Batch], step: int, *, rewards, reference) -> List[Batch]:
-        from minimind_ray.store.config import checkpoint_due
         from minimind_ray.rl.grpo import group_advantages, rollout_micro_batch
 
-        if self.engine is None:
-            self._setup(state)
+        self.setup(state)
         g, t0 = self.g, time.perf_counter()
         ahead = [self.engine.collect(h) for h in self.pending.pop(step, [])]  # generated from older weights
         self.engine.update_policy(state.model, step)
-        out = [rollout_micro_batch(mb, engine=self.engine, params=self._params(), group_size=g.num_generations,
+        out = [rollout_micro_batch(mb, engine=self.engine, params=self.params(), group_size=g.num_generations,
                                    rewards=rewards, tokenizer=self.tokenizer, reference=reference,
                                    autocast=state.autocast, device=state.device, seed=self.cfg.train.seed, step=step,
                                    dynamic_rounds=g.dynamic_sampling, mask_truncated=g.mask_truncated,
                                    pending=ahead[i] if ahead else None) for i, mb in enumerate(batches)]
-        if self.cfg.train.rollout.overlap and step < state.total_steps and not checkpoint_due(self.cfg, step, state.total_steps):
+        if self.overlaps(state, step):
             self.pending[step + 1] = self._submit(state, state.stream.peek(), step + 1)  # runs during the update
         batch_std = self._batch_std(out, state) if g.scale_rewards == "batch" else None
         for b in out:
@@ -137,21 +101,7 @@ class GRPOPlan:
     def updates(self, batches: List[Batch]) -> List[List[List[Batch]]]:
         """``num_iterations`` passes over the rollouts, each ``mini_batches`` updates: update j of a pass trains
         on the j-th row slice of every micro-batch (the same slices on every rank and pass)."""
-        g = self.g
-        if g.num_iterations == 1 and g.mini_batches == 1:
-            return [[[_rows(b, 0, b["completion_mask"].shape[0], True) for b in batches]]]
-        passes = []
-        for p in range(g.num_iterations):
-            updates = []
-            for j in range(g.mini_batches):
-                update = []
-                for b in batches:
-                    n = b["completion_mask"].shape[0]
-                    lo, hi = n * j // g.mini_batches, n * (j + 1) // g.mini_batches
-                    update.append(_rows(b, lo, hi, keep_metrics=(p == 0 and j == 0)))
-                updates.append(update)
-            passes.append(updates)
-        return passes
+        return self.updates_over(batches, self.g.num_iterations, self.g.mini_batches)
 
     def end_step(self, state, out) -> None:
         if self.g.kl_target is None or "kl" not in out.extras:

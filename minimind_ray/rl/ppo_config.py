@@ -55,5 +55,3 @@ def validate_ppo(cfg) -> None:
     need(cfg.train.init_from is not None, "train.init_from", "PPO improves a trained policy: give its weights (e.g. "
                                                             "a demo SFT run: train.init_from=runs/<demo-sft-run>)")
     validate_reward_terms(p.rewards, "train.ppo.rewards")
-    need(cfg.train.rollout.engine == "worker", "train.rollout.engine",
-         "PPO samples its rollouts in the worker: 'worker'")

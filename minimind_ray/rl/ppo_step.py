@@ -1,7 +1,8 @@
-"""One PPO step's plan, for the ppo objective (engine/objectives.py:PPOObjective); the math is in rl/ppo.py.
+"""One PPO step's plan, for the ppo objective (stages/ppo_objective.py), on the shared base (rl/plan.py: the rollout
+engine of train.rollout, in the worker or on a pool of actors); the math is in rl/ppo.py.
 
     prepare(step)   each micro-batch: one completion per prompt from the current policy (its own seed,
-                    rollout.row_seeds), the reward terms' sum, the behaviour and reference log-probs, the critic's
+                    rollout.row_seeds; sent ahead during the previous step's update with train.rollout.overlap), the reward terms' sum, the behaviour and reference log-probs, the critic's
                     values, per-token rewards, GAE; then the advantages whitened over the global batch's tokens
     updates()       ppo_update_iters passes, each of mini_batches optimizer updates over row slices of the rollouts
     loss_sum()      policy + kl_coef * KL + vf_coef * value loss, summed over the update's completion tokens (the
@@ -19,53 +20,38 @@ import torch.distributed as dist
 from torch import Tensor
 
 from minimind_ray.rl.grpo import completion_logprobs, eos_mask, sequence_mean
+from minimind_ray.rl.plan import RolloutPlan
 
 Batch = Dict[str, Tensor]
 TERMS = ("policy_loss", "value_loss", "kl", "approx_kl", "clip_fraction")  # summed per update, in this order
 
 
-def _slice(batch: Batch, lo: int, hi: int, keep_metrics: bool) -> Batch:
-    """Rows lo:hi of a rolled-out micro-batch; its metric sums (and metric_rows) stay with one slice only."""
-    out = {k: v[lo:hi] for k, v in batch.items() if not k.startswith("metric_") and v.dim() > 0}
-    if keep_metrics:
-        out.update({k: v for k, v in batch.items() if k.startswith("metric_")})
-    out["metric_rows"] = torch.tensor(batch["completion_mask"].shape[0] if keep_metrics else 0)
-    return out
-
-
-class PPOPlan:
+class PPOPlan(RolloutPlan):
     def __init__(self, cfg):
-        self.cfg, self.p = cfg, cfg.train.ppo
-        self.engine = self.tokenizer = None
+        super().__init__(cfg, cfg.train.ppo)
+        self.p = cfg.train.ppo
+        self.pending: Dict[int, list] = {}  # step -> this rank's requests sent ahead (train.rollout.overlap)
         self._update = None  # this update's sums (TERMS, tokens), this rank
         self._applied = torch.zeros(len(TERMS) + 1, dtype=torch.float64)  # the step's applied updates, all ranks
         self._updates, self._stopped = 0, False
 
-    def _params(self):
-        from minimind_ray.rl.rollout import SamplingParams
-
-        p = self.p
-        return SamplingParams(p.max_gen_len, p.temperature, p.top_p, p.top_k, self.tokenizer.eos_id,
-                              self.tokenizer.pad_id)
-
     def prepare(self, state, batches: List[Batch], step: int, *, rewards, reference, critic) -> List[Batch]:
-        from minimind_ray.rl.grpo import _score, run_tokenizer
+        from minimind_ray.rl.grpo import score_rollouts
         from minimind_ray.rl.ppo import gae, token_rewards, whiten
-        from minimind_ray.rl.rollout import TorchRollout, row_seeds
 
-        if self.engine is None:
-            self.engine, self.tokenizer = TorchRollout(state.autocast), run_tokenizer(self.cfg, state.dataset.manifest)
+        self.setup(state)
         p, dev, t0 = self.p, state.device, time.perf_counter()
+        ahead = [self.engine.collect(h) for h in self.pending.pop(step, [])]  # generated from the older weights
         self.engine.update_policy(state.model, step)
-        params = self._params()
+        params = self.params()
         out = []
-        for mb in batches:
+        for i, mb in enumerate(batches):
             prompt_ids, prompt_mask = mb["prompt_ids"].to(dev), mb["prompt_mask"].to(dev)
-            roll = self.engine.generate(prompt_ids, prompt_mask, params,
-                                        seeds=row_seeds(self.cfg.train.seed, step, mb["sample_ids"], 1).to(dev))
+            roll = ahead[i] if ahead else self.engine.generate(prompt_ids, prompt_mask, params,
+                                                               seeds=self._seeds(mb, step, dev))
             ids = roll.completion_ids
             mask = eos_mask(ids, params.eos_id, roll.completion_mask)
-            scores, per_term = _score(self.tokenizer, rewards, mb, ids, mask, 1)
+            scores, per_term = score_rollouts(self.tokenizer, rewards, mb, ids, mask, 1)
             b = {"input_ids": torch.cat([prompt_ids, ids], dim=1),
                  "attention_mask": torch.cat([prompt_mask.long(), mask.long()], dim=1),
                  "completion_mask": mask, "old_logp": roll.logprobs.float() * mask}
@@ -83,6 +69,9 @@ class PPOPlan:
             metrics.update({f"reward_{k}": v.sum() for k, v in per_term.items()})
             b.update({f"metric_{k}": v.double() for k, v in metrics.items()})
             out.append(b)
+        if self.overlaps(state, step):  # step + 1's completions, generated while this step's updates run
+            self.pending[step + 1] = [self.engine.submit(mb["prompt_ids"].to(dev), mb["prompt_mask"].to(dev), params,
+                                                         self._seeds(mb, step + 1, dev)) for mb in state.stream.peek()]
         if p.whiten_advantages:
             mean, var = self._global_moments(out, state)
             for b in out:
@@ -90,6 +79,11 @@ class PPOPlan:
         scale = self.cfg.train.global_batch_size / state.world  # the meter's mean over completions -> per step
         out[0]["metric_rollout_s"] = torch.tensor((time.perf_counter() - t0) * scale, dtype=torch.float64, device=dev)
         return out
+
+    def _seeds(self, mb: Batch, step: int, dev):
+        from minimind_ray.rl.rollout import row_seeds
+
+        return row_seeds(self.cfg.train.seed, step, mb["sample_ids"], 1).to(dev)  # one completion per prompt
 
     @staticmethod
     def _global_moments(out: List[Batch], state):
@@ -107,18 +101,7 @@ class PPOPlan:
     def updates(self, batches: List[Batch]) -> List[List[List[Batch]]]:
         """``ppo_update_iters`` passes, each ``mini_batches`` updates: update j of a pass trains on the j-th row slice
         of every micro-batch (the same slices on every rank and pass)."""
-        p, passes = self.p, []
-        for it in range(p.ppo_update_iters):
-            updates = []
-            for j in range(p.mini_batches):
-                update = []
-                for b in batches:
-                    n = b["completion_mask"].shape[0]
-                    update.append(_slice(b, n * j // p.mini_batches, n * (j + 1) // p.mini_batches,
-                                         keep_metrics=(it == 0 and j == 0)))
-                updates.append(update)
-            passes.append(updates)
-        return passes
+        return self.updates_over(batches, self.p.ppo_update_iters, self.p.mini_batches)
 
     def loss_sum(self, model, critic, batch: Batch):
         from minimind_ray.rl.ppo import ppo_token_losses

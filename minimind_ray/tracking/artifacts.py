@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from minimind_ray.tracking.names import history as metric_history
-from minimind_ray.tracking.runs import _client, _error_code, _short, _short_http
+from minimind_ray.tracking.runs import mlflow_client, error_code, short_message, short_http
 
 log = logging.getLogger(__name__)
 
@@ -67,13 +67,13 @@ def log_final_artifacts(uri: str, run_id: str, *, pth_path: Optional[str], safet
         try:
             return fn()
         except Exception as e:  # noqa: BLE001 - see docstring
-            errors.append(f"{what}: {_short(e)}")
-            log.error("MLflow run %s: %s failed: %s", run_id, what, _short(e))
+            errors.append(f"{what}: {short_message(e)}")
+            log.error("MLflow run %s: %s failed: %s", run_id, what, short_message(e))
             return None
 
     version = None
-    with _short_http(timeout_s):
-        client = attempt("connect", lambda: _client(uri))
+    with short_http(timeout_s):
+        client = attempt("connect", lambda: mlflow_client(uri))
         if client is None:
             return {"model_version": None, "errors": errors}
         files = [(pth_path, "model"), (safetensors_path, "model"), (manifest_path, "data")]
@@ -94,18 +94,18 @@ def log_final_artifacts(uri: str, run_id: str, *, pth_path: Optional[str], safet
 
         attempt("loss plot", plot)
         if registered_model and (pth_path or safetensors_path):
-            version = attempt("register model", lambda: _register(client, registered_model, run_id))
+            version = attempt("register model", lambda: register_version(client, registered_model, run_id))
     return {"model_version": version, "errors": errors}
 
 
-def _register(client, name: str, run_id: str) -> str:
+def register_version(client, name: str, run_id: str) -> str:
     from mlflow.exceptions import MlflowException
 
     source = client.get_run(run_id).info.artifact_uri.rstrip("/") + "/model"
     try:
         client.create_registered_model(name, description="MiniMind-family GPT trained with minimind-ray")
     except MlflowException as e:
-        if _error_code(e) != "RESOURCE_ALREADY_EXISTS":
+        if error_code(e) != "RESOURCE_ALREADY_EXISTS":
             raise
     for mv in client.search_model_versions(f"name = '{name}' and run_id = '{run_id}'"):
         if mv.source == source:

@@ -8,7 +8,7 @@ import threading
 import time
 from typing import Dict, List, Optional, Tuple
 
-from minimind_ray.tracking.runs import _PERMANENT_ERRORS, _MAX_METRICS_PER_BATCH, _client, _error_code, _http_env, _short
+from minimind_ray.tracking.runs import PERMANENT_ERRORS, MAX_METRICS_PER_BATCH, mlflow_client, error_code, http_env, short_message
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ class RunLogger:
         nothing until it knows what the run holds. ``system_metrics`` starts MLflow's
         CPU/GPU/memory/disk/network sampler (``system/*`` metrics of this node, every 10 s).
         """
-        os.environ.update(_http_env(timeout_s))
+        os.environ.update(http_env(timeout_s))
         self.uri, self.run_id, self.timeout_s = uri, run_id, timeout_s
         self._system_metrics = system_metrics
         self._max_pending = max_pending
@@ -124,7 +124,7 @@ class RunLogger:
             return summary
         except Exception as e:  # noqa: BLE001 - the summary must never cost the run
             return {"metrics_logged": self._logged, "metrics_dropped": -1, "metrics_skipped": self._skipped,
-                    "errors": self._errors + [_short(e)],
+                    "errors": self._errors + [short_message(e)],
                     "error_count": self._error_count + 1}
 
     # ---- sender thread
@@ -171,7 +171,7 @@ class RunLogger:
                     self._kick = False
                 try:
                     if client is None:
-                        client = _client(self.uri)
+                        client = mlflow_client(self.uri)
                     if self._server_step is None:
                         self._read_server_steps(client)
                         if self._system_metrics and monitor is None:
@@ -185,7 +185,7 @@ class RunLogger:
                 except Exception as e:  # noqa: BLE001 - any failure: back off and retry
                     failures += 1
                     with self._cv:
-                        self._note_error(_short(e))
+                        self._note_error(short_message(e))
                 finally:
                     self._first_read.set()
                     with self._cv:
@@ -207,11 +207,11 @@ class RunLogger:
             metrics = client.get_run(self.run_id).data._metric_objs
             steps = {m.key: m.step for m in metrics}
         except MlflowException as e:
-            if _error_code(e) not in _PERMANENT_ERRORS:
+            if error_code(e) not in PERMANENT_ERRORS:
                 raise
             # The run is gone or unreadable: every send will be rejected and counted as dropped.
             with self._cv:
-                self._note_error(_short(e), retrying=False)
+                self._note_error(short_message(e), retrying=False)
             steps = {}
         with self._cv:
             self._server_step = steps
@@ -225,7 +225,7 @@ class RunLogger:
 
         while True:
             with self._cv:
-                n = min(len(self._pending), _MAX_METRICS_PER_BATCH)
+                n = min(len(self._pending), MAX_METRICS_PER_BATCH)
                 batch = [self._pending.popleft() for _ in range(n)]
                 self._inflight = n
             if not batch:
@@ -236,12 +236,12 @@ class RunLogger:
                 if send:
                     client.log_batch(self.run_id, metrics=[Metric(*m) for m in send], synchronous=True)
             except MlflowException as e:
-                if _error_code(e) in _PERMANENT_ERRORS:
+                if error_code(e) in PERMANENT_ERRORS:
                     with self._cv:
                         self._dropped += len(send)
                         self._skipped += len(batch) - len(send)
                         self._inflight = 0
-                        self._note_error(_short(e), retrying=False)
+                        self._note_error(short_message(e), retrying=False)
                     continue
                 self._requeue(batch)
                 raise
@@ -277,5 +277,5 @@ class RunLogger:
             return monitor
         except Exception as e:  # noqa: BLE001 - optional: never worth a retry loop
             with self._cv:
-                self._note_error(f"system metrics: {_short(e)}", retrying=False)
+                self._note_error(f"system metrics: {short_message(e)}", retrying=False)
             return None

@@ -12,8 +12,8 @@ import logging
 from typing import Dict, List, Optional
 
 from minimind_ray.fsio import redact, redact_obj
-from minimind_ray.tracking.runs import (TAG_RESUMES, TAG_RUN_NAME, TAG_STORAGE, _client, _experiment_id, _log_tags,
-                                        _short, _short_http)
+from minimind_ray.tracking.runs import (TAG_RESUMES, TAG_RUN_NAME, TAG_STORAGE, mlflow_client, experiment_id_of, log_tags,
+                                        short_message, short_http)
 
 log = logging.getLogger(__name__)
 
@@ -31,9 +31,9 @@ def start_parent(uri: str, experiment: str, kind: str, name: str, storage: str, 
     from mlflow.entities import Param
 
     storage = redact(storage)
-    with _short_http(timeout_s):
-        client = _client(uri)
-        exp_id = _experiment_id(client, experiment, uri)
+    with short_http(timeout_s):
+        client = mlflow_client(uri)
+        exp_id = experiment_id_of(client, experiment, uri)
         found = client.search_runs([exp_id], filter_string=f"tags.`{TAG_RUN_NAME}` = '{name}' and "
                                                            f"tags.`{TAG_KIND}` = '{kind}'",
                                    order_by=["attributes.start_time ASC"], max_results=100)
@@ -41,10 +41,10 @@ def start_parent(uri: str, experiment: str, kind: str, name: str, storage: str, 
         if run is not None:
             run_id = run.info.run_id
             client.update_run(run_id, status="RUNNING")
-            _log_tags(client, run_id, {TAG_RESUMES: str(int(run.data.tags.get(TAG_RESUMES, "0")) + 1), **(tags or {})})
+            log_tags(client, run_id, {TAG_RESUMES: str(int(run.data.tags.get(TAG_RESUMES, "0")) + 1), **(tags or {})})
             return run_id
         run_id = client.create_run(exp_id, run_name=name).info.run_id
-        _log_tags(client, run_id, {TAG_RUN_NAME: name, TAG_STORAGE: storage, TAG_KIND: kind, **(tags or {})})
+        log_tags(client, run_id, {TAG_RUN_NAME: name, TAG_STORAGE: storage, TAG_KIND: kind, **(tags or {})})
         items = [Param(k, str(v)[:6000]) for k, v in redact_obj(params).items()]
         for i in range(0, len(items), 100):
             client.log_batch(run_id, params=items[i:i + 100])
@@ -68,14 +68,14 @@ def record(uri: str, run_id: str, *, tags: Optional[Dict[str, str]] = None, metr
     import time
 
     errors = []
-    with _short_http(timeout_s):
+    with short_http(timeout_s):
         try:
-            client = _client(uri)
+            client = mlflow_client(uri)
         except Exception as e:  # noqa: BLE001 - tracking must not fail the caller
-            return [f"connect: {_short(e)}"]
+            return [f"connect: {short_message(e)}"]
         jobs = []
         if tags:
-            jobs.append(("tags", lambda: _log_tags(client, run_id, {k: redact(str(v)) for k, v in tags.items()})))
+            jobs.append(("tags", lambda: log_tags(client, run_id, {k: redact(str(v)) for k, v in tags.items()})))
         if metrics:
             now = int(time.time() * 1000)
             jobs.append(("metrics", lambda: client.log_batch(run_id, metrics=[
@@ -88,15 +88,15 @@ def record(uri: str, run_id: str, *, tags: Optional[Dict[str, str]] = None, metr
             try:
                 job()
             except Exception as e:  # noqa: BLE001 - see docstring
-                errors.append(f"{what}: {_short(e)}")
-                log.error("MLflow run %s: %s failed: %s", run_id, what, _short(e))
+                errors.append(f"{what}: {short_message(e)}")
+                log.error("MLflow run %s: %s failed: %s", run_id, what, short_message(e))
     return errors
 
 
 def children(uri: str, parent_id: str, timeout_s: float = 10.0) -> list:
     """Every run whose ``mlflow.parentRunId`` is ``parent_id``, in any experiment, oldest first."""
-    with _short_http(timeout_s):
-        client = _client(uri)
+    with short_http(timeout_s):
+        client = mlflow_client(uri)
         exps = [e.experiment_id for e in client.search_experiments()]
         return client.search_runs(exps, filter_string=f"tags.`{TAG_PARENT}` = '{parent_id}'",
                                   order_by=["attributes.start_time ASC"], max_results=1000)
@@ -114,11 +114,11 @@ def end_run(uri: str, run_id: str, status: str, tags: Optional[Dict[str, str]] =
 def register_version(uri: str, name: str, run_id: str, tags: Dict[str, str], timeout_s: float = 30.0) -> str:
     """A registry version of the run's ``model/`` artifacts under ``name`` (the one of that run if it exists), tagged
     with where it came from (the run's own lineage tags, and ``tags``). Raises if the store refuses."""
-    from minimind_ray.tracking.artifacts import _register
+    from minimind_ray.tracking.artifacts import register_version
 
-    with _short_http(timeout_s):
-        client = _client(uri)
-        version = _register(client, name, run_id)
+    with short_http(timeout_s):
+        client = mlflow_client(uri)
+        version = register_version(client, name, run_id)
         run_tags = client.get_run(run_id).data.tags
         lineage = {k: v for k, v in run_tags.items() if k.startswith("minimind.data.") or k.startswith("minimind.init")}
         for k, v in {**lineage, "minimind.source.run_id": run_id, **tags}.items():

@@ -44,19 +44,19 @@ EXPERIMENT_KIND, MODEL_TRAINING = "mlflow.experimentKind", "custom_model_develop
 
 # MLflow's own limits (mlflow.utils.validation): log_batch takes at most 1000 metrics or 100
 # params/tags per call, and a param value at most 6000 characters.
-_MAX_METRICS_PER_BATCH = 1000
+MAX_METRICS_PER_BATCH = 1000
 _MAX_PARAMS_PER_BATCH = 100
 _MAX_PARAM_LEN = 6000
 
 # Error codes after which resending the same request cannot succeed (bad key or value, run
 # deleted, no permission): the batch is dropped and counted instead of blocking the queue.
-_PERMANENT_ERRORS = {"INVALID_PARAMETER_VALUE", "RESOURCE_DOES_NOT_EXIST", "BAD_REQUEST",
+PERMANENT_ERRORS = {"INVALID_PARAMETER_VALUE", "RESOURCE_DOES_NOT_EXIST", "BAD_REQUEST",
                      "PERMISSION_DENIED", "UNAUTHENTICATED"}
 
 _HTTP_ENV = ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT")
 
 
-def _http_env(timeout_s: float) -> Dict[str, str]:
+def http_env(timeout_s: float) -> Dict[str, str]:
     """Environment that bounds every MLflow HTTP request to one attempt of ``timeout_s``.
 
     MLflow 3.17 reads these on every request. Its defaults (7 retries with exponential
@@ -69,11 +69,11 @@ def _http_env(timeout_s: float) -> Dict[str, str]:
 
 
 @contextlib.contextmanager
-def _short_http(timeout_s: float) -> Iterator[None]:
-    """Apply :func:`_http_env` for one driver-side call, then restore the caller's values
+def short_http(timeout_s: float) -> Iterator[None]:
+    """Apply :func:`http_env` for one driver-side call, then restore the caller's values
     (the driver may be a user's process with its own MLflow settings)."""
     saved = {k: os.environ.get(k) for k in _HTTP_ENV}
-    os.environ.update(_http_env(timeout_s))
+    os.environ.update(http_env(timeout_s))
     try:
         yield
     finally:
@@ -84,17 +84,17 @@ def _short_http(timeout_s: float) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def _client(uri: str):
+def mlflow_client(uri: str):
     from mlflow import MlflowClient
 
     return MlflowClient(tracking_uri=uri, registry_uri=uri)
 
 
-def _error_code(e: BaseException) -> str:
+def error_code(e: BaseException) -> str:
     return str(getattr(e, "error_code", ""))
 
 
-def _short(e: BaseException) -> str:
+def short_message(e: BaseException) -> str:
     """One line for a log or a summary; URIs in it lose their credentials (MLflow puts its URL in errors)."""
     return redact(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")[:500]
 
@@ -193,7 +193,7 @@ def _versions() -> Dict[str, str]:
     return out
 
 
-def _experiment_id(client, name: str, uri: str) -> str:
+def experiment_id_of(client, name: str, uri: str) -> str:
     from mlflow.exceptions import MlflowException
 
     exp = client.get_experiment_by_name(name)
@@ -202,7 +202,7 @@ def _experiment_id(client, name: str, uri: str) -> str:
             return client.create_experiment(name, artifact_location=artifact_location_for(uri),
                                             tags={EXPERIMENT_KIND: MODEL_TRAINING})
         except MlflowException as e:  # another driver created it meanwhile
-            if _error_code(e) != "RESOURCE_ALREADY_EXISTS":
+            if error_code(e) != "RESOURCE_ALREADY_EXISTS":
                 raise
             exp = client.get_experiment_by_name(name)
     if exp.lifecycle_stage == "deleted":
@@ -250,9 +250,9 @@ def start_run(cfg, run_name: str, storage_dir: str, tags: dict) -> str:
     params = {k: str(v)[:_MAX_PARAM_LEN] for k, v in redact_obj(flatten(dataclasses.asdict(cfg))).items()}
     config_yaml = redact(OmegaConf.to_yaml(OmegaConf.structured(cfg)))  # as config.to_yaml writes it
     storage_dir = redact(storage_dir)
-    with _short_http(cfg.tracking.timeout_s):
-        client = _client(uri)
-        exp_id = _experiment_id(client, experiment, uri)
+    with short_http(cfg.tracking.timeout_s):
+        client = mlflow_client(uri)
+        exp_id = experiment_id_of(client, experiment, uri)
         run = _find_run(client, exp_id, run_name, storage_dir)
         if run is not None:
             run_id = run.info.run_id
@@ -265,14 +265,14 @@ def start_run(cfg, run_name: str, storage_dir: str, tags: dict) -> str:
                             "the new config is config/config.resume-%d.yaml): %s", run_id, resumes,
                             ", ".join(changed))
                 client.log_text(run_id, config_yaml, f"config/config.resume-{resumes}.yaml")
-            _log_tags(client, run_id, all_tags)
+            log_tags(client, run_id, all_tags)
             log.info("reopened MLflow run %s (%s) in experiment %r", run_id, run_name, experiment)
             return run_id
 
         all_tags.update({TAG_RUN_NAME: run_name, TAG_STORAGE: storage_dir})
         run = client.create_run(exp_id, run_name=run_name)
         run_id = run.info.run_id
-        _log_tags(client, run_id, all_tags)
+        log_tags(client, run_id, all_tags)
         items = [Param(k, v) for k, v in params.items()]
         for i in range(0, len(items), _MAX_PARAMS_PER_BATCH):
             client.log_batch(run_id, params=items[i:i + _MAX_PARAMS_PER_BATCH])
@@ -281,7 +281,7 @@ def start_run(cfg, run_name: str, storage_dir: str, tags: dict) -> str:
         return run_id
 
 
-def _log_tags(client, run_id: str, tags: Dict[str, str]) -> None:
+def log_tags(client, run_id: str, tags: Dict[str, str]) -> None:
     from mlflow.entities import RunTag
 
     items = [RunTag(k, v) for k, v in tags.items()]
@@ -297,8 +297,8 @@ def run_page_url(uri: Optional[str], run_id: str, ui: str = "http://127.0.0.1:50
         return None
     base = uri.rstrip("/") if uri.startswith(("http://", "https://")) else ui
     try:
-        with _short_http(timeout_s):
-            exp = _client(uri).get_run(run_id).info.experiment_id
+        with short_http(timeout_s):
+            exp = mlflow_client(uri).get_run(run_id).info.experiment_id
     except Exception:  # noqa: BLE001 - a link is a convenience
         return None
     return redact(f"{base}/#/experiments/{exp}/runs/{run_id}/model-metrics?workflowType=machine_learning")
@@ -307,10 +307,10 @@ def run_page_url(uri: Optional[str], run_id: str, ui: str = "http://127.0.0.1:50
 def set_tags(uri: str, run_id: str, tags: Dict[str, str], timeout_s: float = 10.0) -> None:
     """Tag a run from outside its rank 0 (an evaluation task); never raises, a failure is logged."""
     try:
-        with _short_http(timeout_s):
-            _log_tags(_client(uri), run_id, {k: redact(v) for k, v in tags.items()})
+        with short_http(timeout_s):
+            log_tags(mlflow_client(uri), run_id, {k: redact(v) for k, v in tags.items()})
     except Exception as e:  # noqa: BLE001 - tracking must not fail the caller
-        log.error("could not tag MLflow run %s: %s", run_id, _short(e))
+        log.error("could not tag MLflow run %s: %s", run_id, short_message(e))
 
 
 def _truncate_error(error: str) -> str:
@@ -330,8 +330,8 @@ def finish_run(uri: str, run_id: str, status: str, error: Optional[str] = None,
     be replaced by a tracking one. A failure here is logged.
     """
     try:
-        with _short_http(timeout_s):
-            client = _client(uri)
+        with short_http(timeout_s):
+            client = mlflow_client(uri)
             if error and status == "FAILED":
                 client.set_tag(run_id, ERROR_TAG, _truncate_error(redact(error)))
             # MLflow prints "View run ... at: <tracking URI>/#/..." here, credentials and all: print it redacted
@@ -340,4 +340,4 @@ def finish_run(uri: str, run_id: str, status: str, error: Optional[str] = None,
                 client.set_terminated(run_id, status=status)
             sys.stdout.write(redact_text(printed.getvalue()))
     except Exception as e:  # noqa: BLE001 - see docstring
-        log.error("could not mark MLflow run %s %s: %s", run_id, status, _short(e))
+        log.error("could not mark MLflow run %s %s: %s", run_id, status, short_message(e))

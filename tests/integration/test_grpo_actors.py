@@ -7,11 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.unit.test_agent import agent_prepared  # noqa: F401 (the agent_rl prompts and base weights)
 from tests.unit.test_grpo import grpo_config, prepared  # noqa: F401 (the prepared prompts and base weights)
 
 pytestmark = pytest.mark.integration
 
-ACTORS = ("train.grpo.rollout=actors", "train.grpo.rollout_actors=2", "train.grpo.rollout_actor_cpus=0.5")
+ACTORS = ("train.rollout.engine=actors", "train.rollout.actors=2", "train.rollout.actor_cpus=0.5")
 
 
 def train(cfg, path, hooks=None):
@@ -76,7 +77,7 @@ def test_overlapped_rollouts_are_one_step_off_policy_and_restore_bit_for_bit(ray
     from minimind_ray.store.checkpoint import open_checkpoint
 
     path, base = prepared
-    cfg = grpo_config(base, "name=t-overlap", *ACTORS, "train.grpo.rollout_overlap=true")
+    cfg = grpo_config(base, "name=t-overlap", *ACTORS, "train.rollout.overlap=true")
     straight, seen = train(cfg, path)
     # step 1 and each step after a checkpoint (steps 1 and 4 with checkpoints every 3) generate from the current
     # weights, as the in-worker run does; step 2 samples from the weights before step 1's update: other rollouts
@@ -98,3 +99,79 @@ def test_overlapped_rollouts_are_one_step_off_policy_and_restore_bit_for_bit(ray
     run(resumed)
     resumed.stream.close()
     assert same_weights(resumed, straight)
+
+
+POOL = ("train.rollout.engine=actors", "train.rollout.actors=2", "train.rollout.actor_cpus=0.5")
+
+
+def reply_length(trajectories, **kwargs):
+    """An agent reward term (module:function): the characters of each trajectory's replies."""
+    return [float(sum(len(r) for r in t.turns)) for t in trajectories]
+
+
+def _stopped_and_restored(cfg, path, at: int, ckpt):
+    """The run stopped at its step-``at`` checkpoint (as a crash would), restored from it and finished."""
+    from minimind_ray.engine.loop import Hooks, run
+    from minimind_ray.engine.state import TrainState
+    from minimind_ray.store.checkpoint import open_checkpoint
+
+    class Stop(Hooks):
+        def on_checkpoint(self, step, metrics):
+            if step == at:
+                first.save(ckpt, mlflow_run_id=None, prepared_dir=path)
+                raise KeyboardInterrupt
+
+    first = TrainState.build(cfg, path)
+    with pytest.raises(KeyboardInterrupt):
+        run(first, Stop())
+    first.stream.close()
+    resumed = TrainState.build(cfg, path)
+    resumed.restore(open_checkpoint(ckpt))
+    run(resumed)
+    resumed.stream.close()
+    return resumed
+
+
+@pytest.mark.parametrize("stage", ["ppo", "agent"])
+def test_ppo_and_the_agent_on_the_actor_pool(ray_session, prepared, agent_prepared, stage, tmp_path):
+    """Issue 33: one rollout engine (train.rollout) for every RL stage. PPO and the agent stage on a pool of 2 actors
+    sample exactly what the worker's own sampler samples (the same rewards each step, the same final weights); with
+    overlap (step t+1's completions, or the agent's first turns, generated during step t's update) the run is one step
+    off-policy, and a run stopped at its step-2 checkpoint and restored ends bit for bit where the straight one does."""
+    from tests.unit.test_agent import agent_config
+    from tests.unit.test_ppo import ppo_config
+
+    if stage == "ppo":
+        path, base = prepared
+        cfg = lambda *extra: ppo_config(base, *extra)  # noqa: E731
+    else:  # a term that differs within a group (the demo terms do not, on a random policy): the policy moves
+        path, base, _ = agent_prepared
+        cfg = lambda *extra: agent_config(  # noqa: E731
+            base, "train.agent.rewards=[{name: 'tests.integration.test_grpo_actors:reply_length', weight: 0.01}]",
+            *extra)
+    worker_state, worker = train(cfg(f"name=t-{stage}-worker"), path)
+    pool_state, pool = train(cfg(f"name=t-{stage}-pool", *POOL), path)
+    assert pool.reward == worker.reward and same_weights(pool_state, worker_state)
+    assert pool_state.objective.plan.engine.calls > 0  # the actors generated, not the worker
+    overlap = cfg(f"name=t-{stage}-overlap", *POOL, "train.rollout.overlap=true")
+    straight, seen = train(overlap, path)
+    assert seen.reward[1] == worker.reward[1]  # step 1 samples from the weights of its own step
+    assert not same_weights(straight, worker_state)  # step 4 came from the weights before step 3's update
+    assert same_weights(_stopped_and_restored(overlap, path, 2, tmp_path / "ck"), straight)
+
+
+def test_a_pool_the_cluster_cannot_place_fails_in_its_timeout_naming_the_field(ray_session, prepared):
+    """Actors asking more CPUs than the session's Ray has: one line naming train.rollout.actors and what each asked,
+    after train.rollout.placement_timeout_s, not an actor pending for ever (raytrain/faults.py stops the run on it)."""
+    import time
+
+    from minimind_ray.rl.actors import ActorRollout, RolloutActorsNotPlaced
+
+    path, base = prepared
+    cfg = grpo_config(base, "name=t-unplaceable", "train.rollout.engine=actors", "train.rollout.actors=2",
+                      "train.rollout.actor_cpus=64", "train.rollout.placement_timeout_s=1.5")
+    t0 = time.monotonic()
+    with pytest.raises(RolloutActorsNotPlaced, match=r"^train\.rollout\.actors: 2 of 2 rollout actor\(s\) of 64 CPU "
+                                                      r"/ 0 GPU each could not be placed within 1\.5 s"):
+        ActorRollout(cfg, rank=0, world=1)
+    assert time.monotonic() - t0 < 30

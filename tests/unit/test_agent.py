@@ -229,7 +229,6 @@ def test_agent_config_is_checked():
     for extra, field in ((["train.agent.max_total_len=100"], "train.agent.max_total_len"),
                          (["train.agent.tools=[{name: weather}]"], r"train.agent.tools\[0\].function"),
                          (["train.agent.rewards=[{name: length}]"], r"train.agent.rewards\[0\].name"),
-                         (["train.grpo.rollout=actors"], "train.rollout.engine"),
                          (["train.grpo.rewards=[{name: exact_answer}]"], "train.grpo.rewards")):
         with pytest.raises(ConfigError, match=field):
             load_config(None, ["data.train_path=[demo]", "model.preset=tiny", "train.stage=agent",
