@@ -301,12 +301,15 @@ def agent_bonus(trajectories, **kwargs):
     return [0.0] * len(trajectories)
 '''
 
-USER_TOOLS = '''"""A user's tool, outside the repository; importing it notes where from (the tool worker loads it at the start)."""
+USER_TOOLS = '''"""A user's tool, outside the repository: the agent's tool worker loads it at the start; that import notes
+where from (the driver's own import, when it checks the config, does not count)."""
 import json
 import os
+import sys
 
-with open(os.path.join({marks!r}, f"tool-{{os.getpid()}}.json"), "w") as f:
-    json.dump({{"file": __file__}}, f)
+if getattr(getattr(sys.modules.get("__main__"), "__spec__", None), "name", "") == "minimind_ray.rl.tool_worker":
+    with open(os.path.join({marks!r}, f"tool-{{os.getpid()}}.json"), "w") as f:
+        json.dump({{"file": __file__}}, f)
 
 
 def add(a, b):
