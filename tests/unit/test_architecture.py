@@ -181,3 +181,14 @@ def test_no_stage_name_is_compared_outside_the_stages_room():
              for i, line in enumerate(p.read_text().splitlines(), 1)
              if pattern.search(line) and "lifecycle_stage" not in line]
     assert not found, "stage switches outside minimind_ray/stages/:\n" + "\n".join(found)
+
+
+def test_no_private_name_is_imported_from_another_module():
+    """A leading underscore says "this module's own": another module that needs the name asks for a public one."""
+    found = []
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("minimind_ray"):
+                found += [f"{name} imports {node.module}.{a.name}" for a in node.names
+                          if a.name.startswith("_") and not a.name.startswith("__")]
+    assert not found, "private names imported across modules:\n" + "\n".join(found)
