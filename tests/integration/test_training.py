@@ -150,65 +150,52 @@ def test_rollout_actors_the_cluster_cannot_place_fail_fast_naming_the_field(ray_
         check_resources(grpo("train.grpo.rollout_actors=3"), use_gpu=False)
 
 
-@pytest.mark.timeout(300)  # the hang this guards against: every later start waited for CPUs a leaked group held
-def test_workers_lost_while_the_group_starts_cost_one_restart_each(baseline, shared, capfd):
-    """Issue 32: a worker process SIGKILLed while Ray Train starts the worker group, at each point of the start: in
-    the worker actor's start (its train context arriving), inside the torch backend's set-up (Ray Train 2.58 had
-    built the group's state there and leaked its placement group: every later start timed out, without end), and as
-    the train function is handed over (a bare ActorDiedError that ended the run). Each costs one restart counted
-    against cluster.max_failures, no placement group is left behind. Then the last checkpoint's report is lost (a
-    worker dies after its upload, the soak's soak-01): the run still ends on it. The run ends with the uninterrupted
-    baseline's weights, every sample trained once, one MLflow run with every step once."""
+@pytest.mark.timeout(420)  # the hang the start faults guard against: every later start waited for leaked CPUs
+def test_a_schedule_of_mixed_faults_recovers_bit_for_bit(baseline, shared, capfd):
+    """Issues 16 and 32: one run meets every kind of fault, each once, in this order.
+
+    While Ray Train starts the worker group, a worker process is SIGKILLed at each point of the start: in the worker
+    actor's start (its train context arriving), inside the torch backend's set-up (Ray Train 2.58 had built the
+    group's state there and leaked its placement group: every later start timed out, without end), and as the train
+    function is handed over (a bare ActorDiedError that ended the run). Then an exception on rank 0 at step 3 (before
+    the first checkpoint: back to step 0), a SIGKILL of rank 1 at step 6 (back to 4, even when the hard kill kept Ray
+    from registering the step-4 checkpoint), rank 1 hanging at step 9 (rank 0's collective times out after 10 s: back
+    to 8), and rank 1 dying after the last checkpoint's upload but before Ray Train got its report (lost_report; the
+    chaos soak's soak-01): the run must still end on that checkpoint.
+
+    Each costs one restart counted against cluster.max_failures (7 here); no placement group is left behind; the
+    weights equal the uninterrupted baseline bit for bit, every sample is trained once, each fault cost at most one
+    checkpoint interval, storage holds only what Ray keeps, and one MLflow run has every step once."""
     import ray
 
     from minimind_ray.raytrain.faults import fired
 
     _, w_ref, losses_ref = baseline
-    name = "start-faults"
+    name = "chaos"
     before = set(ray.util.placement_group_table())
-    res = run_tiny(shared, name, "train.faults=[start:actor:0,start:backend:1,start:launch:1,12:lost_report:1]",
-                   "cluster.max_failures=4")
+    res = run_tiny(shared, name, "train.faults=[start:actor:0,start:backend:1,start:launch:1,3:raise:0,6:sigkill:1,"
+                                 "9:hang:1,12:lost_report:1]", "train.collective_timeout_s=10", "cluster.max_failures=7")
     # what held the CPUs in the hang: the placement group of a group whose start failed. None is left.
     left = {pg: t["state"] for pg, t in ray.util.placement_group_table().items() if pg not in before}
-    assert len(left) >= 4 and set(left.values()) == {"REMOVED"}, left
+    assert len(left) >= 7 and set(left.values()) == {"REMOVED"}, left
     w = final_weights(res)
     assert all(torch.equal(w[k], w_ref[k]) for k in w_ref), "weights differ from the uninterrupted run"
-    assert {"start-actor-0", "start-backend-1", "start-launch-1", "12-lost_report-1"} <= set(fired(res.run_dir))
+    per_step, attempts = sample_record(shared, name)
+    assert_exactly_once(per_step)
+    assert attempts == {0, 4, 8}  # the restarts at the start trained nothing before the step-3 failure
+    marks = fired(res.run_dir)
+    assert {"start-actor-0", "start-backend-1", "start-launch-1", "3-raise-0", "6-sigkill-1", "9-hang-1",
+            "12-lost_report-1"} <= set(marks)
+    assert len([k for k in marks if k.startswith("detected-")]) >= 4  # the controller saw every worker failure
     out = capfd.readouterr().out
-    restarts = re.findall(r"\[start-faults\] the worker group did not start: (.*); starting it again "
-                          r"\(failure (\d) of cluster.max_failures=4\)", out)
+    restarts = re.findall(r"\[chaos\] the worker group did not start: (.*); starting it again "
+                          r"\(failure (\d) of cluster.max_failures=7\)", out)
     assert [n for _, n in restarts] == ["1", "2", "3"], out[-3000:]
     assert "received the train function" in restarts[2][0]
-    # the last checkpoint reached storage but never Ray Train's registry (lost_report): the restarted group
-    # restored it, had no step left, and reported it again (else the run's result and export were step 8's)
+    # the last checkpoint reached storage but never Ray Train's registry: the restarted group restored it, had no
+    # step left, and reported it again (else the run's result and export were step 8's, and step 12's was deleted)
     assert "step 12 was the last; its checkpoint was not registered by Ray Train: reporting it again" in out
     assert res.metrics.get("step") == 12 and "loss" in res.metrics
-    per_step, attempts = sample_record(shared, name)
-    assert_exactly_once(per_step)
-    assert attempts == {0}  # no group trained before the third restart: every attempt that trained began at step 0
-    assert loss_history(shared, res.mlflow_run_id) == losses_ref
-
-
-def test_a_schedule_of_mixed_faults_recovers_bit_for_bit(baseline, shared):
-    """Issue 16: one run meets three faults of different kinds at three steps: an exception on rank 0 at
-    step 3 (before the first checkpoint: back to step 0), a SIGKILL of rank 1 at step 6 (back to 4, even
-    when the hard kill kept Ray from registering the step-4 checkpoint), and rank 1 hanging at step 9
-    (rank 0's collective times out after 10 s: back to 8). Recovery composes: the weights equal the
-    uninterrupted baseline bit for bit, every sample is trained once, each fault cost at most one
-    checkpoint interval, storage holds only what Ray keeps, and one MLflow run has every step once."""
-    _, w_ref, losses_ref = baseline
-    name = "chaos"
-    res = run_tiny(shared, name, "train.faults=[3:raise:0,6:sigkill:1,9:hang:1]", "train.collective_timeout_s=10")
-    w = final_weights(res)
-    assert all(torch.equal(w[k], w_ref[k]) for k in w_ref), "weights differ from the uninterrupted run"
-    per_step, attempts = sample_record(shared, name)
-    assert_exactly_once(per_step)
-    assert attempts == {0, 4, 8}
-    from minimind_ray.raytrain.faults import fired
-
-    marks = fired(res.run_dir)
-    assert {"3-raise-0", "6-sigkill-1", "9-hang-1"} <= set(marks)
-    assert len([k for k in marks if k.startswith("detected-")]) >= 3  # the controller saw every failure
     # storage holds what Ray keeps (num_to_keep), no unregistered leftovers of the killed attempts
     kept = {Path(c["path"]).name for c in json.loads((Path(res.run_dir) / "export" / "checkpoints.json").read_text())}
     assert {p.name for p in Path(res.run_dir).glob("checkpoint_*") if p.is_dir()} == kept and len(kept) == 2
