@@ -28,6 +28,7 @@ from minimind_ray.fsio import is_uri, redact
 from minimind_ray.raytrain.resources import ClusterTooSmall, check_resources, worker_resources
 from minimind_ray.raytrain.runtime_env import shipped_modules, side_cpus, worker_pythonpath
 from minimind_ray.raytrain.spec import WorkerSpec
+from minimind_ray.stages import get_stage
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PREPARE_OOM_RETRIES = 2  # a prepare task killed for memory more often than this fails the command (data/prepare.py)
@@ -367,7 +368,8 @@ def run(cfg: RunConfig, *, tags: Optional[Dict[str, str]] = None, callbacks=(), 
                                 **({"py_modules": plugin_modules} if plugin_modules else {})},
         ),
     )
-    printer = ProgressPrinter(sink, name)
+    stage = get_stage(cfg.train.stage)  # the console shows its headline metrics
+    printer = ProgressPrinter(sink, name, stage.headline, stage.rl)
     printer.start()
     try:
         with train_env(cfg):
