@@ -31,14 +31,20 @@ def _load(args, stage: Optional[str] = None):
     overrides = list(args.overrides)
     if stage:
         overrides = [f"train.stage={stage}"] + overrides
+    if getattr(args, "fresh", False):
+        overrides.append("resume=never")
     return load_config(args.config, overrides)
 
 
 def cmd_train(args) -> int:
-    from minimind_ray.raytrain.driver import run
+    from minimind_ray.raytrain.driver import RunFinished, run
 
     cfg = _load(args, args.verb)
-    res = run(cfg)
+    try:
+        res = run(cfg)
+    except RunFinished as done:  # the same command again: a no-op that says where the results are
+        print(done.line(), flush=True)
+        return 0
     print_run_summary(res)
     return 0
 
@@ -221,6 +227,10 @@ def build_parser() -> argparse.ArgumentParser:
         sp = sub.add_parser(stage.name, help=f"train on Ray: {stage.help}", epilog=_fields_epilog(),
                             formatter_class=argparse.RawDescriptionHelpFormatter)
         with_config(sp)
+        sp.add_argument("--fresh", action="store_true",
+                        help="start a new run even if this command's run exists (resume=never: a new run name; "
+                             "nothing is deleted). Without it the same command resumes a stopped run, trains a "
+                             "finished one further when train.max_steps grew, and is a no-op otherwise")
         sp.set_defaults(fn=cmd_train)
 
     sp = sub.add_parser("sweep", help="Ray Tune search over a recipe's fields, ASHA stopping weak trials; running it "

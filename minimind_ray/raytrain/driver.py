@@ -35,7 +35,22 @@ PREPARE_OOM_RETRIES = 2  # a prepare task killed for memory more often than this
 
 
 class RunFinished(ConfigError):
-    """``resume=auto|must`` found this run finished, with no more steps asked for."""
+    """``resume=auto`` found this run finished, with no more steps asked for: the same command run again. The CLI
+    says where its results are and exits 0 (:meth:`line`); a pipeline or sweep uses the run as it is."""
+
+    def __init__(self, msg: str, name: str = "", step: int = 0, run_dir: str = "", checkpoint: str = "",
+                 mlflow_run_id: Optional[str] = None):
+        super().__init__(msg)
+        self.name, self.step, self.run_dir, self.checkpoint, self.mlflow_run_id = (name, step, run_dir, checkpoint,
+                                                                                   mlflow_run_id)
+
+    def line(self) -> str:
+        """``already finished at step N: <run dir>, <export>, MLflow <id>``, and how to train on."""
+        export = f"{self.run_dir.rstrip('/')}/export"
+        export = export if _has_run_state(export) else "no export (the driver stopped before writing it)"
+        return redact(f"[minimind-ray] {self.name} already finished at step {self.step}: {self.run_dir}, {export}, "
+                      f"MLflow {self.mlflow_run_id or '(untracked)'}; raise train.max_steps above {self.step} to "
+                      f"train it further, or pass --fresh to start anew")
 
 
 @dataclass
@@ -180,10 +195,12 @@ def decide_run(cfg: RunConfig, storage: str) -> Tuple[str, str]:
     more = t.max_steps > meta.step if t.max_steps else (old.max_steps is None and t.epochs > old.epochs)
     if more:
         return name, f"training run {name} further from its last checkpoint (step {meta.step}, {latest.location})"
-    raise RunFinished(
-        f"resume: run {name!r} finished at step {meta.step} ({latest.location}). To train it further, raise "
-        f"train.max_steps above {meta.step} (or train.epochs); to start anew, pass resume=never (a new run name) "
-        f"or another name=")
+    msg = (f"resume: run {name!r} finished at step {meta.step} ({latest.location}). To train it further, raise "
+           f"train.max_steps above {meta.step} (or train.epochs); to start anew, pass --fresh or resume=never (a new "
+           f"run name) or another name=")
+    if cfg.resume == "must":
+        raise ConfigError(msg.replace("resume: run", "resume: must, but run", 1))
+    raise RunFinished(msg, name, meta.step, run_dir, latest.location, meta.mlflow_run_id)
 
 
 def _absolute_weight_paths(t):
@@ -276,6 +293,8 @@ def run(cfg: RunConfig, *, tags: Optional[Dict[str, str]] = None, callbacks=(), 
     ``cfg`` is not modified: what the driver decides goes into the run's own copy (WorkerSpec.cfg).
     A sweep or pipeline passes its MLflow ``tags`` (the parent run), Ray Train ``callbacks`` (Tune's report) and
     ``report_every_eval`` (each eval step's score reported, for ASHA); every run is tagged with its lineage."""
+    storage = storage_root(cfg)
+    name, plan = decide_run(cfg, storage)  # before Ray is imported: a finished run or a choice for the user is a second
     import ray
     from ray.train import CheckpointConfig, FailureConfig, RunConfig as RayRunConfig, ScalingConfig
     from ray.train.v2.api.config import LoggingConfig
@@ -293,8 +312,6 @@ def run(cfg: RunConfig, *, tags: Optional[Dict[str, str]] = None, callbacks=(), 
     from minimind_ray.tokenizer import resolve_tokenizer
     from minimind_ray.tracking.runs import finish_run, resolve_tracking_uri, start_run
 
-    storage = storage_root(cfg)
-    name, plan = decide_run(cfg, storage)  # before Ray starts: a run the user must decide about fails in a second
     print(redact(f"[minimind-ray] {plan}"), flush=True)
     run_dir = f"{storage.rstrip('/')}/{name}"
     connect_ray(cfg)
