@@ -217,6 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="minimind-ray", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--debug", action="store_true", help="on an error, show the full traceback (before the verb)")
+    p.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     sub = p.add_subparsers(dest="verb", required=True)
 
     def with_config(sp):
@@ -334,7 +335,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_arguments(sp)
     add_rope_scaling_arguments(sp)
     sp.set_defaults(fn=cmd_serve)
+    for sp in sub.choices.values():  # after the verb too: `minimind-ray pretrain ... --verbose`
+        sp.add_argument("--verbose", action="store_true", default=argparse.SUPPRESS, help=VERBOSE_HELP)
     return p
+
+
+VERBOSE_HELP = ("show Ray's and MLflow's own lines too (Ray Data's progress, Ray Train's reports, Serve's access "
+                "lines, ...), as MINIMIND_RAY_VERBOSE=1 does; by default they go to Ray's log files only")
 
 
 def cmd_serve(args) -> int:
@@ -375,7 +382,11 @@ def user_errors() -> tuple:
 def main(argv: Optional[List[str]] = None) -> int:
     from minimind_ray.config_checks import ConfigError
 
+    from minimind_ray.console import quiet_environment, set_verbose
+
     args = build_parser().parse_args(argv)
+    set_verbose(args.verbose)
+    quiet_environment()  # before Ray or MLflow is imported
     try:
         return args.fn(args)
     except Exception as e:

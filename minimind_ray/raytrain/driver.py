@@ -24,7 +24,8 @@ from typing import Any, Dict, Optional, Tuple
 
 from minimind_ray.cluster_config import worker_threads
 from minimind_ray.config import ConfigError, RunConfig, from_dict, run_identity
-from minimind_ray.fsio import is_uri, redact
+from minimind_ray.console import after_ray_start, ray_init_options
+from minimind_ray.fsio import is_uri, join, redact
 from minimind_ray.raytrain.resources import ClusterTooSmall, check_resources, worker_resources
 from minimind_ray.raytrain.runtime_env import shipped_modules, side_cpus, worker_pythonpath
 from minimind_ray.raytrain.spec import WorkerSpec
@@ -96,10 +97,11 @@ def connect_ray(cfg: RunConfig, dashboard: bool = True, num_cpus: Optional[int] 
     os.environ.setdefault("RAY_task_oom_retries", str(PREPARE_OOM_RETRIES))
     address = cfg.cluster.address or os.environ.get("RAY_ADDRESS")
     env = {"env_vars": {"PYTHONPATH": worker_pythonpath(), "TOKENIZERS_PARALLELISM": "false"}}
+    quiet = ray_init_options()  # Ray's own lines to its log files, unless --verbose (console.py)
     if in_ray_job():
-        ray.init()  # the job's own runtime env already applies; passing another one would conflict
+        after_ray_start(ray.init(**quiet))  # the job's own runtime env already applies; another one would conflict
     elif address:
-        ray.init(address=address, runtime_env=env)
+        after_ray_start(ray.init(address=address, runtime_env=env, **quiet))
     else:
         # Logical CPUs: the workers plus room for Ray Data (it starves when workers take every CPU).
         # (and what runs beside the workers: the evaluation task of eval.tasks, GRPO's rollout actors)
@@ -114,8 +116,9 @@ def connect_ray(cfg: RunConfig, dashboard: bool = True, num_cpus: Optional[int] 
         os.environ.setdefault("RAY_DASHBOARD_SUBPROCESS_MODULE_WAIT_READY_TIMEOUT", "120")
         if port:
             env["env_vars"]["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
-        ray.init(num_cpus=max(os.cpu_count() or 1, need, num_cpus or 0), include_dashboard=dashboard, dashboard_host="127.0.0.1",
-                 runtime_env=env, **({"dashboard_port": port} if port else {}))
+        after_ray_start(ray.init(num_cpus=max(os.cpu_count() or 1, need, num_cpus or 0), include_dashboard=dashboard,
+                                 dashboard_host="127.0.0.1", runtime_env=env, **({"dashboard_port": port} if port else {}),
+                                 **quiet))
     return ray
 
 
