@@ -99,6 +99,9 @@ def cmd_prepare(args) -> int:
     out = ensure_prepared(cfg.data, tok)
     manifest = json.loads((Path(out) / "manifest.json").read_text())
     print(f"prepared: {out}")
+    from minimind_ray.data.manifest import skipped_records
+
+    print(f"skipped {skipped_records(out)}")
     print(json.dumps({k: manifest.get(k) for k in ("format", "counts", "skipped")}, indent=1, ensure_ascii=False))
     return 0
 

@@ -244,7 +244,7 @@ def _finish(spec: WorkerSpec, result, tokenizer) -> RunResult:
     import pyarrow.fs as pafs
 
     from minimind_ray.export import export_run_checkpoint
-    from minimind_ray.fsio import filesystem, join
+    from minimind_ray.fsio import filesystem
     from minimind_ray.store.checkpoint import prune_untracked
     from minimind_ray.tracking.artifacts import log_final_artifacts
 
@@ -307,7 +307,7 @@ def run(cfg: RunConfig, *, tags: Optional[Dict[str, str]] = None, callbacks=(), 
     from minimind_ray.raytrain.faults import (LaunchFault, StartFaults, failure_callback, lost_report_callbacks,
                                              not_placed, start_fault_callbacks, torch_config)
     from minimind_ray.raytrain.restarts import fit as fit_with_restarts
-    from minimind_ray.raytrain.lineage import lineage_tags
+    from minimind_ray.raytrain.lineage import lineage_tags, skipped
     from minimind_ray.raytrain.oom import explain as explain_oom, warn_if_short
     from minimind_ray.raytrain.progress import ProgressPrinter, make_progress_sink
     from minimind_ray.raytrain.validation import validation_config
@@ -336,6 +336,9 @@ def run(cfg: RunConfig, *, tags: Optional[Dict[str, str]] = None, callbacks=(), 
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ConfigError(f"model.vocab_size: {cfg.model.vocab_size} < tokenizer vocabulary {tokenizer.vocab_size}")
     prepared_dir = ensure_prepared(cfg.data, tokenizer)
+    lost = skipped(prepared_dir)  # records the prepare left out are said, here and as the run's tag data/skipped
+    if lost and not lost.startswith("0 of"):
+        print(f"[minimind-ray] skipped {lost}; see {redact(join(prepared_dir, 'manifest.json'))}", flush=True)
     backend = cfg.cluster.backend if cfg.cluster.backend != "auto" else ("nccl" if use_gpu else "gloo")
 
     uri = run_id = None
