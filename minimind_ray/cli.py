@@ -54,6 +54,8 @@ def print_run_summary(res) -> None:
 
     lines = ["\n==== results ====", f"run name:        {res.name}", f"run directory:   {res.run_dir}",
              f"last checkpoint: {res.checkpoint_dir}", *(f"export ({k}): {v}" for k, v in res.exports.items())]
+    if getattr(res, "latest", None):  # the next stage starts from it: train.init_from=runs/pretrain-latest
+        lines.append(f"latest link:     {res.latest}  (train.init_from={res.latest} chains the next stage)")
     if res.mlflow_run_id:
         lines.append(f"MLflow run id:   {res.mlflow_run_id}  (tracking URI {res.tracking_uri})")
         if res.tracking_uri and res.tracking_uri.startswith("sqlite:///"):

@@ -63,6 +63,7 @@ class RunResult:
     tracking_uri: Optional[str]
     exports: Dict[str, str] = field(default_factory=dict)
     metrics: Dict[str, Any] = field(default_factory=dict)
+    latest: Optional[str] = None  # <storage>/<stage>-latest, linked to this run (store/checkpoint.py:mark_latest)
 
 
 # --------------------------------------------------------------------------- Ray and resources
@@ -312,6 +313,7 @@ def run(cfg: RunConfig, *, tags: Optional[Dict[str, str]] = None, callbacks=(), 
     from minimind_ray.raytrain.progress import ProgressPrinter, make_progress_sink
     from minimind_ray.raytrain.validation import validation_config
     from minimind_ray.raytrain.worker import train_loop_per_worker
+    from minimind_ray.store.checkpoint import mark_latest
     from minimind_ray.tokenizer import resolve_tokenizer
     from minimind_ray.tracking.runs import finish_run, resolve_tracking_uri, start_run
 
@@ -415,6 +417,8 @@ def run(cfg: RunConfig, *, tags: Optional[Dict[str, str]] = None, callbacks=(), 
         raise
     if run_id:
         finish_run(uri, run_id, "FINISHED")
+    if out.checkpoint_dir:  # the next stage starts from <storage>/<stage>-latest
+        out.latest = mark_latest(run_dir, cfg.train.stage)
     summary = out.metrics.get("tracking_summary")
     if summary:
         s = json.loads(summary) if isinstance(summary, str) else summary

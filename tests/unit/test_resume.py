@@ -96,3 +96,20 @@ def test_the_same_command_after_a_finished_run_is_a_no_op_that_says_where_its_re
     with pytest.raises(ConfigError, match="resume: must, but run .* finished at step 12") as e:
         decide_run(dataclasses.replace(cfg, resume="must"), str(tmp_path))
     assert not isinstance(e.value, RunFinished)
+
+
+def test_a_stage_latest_link_chains_stages_without_copying_run_names(tmp_path):
+    """Issue 38: runs/<stage>-latest names the newest finished run of a stage; train.init_from takes it."""
+    first, second = _cfg("name=pre-a"), _cfg("name=pre-b")
+    _checkpoint(tmp_path, first, 12, 12)
+    _checkpoint(tmp_path, second, 12, 12)
+    link = ck.mark_latest(str(tmp_path / "pre-a"), "pretrain")
+    assert link == str(tmp_path / "pretrain-latest") and ck.newest_complete(link).location.startswith(link)
+    assert ck.mark_latest(str(tmp_path / "pre-b"), "pretrain") == link  # re-pointed to the newer run
+    assert (tmp_path / "pretrain-latest").resolve() == (tmp_path / "pre-b").resolve()
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary link left
+    chained = load_config(None, ["data.train_path=[demo]", "train.stage=sft", f"train.init_from={link}"])
+    assert chained.train.init_from == link and chained.data.format == "sft"
+    (tmp_path / "sft-latest").mkdir()  # a run of that name is never replaced
+    assert ck.mark_latest(str(tmp_path / "pre-b"), "sft") is None and (tmp_path / "sft-latest").is_dir()
+    assert ck.mark_latest("s3://bucket/runs/pre-b", "pretrain") is None
