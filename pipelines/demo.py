@@ -61,7 +61,8 @@ def main(argv=None) -> int:
           f"(OpenAI API + chat page on http://127.0.0.1:8000/)")
     print(f"export it:       .venv/bin/minimind-ray export {sft.run_dir} --out outputs/demo-export")
     if sft.mlflow_run_id:
-        print(f"MLflow UI:       make ui   -> http://127.0.0.1:5000  (runs {pre.mlflow_run_id}, {sft.mlflow_run_id})")
+        print(f"MLflow UI:       make ui   -> http://127.0.0.1:5000/#/experiments?workflowType=machine_learning  "
+              f"(runs {pre.mlflow_run_id}, {sft.mlflow_run_id})")
     return 0
 
 
