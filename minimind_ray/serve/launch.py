@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Optional
 
 from minimind_ray.config_checks import ConfigError
-from minimind_ray.console import after_ray_start, ray_init_options
+from minimind_ray.console import after_ray_start, quiet_handlers, ray_init_options
 from minimind_ray.fsio import is_uri
 from minimind_ray.serve.options import API_KEY_ENV, ServeOptions, is_mlflow_uri
 
@@ -126,6 +126,7 @@ def deploy(opts: ServeOptions, quiet: bool = False) -> str:
 
     from minimind_ray.serve.app import build_app
 
+    quiet_handlers("ray.serve")  # Serve's own driver lines (started, ready, deleting) to its logs, unless --verbose
     serve.start(http_options={"host": opts.host, "port": opts.port})
     logging_config = {"enable_access_log": False, "log_level": "WARNING"} if quiet else None
     # serve.run starts Serve again, finds the instance serve.start just made and says "Connecting to existing Serve
