@@ -27,7 +27,6 @@ VERBOSE_ENV = "MINIMIND_RAY_VERBOSE"
 OURS = re.compile(r"\[(minimind-ray|fault-injection)\]|^\[[A-Za-z][\w.\-]*\] ")
 # warnings of Ray's that say nothing wrong: the notice of the switch this module pulls, a deprecation of Ray's own use
 NOISE = re.compile(r"Progress bars (for operators )?disabled|exclude_resources|is deprecated")
-_state: Dict[str, Any] = {}
 
 
 def verbose() -> bool:
@@ -89,15 +88,17 @@ def _forward_ours(original):
 def after_ray_start(context: Any = None) -> Optional[str]:
     """Once this process is connected to Ray: only minimind-ray's lines of the workers reach the terminal, Ray's
     Python loggers here say warnings and errors, and one line says where the full logs are (returned). Nothing
-    when verbose; once per process."""
-    if verbose() or _state.get("done"):
+    when verbose, or when this Ray's printer is already filtered (a second call)."""
+    if verbose():
         return None
-    _state["done"] = True
     quiet_environment()
     try:  # Ray's log monitor hands each batch of worker lines to its handlers; 'ray_print_logs' prints them
         from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
 
         with dispatcher._lock:
+            if not any(name == "ray_print_logs" and not getattr(h, "minimind_quiet", False)
+                       for name, h in dispatcher.handlers):
+                return None  # filtered already (or nothing forwarded: log_to_driver=False)
             dispatcher.handlers = [(name, h if name != "ray_print_logs" or getattr(h, "minimind_quiet", False)
                                     else _forward_ours(h)) for name, h in dispatcher.handlers]
     except (ImportError, AttributeError):  # another Ray: its lines as it prints them

@@ -33,7 +33,6 @@ def dispatcher(monkeypatch):
     printed = []
     saved = list(d.handlers)
     d.handlers = [("ray_print_logs", lambda data: printed.extend(data["lines"]))]
-    monkeypatch.setattr(console, "_state", {})
     for name in ("ray", "ray.serve", "ray.train", "ray.tune"):
         monkeypatch.setattr(logging.getLogger(name), "level", logging.getLogger(name).level)
     for var in ("MLFLOW_LOGGING_LEVEL", "RAY_DATA_DISABLE_PROGRESS_BARS", console.VERBOSE_ENV):
@@ -49,7 +48,7 @@ def test_quiet_only_minimind_rays_own_worker_lines_reach_the_terminal(dispatcher
     console.after_ray_start()
     d.emit({"lines": FORWARDED, "pid": 3290, "is_err": False})
     assert printed == OURS
-    console.after_ray_start()  # once per process: not wrapped twice
+    assert console.after_ray_start() is None  # once per Ray: not wrapped twice, no second line
     d.emit({"lines": FORWARDED[:1], "pid": 2814, "is_err": True})
     assert printed == OURS and len(d.handlers) == 1
     assert logging.getLogger("ray").level == logging.WARNING
