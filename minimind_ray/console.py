@@ -113,7 +113,6 @@ def after_ray_start(context: Any = None) -> Optional[str]:
 
 def log_directory(context: Any = None) -> Optional[str]:
     """The logs directory of this process's Ray session (from ``ray.init``'s context, else the connected node)."""
-    session = None
     info = getattr(context, "address_info", None) or {}
     session = info.get("session_dir") if isinstance(info, dict) else None
     if not session:
