@@ -26,6 +26,12 @@ TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=30 $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder) tests
 
-## the MLflow UI over the default local store, on 127.0.0.1 only
+## the MLflow UI over the default local store, on 127.0.0.1 only; the link opens the experiments in MLflow's
+## 'Model training' view (its home opens the GenAI one). MLflow's telemetry is off (its own switches,
+## MLFLOW_DISABLE_TELEMETRY and DO_NOT_TRACK; `make ui MLFLOW_DISABLE_TELEMETRY=false` turns it back on)
+MLFLOW_DISABLE_TELEMETRY ?= true
+DO_NOT_TRACK ?= true
 ui: $(STAMP)
-	$(BIN)/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db --host 127.0.0.1 --port 5000
+	@echo "MLflow UI: http://127.0.0.1:5000/#/experiments?workflowType=machine_learning  (the 'Model training' view)"
+	MLFLOW_DISABLE_TELEMETRY=$(MLFLOW_DISABLE_TELEMETRY) DO_NOT_TRACK=$(DO_NOT_TRACK) \
+	  $(BIN)/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db --host 127.0.0.1 --port 5000

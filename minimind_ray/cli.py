@@ -31,14 +31,20 @@ def _load(args, stage: Optional[str] = None):
     overrides = list(args.overrides)
     if stage:
         overrides = [f"train.stage={stage}"] + overrides
+    if getattr(args, "fresh", False):
+        overrides.append("resume=never")
     return load_config(args.config, overrides)
 
 
 def cmd_train(args) -> int:
-    from minimind_ray.raytrain.driver import run
+    from minimind_ray.raytrain.driver import RunFinished, run
 
     cfg = _load(args, args.verb)
-    res = run(cfg)
+    try:
+        res = run(cfg)
+    except RunFinished as done:  # the same command again: a no-op that says where the results are
+        print(done.line(), flush=True)
+        return 0
     print_run_summary(res)
     return 0
 
@@ -48,6 +54,8 @@ def print_run_summary(res) -> None:
 
     lines = ["\n==== results ====", f"run name:        {res.name}", f"run directory:   {res.run_dir}",
              f"last checkpoint: {res.checkpoint_dir}", *(f"export ({k}): {v}" for k, v in res.exports.items())]
+    if getattr(res, "latest", None):  # the next stage starts from it: train.init_from=runs/pretrain-latest
+        lines.append(f"latest link:     {res.latest}  (train.init_from={res.latest} chains the next stage)")
     if res.mlflow_run_id:
         lines.append(f"MLflow run id:   {res.mlflow_run_id}  (tracking URI {res.tracking_uri})")
         if res.tracking_uri and res.tracking_uri.startswith("sqlite:///"):
@@ -93,6 +101,9 @@ def cmd_prepare(args) -> int:
     out = ensure_prepared(cfg.data, tok)
     manifest = json.loads((Path(out) / "manifest.json").read_text())
     print(f"prepared: {out}")
+    from minimind_ray.data.manifest import skipped_records
+
+    print(f"skipped {skipped_records(out)}")
     print(json.dumps({k: manifest.get(k) for k in ("format", "counts", "skipped")}, indent=1, ensure_ascii=False))
     return 0
 
@@ -211,6 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="minimind-ray", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--debug", action="store_true", help="on an error, show the full traceback (before the verb)")
+    p.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     sub = p.add_subparsers(dest="verb", required=True)
 
     def with_config(sp):
@@ -221,6 +233,10 @@ def build_parser() -> argparse.ArgumentParser:
         sp = sub.add_parser(stage.name, help=f"train on Ray: {stage.help}", epilog=_fields_epilog(),
                             formatter_class=argparse.RawDescriptionHelpFormatter)
         with_config(sp)
+        sp.add_argument("--fresh", action="store_true",
+                        help="start a new run even if this command's run exists (resume=never: a new run name; "
+                             "nothing is deleted). Without it the same command resumes a stopped run, trains a "
+                             "finished one further when train.max_steps grew, and is a no-op otherwise")
         sp.set_defaults(fn=cmd_train)
 
     sp = sub.add_parser("sweep", help="Ray Tune search over a recipe's fields, ASHA stopping weak trials; running it "
@@ -324,7 +340,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_arguments(sp)
     add_rope_scaling_arguments(sp)
     sp.set_defaults(fn=cmd_serve)
+    for sp in sub.choices.values():  # after the verb too: `minimind-ray pretrain ... --verbose`
+        sp.add_argument("--verbose", action="store_true", default=argparse.SUPPRESS, help=VERBOSE_HELP)
     return p
+
+
+VERBOSE_HELP = ("show Ray's and MLflow's own lines too (Ray Data's progress, Ray Train's reports, Serve's access "
+                "lines, ...), as MINIMIND_RAY_VERBOSE=1 does; by default they go to Ray's log files only")
 
 
 def cmd_serve(args) -> int:
@@ -365,7 +387,11 @@ def user_errors() -> tuple:
 def main(argv: Optional[List[str]] = None) -> int:
     from minimind_ray.config_checks import ConfigError
 
+    from minimind_ray.console import quiet_environment, set_verbose
+
     args = build_parser().parse_args(argv)
+    set_verbose(args.verbose)
+    quiet_environment()  # before Ray or MLflow is imported
     try:
         return args.fn(args)
     except Exception as e:

@@ -19,7 +19,8 @@ from typing import Any, List, Optional
 from omegaconf import OmegaConf
 
 from minimind_ray.cluster_config import ClusterConfig, validate_cluster
-from minimind_ray.config_checks import ConfigError, check_bounds, config_field as _f, flatten, need, read_yaml
+from minimind_ray.config_checks import (ConfigError, check_bounds, config_field as _f, conform, flatten, need,
+                                        omegaconf_message, read_yaml)
 from minimind_ray.data.config import DataConfig, accumulation_steps, validate_data
 from minimind_ray.engine.config import TrainConfig, validate_train
 from minimind_ray.evals.config import EvalConfig, validate_eval
@@ -27,7 +28,7 @@ from minimind_ray.fsio import is_uri
 from minimind_ray.model.config import ModelConfig, validate_model
 from minimind_ray.model.presets import preset_values
 from minimind_ray.rl.rollout_config import adopt_old_keys
-from minimind_ray.stages import get_stage
+from minimind_ray.stages import STAGES, get_stage
 from minimind_ray.store.config import CheckpointConfig, validate_checkpoint
 from minimind_ray.tokenizer_fetch import PINNED
 from minimind_ray.tracking.config import TrackingConfig
@@ -68,20 +69,23 @@ def load_config(path: Optional[str] = None, overrides: Optional[List[str]] = Non
     if path:  # the file's own errors name the file (and line)
         layers.append(read_yaml(path, schema))
     try:
-        layers.append(OmegaConf.from_dotlist(list(overrides or [])))
+        layers.append(conform(schema, OmegaConf.from_dotlist(list(overrides or []))))
         user = OmegaConf.merge(*layers) if layers else OmegaConf.create({})
         preset = OmegaConf.select(user, "model.preset", default=schema.model.preset)
         try:
             base = preset_values(preset)
         except KeyError as e:
             raise ConfigError(f"model.preset: {e.args[0]}") from None
-        merged = OmegaConf.merge(schema, {"model": base}, user)
+        implied = {}  # the verb's stage implies its own data format when data.format is not given
+        if OmegaConf.select(user, "data.format") is None:
+            stage = OmegaConf.select(user, "train.stage", default=schema.train.stage)
+            if stage in STAGES:
+                implied = {"data": {"format": STAGES[stage].formats[0]}}
+        merged = OmegaConf.merge(schema, {"model": base}, implied, user)
     except ConfigError:
         raise
     except Exception as e:  # omegaconf's errors: re-raise as ours, naming the key
-        msg = str(e).splitlines()[0] if str(e) else repr(e)
-        key = getattr(e, "full_key", None)
-        raise ConfigError(f"{key}: {msg}" if key and key not in msg else msg) from None
+        raise ConfigError(omegaconf_message(e)) from None
     cfg: RunConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
     for notice in adopt_old_keys(cfg.train):  # train.grpo.rollout* -> train.rollout
         print(f"[minimind-ray] notice: {notice}", file=sys.stderr)
@@ -163,7 +167,8 @@ def validate(cfg: RunConfig) -> None:
          f"{d.tokenizer!r} is neither a tokenizer name (auto, builtin, {', '.join(PINNED)}) nor an existing directory")
     validate_train(cfg)
     want_fmt = get_stage(t.stage).formats
-    need(d.format in want_fmt, "data.format", f"stage {t.stage!r} needs data.format in {want_fmt}, got {d.format!r}")
+    need(d.format in want_fmt, "data.format", f"{t.stage} trains on {' or '.join(want_fmt)} records, not {d.format!r}; "
+                                              f"leave data.format out and the {t.stage} verb reads {want_fmt[0]}")
     need(cfg.resume in ("auto", "never", "must"), "resume", "must be auto, never or must")
     validate_cluster(cl)
     validate_eval(cfg.eval)

@@ -62,9 +62,11 @@ def atomic_write(path: PathLike, write_fn: Callable[[str], Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     os.close(fd)
-    os.chmod(tmp, 0o666 & ~_umask())
+    mode = 0o666 & ~_umask()
+    os.chmod(tmp, mode)
     try:
         write_fn(tmp)
+        os.chmod(tmp, mode)  # again: a writer may replace the file (safetensors' save_file leaves it 0600)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

@@ -10,6 +10,7 @@ import time
 
 from minimind_ray.cli import print_run_summary
 from minimind_ray.config import load_config
+from minimind_ray.console import set_verbose
 from minimind_ray.generate import SamplingConfig, generate_text
 from minimind_ray.raytrain.driver import run
 from minimind_ray.store.weights import build_inference_model
@@ -20,8 +21,10 @@ PROMPTS = ["What is the capital of France?", "What is 12 plus 7?", "中国的首
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--gpu", action="store_true", help="use the 26M preset on GPU workers")
+    ap.add_argument("--verbose", action="store_true", help="Ray's and MLflow's own lines too (MINIMIND_RAY_VERBOSE=1)")
     ap.add_argument("overrides", nargs="*", help="applied to both stages, e.g. cluster.num_workers=1")
     args = ap.parse_args(argv)
+    set_verbose(args.verbose)
     extra = list(args.overrides)
     if args.gpu:  # one worker per local GPU, 16 sequences each per micro-step
         import torch
@@ -58,7 +61,8 @@ def main(argv=None) -> int:
           f"(OpenAI API + chat page on http://127.0.0.1:8000/)")
     print(f"export it:       .venv/bin/minimind-ray export {sft.run_dir} --out outputs/demo-export")
     if sft.mlflow_run_id:
-        print(f"MLflow UI:       make ui   -> http://127.0.0.1:5000  (runs {pre.mlflow_run_id}, {sft.mlflow_run_id})")
+        print(f"MLflow UI:       make ui   -> http://127.0.0.1:5000/#/experiments?workflowType=machine_learning  "
+              f"(runs {pre.mlflow_run_id}, {sft.mlflow_run_id})")
     return 0
 
 

@@ -20,8 +20,8 @@ PROMPT_FORMATS: Tuple[str, ...] = ("rlaif", "prompt")  # single-turn prompts (gr
 class DataConfig:
     """Where the data is and how records become token sequences."""
 
-    format: str = _f("pretrain", "record format: pretrain {text} | sft {conversations} | dpo {chosen, rejected} | rlaif {conversations ending with the assistant turn to generate} | prompt {prompt, answer} | agent_rl {conversations with tools, gt} (MiniMind's agent_rl.jsonl)")
-    train_path: List[str] = _f([], "jsonl(.gz)/parquet files, directories, globs or URIs; or a prepared directory with manifest.json; 'demo' = the built-in corpus (its file of data.format), 'demo:<name>' = one of its files (tool_sft, mc_eval, ...)")
+    format: str = _f("pretrain", "record format: pretrain {text} | sft {conversations} | dpo {chosen, rejected} | rlaif {conversations ending with the assistant turn to generate} | prompt {prompt, answer} | agent_rl {conversations with tools, gt} (MiniMind's agent_rl.jsonl); not given: the verb's own (pretrain: pretrain, sft, lora and distill: sft, dpo and simpo: dpo, grpo and ppo: rlaif, agent: agent_rl)")
+    train_path: List[str] = _f([], "one or a list of jsonl(.gz)/parquet files, directories, globs or URIs (data.train_path=x.jsonl or '[a.jsonl,b.jsonl]'); or a prepared directory with manifest.json; 'demo' = the built-in corpus (its file of data.format), 'demo:<name>' = one of its files (tool_sft, mc_eval, ...)")
     tokenizer: str = _f("auto", "'auto' = MiniMind's tokenizer of model.generation; 'minimind2' | 'minimind3' (fetched by name, sha256-checked; offline: MINIMIND_RAY_TOKENIZER_MIRROR); 'builtin' = trained on the demo corpus; or a directory with tokenizer.json")
     max_seq_len: int = _f(512, "tokens per training sequence", ge=8)
     pack: bool = _f(True, "pretrain: pack documents into full windows (False = MiniMind pad mode)")

@@ -113,3 +113,23 @@ def check_manifest(manifest: dict, path: str, data_cfg, tokenizer) -> None:
     for field, want in row_settings(data_cfg).items():
         if manifest[field] != want:
             raise DataError(f"prepared data {path} has {field}={manifest[field]!r} but data.{field}={want!r}")
+
+
+def skipped_records(prepared_dir: str) -> str:
+    """What a prepare left out, from the manifest: ``1 of 12,345 records (bad_json: 1; first at pretrain_bad.jsonl:6)``,
+    or ``0 of 12,345 records``. A run says it on the console and as its MLflow tag ``data/skipped``."""
+    manifest = read_manifest(prepared_dir)
+    skipped = manifest.get("skipped") or {}
+    n = sum(int(e.get("count", 0)) for e in skipped.values())
+    total = n + int((manifest.get("counts") or {}).get("records", 0))
+    if not n:
+        return f"0 of {total:,} records"
+    reasons = ", ".join(f"{r}: {int(e.get('count', 0)):,}" for r, e in skipped.items())
+    places = [p for e in skipped.values() for p in e.get("samples") or []]
+
+    def order(place: str):  # file:line in file order; a whole file's issue (missing_file) after them
+        uri, _, line = place.rpartition(":")
+        return (0, uri, int(line)) if line.isdigit() else (1, place, 0)
+
+    first = min(places, key=order, default=None)
+    return f"{n:,} of {total:,} records ({reasons}{f'; first at {first}' if first else ''})"

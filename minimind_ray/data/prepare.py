@@ -47,6 +47,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from minimind_ray.console import QuietFilter, quiet_handlers, verbose
 from minimind_ray.data import formats
 from minimind_ray.data.manifest import (  # noqa: F401  (read_manifest, is_prepared, verify_shards: re-exported)
     MANIFEST, PREPARED_VERSION, DataError, check_manifest, is_prepared, read_manifest, row_settings, verify_shards,
@@ -207,6 +208,9 @@ def _run_job(chunks: List[Chunk], tokenizer, data_cfg, out_dir: str) -> List[dic
     quiet = _NoOutOfMemoryTraceback()
     for h in console:
         h.addFilter(quiet)
+    if not verbose():  # its progress and INFO lines to ray-data.log only, unless --verbose (console.py)
+        ds.context.enable_progress_bars = False
+    quieted = quiet_handlers("ray.data")
     try:
         rows_out = ds.take_all()
     except Exception as e:
@@ -215,6 +219,8 @@ def _run_job(chunks: List[Chunk], tokenizer, data_cfg, out_dir: str) -> List[dic
     finally:
         for h in console:
             h.removeFilter(quiet)
+        for h in quieted:
+            h.filters = [f for f in h.filters if not isinstance(f, QuietFilter)]
     summaries = [s for r in rows_out for s in json.loads(r["summaries"])]
     return sorted(summaries, key=lambda s: s["chunk"])
 

@@ -41,11 +41,14 @@ def _connect(workers: int, task: EvalTaskConfig):
     import ray
 
     if not ray.is_initialized():
-        env = runtime_env(task)
+        from minimind_ray.console import after_ray_start, ray_init_options
+
+        env, quiet = runtime_env(task), ray_init_options()  # Ray's own lines to its log files unless --verbose
         if os.environ.get("RAY_ADDRESS"):
-            ray.init(runtime_env=env)
+            after_ray_start(ray.init(runtime_env=env, **quiet))
         else:
-            ray.init(num_cpus=max(os.cpu_count() or 1, workers), include_dashboard=False, runtime_env=env)
+            after_ray_start(ray.init(num_cpus=max(os.cpu_count() or 1, workers), include_dashboard=False,
+                                     runtime_env=env, **quiet))
     elif module_paths(plugin_names([task])):
         log.warning("eval --workers: Ray was started before this task, so %s is not shipped to its workers; they "
                     "load it only if the job's own runtime_env has it", task.task)

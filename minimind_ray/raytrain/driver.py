@@ -24,17 +24,34 @@ from typing import Any, Dict, Optional, Tuple
 
 from minimind_ray.cluster_config import worker_threads
 from minimind_ray.config import ConfigError, RunConfig, from_dict, run_identity
-from minimind_ray.fsio import is_uri, redact
+from minimind_ray.console import after_ray_start, ray_init_options
+from minimind_ray.fsio import is_uri, join, redact
 from minimind_ray.raytrain.resources import ClusterTooSmall, check_resources, worker_resources
 from minimind_ray.raytrain.runtime_env import shipped_modules, side_cpus, worker_pythonpath
 from minimind_ray.raytrain.spec import WorkerSpec
+from minimind_ray.stages import get_stage
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PREPARE_OOM_RETRIES = 2  # a prepare task killed for memory more often than this fails the command (data/prepare.py)
 
 
 class RunFinished(ConfigError):
-    """``resume=auto|must`` found this run finished, with no more steps asked for."""
+    """``resume=auto`` found this run finished, with no more steps asked for: the same command run again. The CLI
+    says where its results are and exits 0 (:meth:`line`); a pipeline or sweep uses the run as it is."""
+
+    def __init__(self, msg: str, name: str = "", step: int = 0, run_dir: str = "", checkpoint: str = "",
+                 mlflow_run_id: Optional[str] = None):
+        super().__init__(msg)
+        self.name, self.step, self.run_dir, self.checkpoint, self.mlflow_run_id = (name, step, run_dir, checkpoint,
+                                                                                   mlflow_run_id)
+
+    def line(self) -> str:
+        """``already finished at step N: <run dir>, <export>, MLflow <id>``, and how to train on."""
+        export = f"{self.run_dir.rstrip('/')}/export"
+        export = export if _has_run_state(export) else "no export (the driver stopped before writing it)"
+        return redact(f"[minimind-ray] {self.name} already finished at step {self.step}: {self.run_dir}, {export}, "
+                      f"MLflow {self.mlflow_run_id or '(untracked)'}; raise train.max_steps above {self.step} to "
+                      f"train it further, or pass --fresh to start anew")
 
 
 @dataclass
@@ -46,6 +63,7 @@ class RunResult:
     tracking_uri: Optional[str]
     exports: Dict[str, str] = field(default_factory=dict)
     metrics: Dict[str, Any] = field(default_factory=dict)
+    latest: Optional[str] = None  # <storage>/<stage>-latest, linked to this run (store/checkpoint.py:mark_latest)
 
 
 # --------------------------------------------------------------------------- Ray and resources
@@ -80,10 +98,11 @@ def connect_ray(cfg: RunConfig, dashboard: bool = True, num_cpus: Optional[int] 
     os.environ.setdefault("RAY_task_oom_retries", str(PREPARE_OOM_RETRIES))
     address = cfg.cluster.address or os.environ.get("RAY_ADDRESS")
     env = {"env_vars": {"PYTHONPATH": worker_pythonpath(), "TOKENIZERS_PARALLELISM": "false"}}
+    quiet = ray_init_options()  # Ray's own lines to its log files, unless --verbose (console.py)
     if in_ray_job():
-        ray.init()  # the job's own runtime env already applies; passing another one would conflict
+        after_ray_start(ray.init(**quiet))  # the job's own runtime env already applies; another one would conflict
     elif address:
-        ray.init(address=address, runtime_env=env)
+        after_ray_start(ray.init(address=address, runtime_env=env, **quiet))
     else:
         # Logical CPUs: the workers plus room for Ray Data (it starves when workers take every CPU).
         # (and what runs beside the workers: the evaluation task of eval.tasks, GRPO's rollout actors)
@@ -98,8 +117,9 @@ def connect_ray(cfg: RunConfig, dashboard: bool = True, num_cpus: Optional[int] 
         os.environ.setdefault("RAY_DASHBOARD_SUBPROCESS_MODULE_WAIT_READY_TIMEOUT", "120")
         if port:
             env["env_vars"]["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
-        ray.init(num_cpus=max(os.cpu_count() or 1, need, num_cpus or 0), include_dashboard=dashboard, dashboard_host="127.0.0.1",
-                 runtime_env=env, **({"dashboard_port": port} if port else {}))
+        after_ray_start(ray.init(num_cpus=max(os.cpu_count() or 1, need, num_cpus or 0), include_dashboard=dashboard,
+                                 dashboard_host="127.0.0.1", runtime_env=env, **({"dashboard_port": port} if port else {}),
+                                 **quiet))
     return ray
 
 
@@ -179,10 +199,12 @@ def decide_run(cfg: RunConfig, storage: str) -> Tuple[str, str]:
     more = t.max_steps > meta.step if t.max_steps else (old.max_steps is None and t.epochs > old.epochs)
     if more:
         return name, f"training run {name} further from its last checkpoint (step {meta.step}, {latest.location})"
-    raise RunFinished(
-        f"resume: run {name!r} finished at step {meta.step} ({latest.location}). To train it further, raise "
-        f"train.max_steps above {meta.step} (or train.epochs); to start anew, pass resume=never (a new run name) "
-        f"or another name=")
+    msg = (f"resume: run {name!r} finished at step {meta.step} ({latest.location}). To train it further, raise "
+           f"train.max_steps above {meta.step} (or train.epochs); to start anew, pass --fresh or resume=never (a new "
+           f"run name) or another name=")
+    if cfg.resume == "must":
+        raise ConfigError(msg.replace("resume: run", "resume: must, but run", 1))
+    raise RunFinished(msg, name, meta.step, run_dir, latest.location, meta.mlflow_run_id)
 
 
 def _absolute_weight_paths(t):
@@ -223,7 +245,7 @@ def _finish(spec: WorkerSpec, result, tokenizer) -> RunResult:
     import pyarrow.fs as pafs
 
     from minimind_ray.export import export_run_checkpoint
-    from minimind_ray.fsio import filesystem, join
+    from minimind_ray.fsio import filesystem
     from minimind_ray.store.checkpoint import prune_untracked
     from minimind_ray.tracking.artifacts import log_final_artifacts
 
@@ -275,6 +297,8 @@ def run(cfg: RunConfig, *, tags: Optional[Dict[str, str]] = None, callbacks=(), 
     ``cfg`` is not modified: what the driver decides goes into the run's own copy (WorkerSpec.cfg).
     A sweep or pipeline passes its MLflow ``tags`` (the parent run), Ray Train ``callbacks`` (Tune's report) and
     ``report_every_eval`` (each eval step's score reported, for ASHA); every run is tagged with its lineage."""
+    storage = storage_root(cfg)
+    name, plan = decide_run(cfg, storage)  # before Ray is imported: a finished run or a choice for the user is a second
     import ray
     from ray.train import CheckpointConfig, FailureConfig, RunConfig as RayRunConfig, ScalingConfig
     from ray.train.v2.api.config import LoggingConfig
@@ -284,16 +308,15 @@ def run(cfg: RunConfig, *, tags: Optional[Dict[str, str]] = None, callbacks=(), 
     from minimind_ray.raytrain.faults import (LaunchFault, StartFaults, failure_callback, lost_report_callbacks,
                                              not_placed, start_fault_callbacks, torch_config)
     from minimind_ray.raytrain.restarts import fit as fit_with_restarts
-    from minimind_ray.raytrain.lineage import lineage_tags
+    from minimind_ray.raytrain.lineage import lineage_tags, skipped
     from minimind_ray.raytrain.oom import explain as explain_oom, warn_if_short
     from minimind_ray.raytrain.progress import ProgressPrinter, make_progress_sink
     from minimind_ray.raytrain.validation import validation_config
     from minimind_ray.raytrain.worker import train_loop_per_worker
+    from minimind_ray.store.checkpoint import mark_latest
     from minimind_ray.tokenizer import resolve_tokenizer
     from minimind_ray.tracking.runs import finish_run, resolve_tracking_uri, start_run
 
-    storage = storage_root(cfg)
-    name, plan = decide_run(cfg, storage)  # before Ray starts: a run the user must decide about fails in a second
     print(redact(f"[minimind-ray] {plan}"), flush=True)
     run_dir = f"{storage.rstrip('/')}/{name}"
     connect_ray(cfg)
@@ -315,6 +338,9 @@ def run(cfg: RunConfig, *, tags: Optional[Dict[str, str]] = None, callbacks=(), 
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ConfigError(f"model.vocab_size: {cfg.model.vocab_size} < tokenizer vocabulary {tokenizer.vocab_size}")
     prepared_dir = ensure_prepared(cfg.data, tokenizer)
+    lost = skipped(prepared_dir)  # records the prepare left out are said, here and as the run's tag data/skipped
+    if lost and not lost.startswith("0 of"):
+        print(f"[minimind-ray] skipped {lost}; see {redact(join(prepared_dir, 'manifest.json'))}", flush=True)
     backend = cfg.cluster.backend if cfg.cluster.backend != "auto" else ("nccl" if use_gpu else "gloo")
 
     uri = run_id = None
@@ -367,7 +393,8 @@ def run(cfg: RunConfig, *, tags: Optional[Dict[str, str]] = None, callbacks=(), 
                                 **({"py_modules": plugin_modules} if plugin_modules else {})},
         ),
     )
-    printer = ProgressPrinter(sink, name)
+    stage = get_stage(cfg.train.stage)  # the console shows its headline metrics
+    printer = ProgressPrinter(sink, name, stage.headline, stage.rl)
     printer.start()
     try:
         with train_env(cfg):
@@ -390,6 +417,8 @@ def run(cfg: RunConfig, *, tags: Optional[Dict[str, str]] = None, callbacks=(), 
         raise
     if run_id:
         finish_run(uri, run_id, "FINISHED")
+    if out.checkpoint_dir:  # the next stage starts from <storage>/<stage>-latest
+        out.latest = mark_latest(run_dir, cfg.train.stage)
     summary = out.metrics.get("tracking_summary")
     if summary:
         s = json.loads(summary) if isinstance(summary, str) else summary

@@ -15,6 +15,7 @@ TAG_DATA = "minimind.data.prepared_dir"
 TAG_INIT_FROM = "minimind.init_from"
 TAG_INIT_FROM_RUN = "minimind.init_from.run_id"
 TAG_TEACHER_RUN = "minimind.distill.teacher.run_id"  # a stage's parents: minimind.<stage>.<parent>.run_id
+TAG_SKIPPED = "data/skipped"  # the records the prepare left out: '1 of 12,345 records (bad_json: 1; first at f:6)'
 
 
 def manifest_sha256(prepared_dir: str) -> Optional[str]:
@@ -49,10 +50,20 @@ def source_run_id(weights: Optional[str]) -> Optional[str]:
     return None
 
 
+def skipped(prepared_dir: str) -> Optional[str]:
+    """The prepared data's skipped records (data/manifest.py:skipped_records), redacted; None if unreadable."""
+    from minimind_ray.data.manifest import DataError, skipped_records
+
+    try:
+        return redact(skipped_records(prepared_dir))
+    except (OSError, ValueError, DataError):
+        return None
+
+
 def lineage_tags(cfg, prepared_dir: str) -> Dict[str, str]:
     """The tags of one training run: its data and what its weights came from (only what is known)."""
     t = cfg.train
-    tags = {TAG_DATA: redact(prepared_dir), TAG_MANIFEST: manifest_sha256(prepared_dir),
+    tags = {TAG_DATA: redact(prepared_dir), TAG_MANIFEST: manifest_sha256(prepared_dir), TAG_SKIPPED: skipped(prepared_dir),
             TAG_INIT_FROM: redact(t.init_from) if t.init_from else None, TAG_INIT_FROM_RUN: source_run_id(t.init_from)}
     for parent, weights in get_stage(t.stage).parents(cfg).items():  # the teacher, a reference given by path
         tags[f"minimind.{t.stage}.{parent}.run_id"] = source_run_id(weights)

@@ -10,7 +10,7 @@ import math
 import sys
 import threading
 import time
-from typing import Any, Dict
+from typing import Any, Dict, Tuple
 
 from minimind_ray.fsio import redact
 
@@ -45,12 +45,17 @@ def eta_seconds(m: Dict[str, Any]) -> float:
     return max(total - step, 0) * float(step_time)
 
 
+# how the console writes a headline metric (the stage record's ``headline``), where its MLflow name is long
+SHORT = {"reward_exact_answer": "exact", "reward_margin": "margin", "reward_accuracy": "acc"}
+
+
 class ProgressPrinter(threading.Thread):
     """Driver-side view of training: a tqdm bar on a terminal, plain lines in a job log."""
 
-    def __init__(self, sink, name: str):
+    def __init__(self, sink, name: str, headline: Tuple[str, ...] = (), rl: bool = False):
         super().__init__(daemon=True)
         self.sink, self.name, self.stop = sink, name, threading.Event()
+        self.headline, self.rl = tuple(headline), rl
         self.tty = sys.stderr.isatty()
         self.bar = None
 
@@ -74,23 +79,21 @@ class ProgressPrinter(threading.Thread):
         eta = eta_seconds(m)
         eta_s = "?" if math.isnan(eta) else time.strftime("%H:%M:%S", time.gmtime(eta))
         ck = " [checkpoint]" if m.get("checkpoint") else ""
-        return f"[{self.name}] step {step}/{total} {self.describe(m)} ETA {eta_s}{ck}"
+        return f"[{self.name}] step {step}/{total} {self.describe(m, self.headline, self.rl)} ETA {eta_s}{ck}"
 
     @staticmethod
-    def describe(m: Dict[str, Any]) -> str:
-        """The interval's headline figures: the loss, or for an RL stage the reward (and its exact-answer term,
-        when there is one), which is what moves (a GRPO loss is near zero by construction)."""
-        if "reward" in m:
-            desc = f"ep {m.get('epoch', 0)} reward {m['reward']:.4f}"
-            if "reward_exact_answer" in m:
-                desc += f" exact {m['reward_exact_answer']:.4f}"
-            if "kl" in m:
-                desc += f" kl {m['kl']:.4f}"
-            return desc + f" tok/s {m.get('tokens_per_s', 0):,.0f}"
-        desc = f"ep {m.get('epoch', 0)} loss {m.get('loss', float('nan')):.4f} tok/s {m.get('tokens_per_s', 0):,.0f}"
+    def describe(m: Dict[str, Any], headline: Tuple[str, ...] = (), rl: bool = False) -> str:
+        """The interval's figures: the loss (not for an RL stage, whose loss is near zero by construction), then the
+        stage's headline metrics from its record (DPO's reward margin and accuracy, distillation's KL, the RL stages'
+        reward...), the throughput and the held-out loss when there is one."""
+        parts = [f"ep {m.get('epoch', 0)}"]
+        if not rl:
+            parts.append(f"loss {m.get('loss', float('nan')):.4f}")
+        parts += [f"{SHORT.get(k, k)} {m[k]:.4f}" for k in headline if k in m]
+        parts.append(f"tok/s {m.get('tokens_per_s', 0):,.0f}")
         if "eval_loss" in m:
-            desc += f" eval {m['eval_loss']:.4f}"
-        return desc
+            parts.append(f"eval {m['eval_loss']:.4f}")
+        return " ".join(parts)
 
     def show(self, m: Dict[str, Any]):
         if "_error" in m:

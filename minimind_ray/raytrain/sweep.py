@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from minimind_ray.config import ConfigError, RunConfig, load_config, to_yaml
+from minimind_ray.console import verbose
 from minimind_ray.fsio import is_uri, join, redact, write_text_atomic
 from minimind_ray.raytrain.sweep_config import SweepConfig, check_against_recipe, reported_metric, trial_overrides
 
@@ -165,7 +166,7 @@ def _tuner(sweep: SweepConfig, base: RunConfig, ctx: Dict[str, Any], storage: st
                                     # the limit goes to the generator: Tune ignores max_concurrent_trials beside it
                                     search_alg=BasicVariantGenerator(random_state=sweep.seed, max_concurrent=n),
                                     trial_dirname_creator=lambda t: t.trial_id),
-        run_config=tune.RunConfig(name=sweep.name, storage_path=storage, verbose=1,
+        run_config=tune.RunConfig(name=sweep.name, storage_path=storage, verbose=1 if verbose() else 0,  # Tune's table
                                   failure_config=tune.FailureConfig(max_failures=sweep.max_failures)))
 
 

@@ -9,7 +9,8 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import OmegaConf
 
-from minimind_ray.config_checks import ConfigError, check_bounds, config_field as _f, need, read_yaml
+from minimind_ray.config_checks import (ConfigError, check_bounds, config_field as _f, conform, need, omegaconf_message,
+                                        read_yaml)
 
 SPACE_KINDS = ("choice", "grid", "uniform", "loguniform", "randint")
 # Fields a trial may not change: what names and stores the trial (the sweep decides), what is tracked where, and
@@ -66,12 +67,12 @@ def load_sweep(path: str, overrides: Optional[List[str]] = None) -> SweepConfig:
     own = [o for o in overrides or [] if o.split("=", 1)[0].split(".")[0] not in RECIPE_SECTIONS]
     recipe = [o for o in overrides or [] if o not in own]
     try:
-        merged = OmegaConf.merge(schema, read_yaml(path, schema), OmegaConf.from_dotlist(own))
+        merged = OmegaConf.merge(schema, read_yaml(path, schema), conform(schema, OmegaConf.from_dotlist(own)))
         sweep: SweepConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except ConfigError:
         raise
     except Exception as e:  # omegaconf's errors on the overrides
-        raise ConfigError(f"{path}: {str(e).splitlines()[0]}") from None
+        raise ConfigError(f"{path}: {omegaconf_message(e)}") from None
     sweep.overrides = [*sweep.overrides, *recipe]
     check_bounds(sweep)
     check_bounds(sweep.scheduler, "scheduler.")

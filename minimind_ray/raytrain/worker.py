@@ -10,6 +10,7 @@ from typing import Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from minimind_ray.console import own_lines
 from minimind_ray.engine.loop import Hooks, run
 from minimind_ray.engine.state import TrainState
 from minimind_ray.store.config import validation_due
@@ -148,6 +149,7 @@ def train_loop_per_worker(spec: WorkerSpec) -> None:
     from minimind_ray.raytrain.oom import quiet_out_of_memory_tracebacks
 
     quiet_out_of_memory_tracebacks()  # an OOM is said in one line by the driver (raytrain/oom.py)
+    own_lines()  # our log warnings as [minimind-ray] lines, which a quiet driver still shows (console.py)
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     state = TrainState.build(spec.cfg, spec.prepared_dir, rank, world, pick_device(spec.use_gpu))

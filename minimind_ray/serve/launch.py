@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import logging
 import os
 import signal
 import sys
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Optional
 
 from minimind_ray.config_checks import ConfigError
+from minimind_ray.console import after_ray_start, quiet_handlers, ray_init_options
 from minimind_ray.fsio import is_uri
 from minimind_ray.serve.options import API_KEY_ENV, ServeOptions, is_mlflow_uri
 
@@ -105,13 +107,15 @@ def connect(opts: ServeOptions) -> bool:
         return False
     env = {"env_vars": {"PYTHONPATH": str(REPO_ROOT), "TOKENIZERS_PARALLELISM": "false"}}
     address = opts.address or os.environ.get("RAY_ADDRESS")
+    quiet = ray_init_options()  # Ray's and Serve's own lines to Ray's log files, unless --verbose (console.py)
     if "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ:  # under `ray job submit`: the job's runtime env applies
-        ray.init()
+        after_ray_start(ray.init(**quiet))
         return False
     if address:
-        ray.init(address=address, runtime_env=env)
+        after_ray_start(ray.init(address=address, runtime_env=env, **quiet))
         return False
-    ray.init(num_cpus=max(os.cpu_count() or 1, opts.logical_cpus()), include_dashboard=False, runtime_env=env)
+    after_ray_start(ray.init(num_cpus=max(os.cpu_count() or 1, opts.logical_cpus()), include_dashboard=False,
+                             runtime_env=env, **quiet))
     return True
 
 
@@ -122,12 +126,25 @@ def deploy(opts: ServeOptions, quiet: bool = False) -> str:
 
     from minimind_ray.serve.app import build_app
 
+    quiet_handlers("ray.serve")  # Serve's own driver lines (started, ready, deleting) to its logs, unless --verbose
     serve.start(http_options={"host": opts.host, "port": opts.port})
     logging_config = {"enable_access_log": False, "log_level": "WARNING"} if quiet else None
-    serve.run(build_app(_as_args(opts)), name=opts.app_name, route_prefix=opts.route_prefix,
-              logging_config=logging_config)
+    # serve.run starts Serve again, finds the instance serve.start just made and says "Connecting to existing Serve
+    # app ... New http_options ... will not be applied": not so, they were; that line is dropped
+    own_start = _NotExisting()
+    logging.getLogger("ray.serve").addFilter(own_start)
+    try:
+        serve.run(build_app(_as_args(opts)), name=opts.app_name, route_prefix=opts.route_prefix,
+                  logging_config=logging_config)
+    finally:
+        logging.getLogger("ray.serve").removeFilter(own_start)
     host = "127.0.0.1" if opts.host in ("0.0.0.0", "::") else opts.host
     return f"http://{host}:{opts.port}{opts.route_prefix.rstrip('/')}"
+
+
+class _NotExisting(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Connecting to existing Serve app")
 
 
 def _as_args(opts: ServeOptions) -> dict:
@@ -179,11 +196,9 @@ def _teardown(opts: ServeOptions, started_ray: bool, stopping: bool) -> None:
 
     try:
         serve.delete(opts.app_name)  # only our app: other apps on a shared cluster stay up
-        if started_ray:
-            serve.shutdown()
     finally:
-        if started_ray:
-            ray.shutdown()
+        if started_ray:  # Serve ends with the Ray this command started (serve.shutdown's graceful_shutdown task would
+            ray.shutdown()  # be cut short by it: "Task ServeController.graceful_shutdown failed ... retries remaining")
 
 
 def main(argv: Optional[list] = None) -> int:

@@ -51,7 +51,8 @@ class Stage:
 
     name: str
     help: str
-    formats: Tuple[str, ...]  # data formats it trains on (data/config.py:FORMATS)
+    formats: Tuple[str, ...]  # data formats it trains on (data/config.py:FORMATS); the first is its own: the verb
+    # implies it when data.format is not given
     objective: Callable[[Any], Any]  # cfg -> its Objective (stages/objective.py); imports torch when called
     export_prefix: str  # MiniMind's file-name prefix for the weights (its trainers' naming)
     parts: Tuple[Tuple[str, str], ...] = ()  # (a model trained beside the policy, MiniMind's file-name prefix for it)

@@ -308,3 +308,25 @@ def prune_untracked(run_dir, kept_names) -> List[str]:
                 continue
             removed.append(e.base_name)
     return sorted(removed)
+
+
+def mark_latest(run_dir: str, stage: str) -> Optional[str]:
+    """``<storage>/<stage>-latest``: a link to the newest finished run of a stage beside it, for chaining stages
+    without copying run names (``train.init_from=runs/pretrain-latest``). Local storage only (a relative symlink,
+    replaced atomically); None where it cannot be made (a URI, a directory of that name)."""
+    import os
+
+    if is_uri(run_dir):
+        return None
+    run = Path(run_dir)
+    link, tmp = run.parent / f"{stage}-latest", run.parent / f".{stage}-latest.{os.getpid()}"
+    try:
+        if tmp.is_symlink():
+            tmp.unlink()
+        tmp.symlink_to(run.name)
+        os.replace(tmp, link)
+    except OSError:
+        if tmp.is_symlink():
+            tmp.unlink()
+        return None
+    return str(link)

@@ -11,6 +11,7 @@ import pytest
 
 from minimind_ray.config import DataConfig
 from minimind_ray.data.demo import write_demo_corpus
+from minimind_ray.data.manifest import skipped_records
 from minimind_ray.data.prepare import DataError, ensure_prepared, plan_chunks, prepare, read_manifest
 from minimind_ray.data.sources import iter_lines, resolve_sources
 from minimind_ray.data.stream import PreparedDataset, TrainStream
@@ -200,6 +201,10 @@ def test_bad_input_counted_with_real_line_numbers(env, tmp_path):
         assert m["skipped"][reason]["samples"] == [f"{bad}:{n}" for n in lines]
     assert m["truncated"] == {"count": 1, "samples": [f"{bad}:10"]}
     assert m["counts"]["lines"] == len(BAD_LINES) and m["counts"]["records"] == 4
+    # what a run says on its console and as its MLflow tag data/skipped (issue 38): the first in file order
+    assert skipped_records(str(tmp_path / "out")) == (
+        f"10 of 14 records (bad_json: 1, empty_file: 1, empty_line: 2, missing_field: 2, missing_file: 1, not_utf8: 1, "
+        f"wrong_type: 2; first at {bad}:2)")
     strict = DataConfig(format="pretrain", max_seq_len=16, pack=False, chunk_bytes=40, bad_records="strict")
     with pytest.raises(DataError, match=rf"{bad}:2: empty_line"):
         prepare([bad], str(tmp_path / "strict"), env["tok"], strict)

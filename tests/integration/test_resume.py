@@ -9,6 +9,7 @@ the training settings of helpers.run_tiny, so the session's uninterrupted ``tiny
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -25,6 +26,9 @@ from .helpers import CKPT_EVERY, GLOBAL_BATCH, STEPS, assert_exactly_once, sampl
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
+# lines of Ray's and MLflow's own, as a 2-worker run printed them before issue 38
+RAY_INTERNAL = re.compile(r"TrainingReport\(|core_worker\.cc|PreemptionWatcher|logging_progress|streaming_executor|"
+                          r"Started a local Ray|mlflow\.store|\(raylet\)|\d INFO |\tINFO ")
 
 
 def _overrides(base: Path, address: str):
@@ -64,6 +68,11 @@ def test_the_same_command_resumes_after_the_driver_is_killed(ray_session, tiny_b
                             text=True, timeout=600)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert f"resuming run {name} from step 8 of {STEPS}" in second.stdout
+    # a quiet console (issue 38): minimind-ray's own lines and where Ray's logs are, nothing of Ray's or MLflow's
+    console = (second.stdout + second.stderr).splitlines()
+    assert any(line.startswith("[minimind-ray] Ray's own logs: ") for line in console), console
+    internal = [line for line in console if RAY_INTERNAL.search(line)]
+    assert not internal, internal
 
     ckpts = {s: p for s, p in checkpoints_in(run_dir)}
     w = torch.load(Path(ckpts[STEPS]) / MODEL, weights_only=True)
@@ -79,3 +88,11 @@ def test_the_same_command_resumes_after_the_driver_is_killed(ray_session, tiny_b
     assert len(runs) == 1 and runs[0].info.status == "FINISHED"
     assert [m.step for m in sorted(client.get_metric_history(runs[0].info.run_id, "train/loss"), key=lambda m: m.step)] \
         == list(range(1, STEPS + 1))
+    # the same command once more: a no-op that says where the results are, exit 0 (issue 38), Ray never started
+    third = subprocess.run([sys.executable, "-m", "pipelines.pretrain", *args], cwd=REPO, capture_output=True,
+                           text=True, timeout=300)
+    assert third.returncode == 0, third.stdout[-3000:] + third.stderr[-3000:]
+    assert third.stdout.strip().splitlines()[-1].startswith(
+        f"[minimind-ray] {name} already finished at step {STEPS}: {run_dir}, {run_dir / 'export'}, "
+        f"MLflow {runs[0].info.run_id}; "), third.stdout
+    assert "Ray's own logs" not in third.stdout

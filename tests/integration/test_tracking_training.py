@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 import urllib.request
@@ -23,7 +24,12 @@ def rest(uri, path, body=None):
 
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory):
-    return new_shared(tmp_path_factory, "tracking_training")
+    """Both runs train on the demo corpus and a file with one broken JSON line on its line 2 (one prepare)."""
+    s = new_shared(tmp_path_factory, "tracking_training")
+    s["bad"] = s["base"] / "pretrain_bad.jsonl"
+    s["bad"].write_text('{"text": "the sky is blue"}\n{"text": "broken\n{"text": "grass is green"}\n')
+    s["data"] = f"data.train_path=[demo,{s['bad']}]"
+    return s
 
 
 def test_one_run_with_params_metrics_artifacts_and_a_registered_version(ray_session, shared, mlflow_server, capfd):
@@ -33,10 +39,14 @@ def test_one_run_with_params_metrics_artifacts_and_a_registered_version(ray_sess
     file the run wrote (meta.json, the export index), not in what the run printed."""
     secret = "s3cr3t-Pa55"
     res = run_tiny(shared, "tracked", f"tracking.uri={mlflow_server.uri.replace('http://', f'http://alice:{secret}@')}",
-                   "tracking.registered_model=tiny-tracked",
+                   "tracking.registered_model=tiny-tracked", shared["data"],
                    "train.fail_at_step=6")  # a worker-group restart mid-run must not make a second run
     printed = capfd.readouterr()
     assert secret not in printed.out + printed.err
+    # the record the prepare left out is said on the console (issue 38), and is the run's tag data/skipped
+    said = [line for line in printed.out.splitlines() if line.startswith("[minimind-ray] skipped ")]
+    assert len(said) == 1 and re.fullmatch(rf"\[minimind-ray\] skipped 1 of [\d,]+ records \(bad_json: 1; first at "
+                                           rf"{re.escape(str(shared['bad']))}:2\); see .*manifest\.json", said[0]), said
     _, attempts = sample_record(shared, "tracked")
     assert attempts == {0, 4}, f"the injected failure at step 6 must restart the group from step 4: {attempts}"
     uri = mlflow_server.uri
@@ -54,6 +64,7 @@ def test_one_run_with_params_metrics_artifacts_and_a_registered_version(ray_sess
     assert secret not in json.dumps(run)
     tags = {t["key"]: t["value"] for t in run["data"]["tags"]}
     assert {"world_size", "device_type", "torch.version", "ray.version", "mlflow.source.git.commit"} <= set(tags)
+    assert tags["data/skipped"] == said[0].split("skipped ", 1)[1].split("; see ")[0]
     hist = rest(uri, f"/api/2.0/mlflow/metrics/get-history?run_id={res.mlflow_run_id}&metric_key=train/loss")["metrics"]
     assert sorted(m["step"] for m in hist) == list(range(1, STEPS + 1))  # each step once despite the replay
     for key in ("train/lr", "perf/tokens_per_s", "train/grad_norm", "perf/allreduce_s", "perf/comm_fraction",
@@ -94,7 +105,7 @@ def test_training_survives_the_tracking_server_going_down(ray_session, shared, m
     killer = threading.Thread(target=stop_when_training_started, daemon=True)
     killer.start()
     try:
-        res = run_tiny(shared, "server-down", f"tracking.uri={mlflow_server.uri}", "tracking.timeout_s=2")
+        res = run_tiny(shared, "server-down", f"tracking.uri={mlflow_server.uri}", "tracking.timeout_s=2", shared["data"])
     finally:
         killer.join(timeout=5)
         mlflow_server.start()  # leave the fixture as we found it

@@ -197,7 +197,7 @@ def scripted_engine(state, tok, replies, bias):
             self.model = Scripted(model, tok, replies, bias)
 
     plan = state.objective.plan
-    plan._setup(state)
+    plan.setup(state)
     plan.engine = ScriptedRollout(state.autocast)
 
 

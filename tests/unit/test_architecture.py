@@ -13,8 +13,9 @@ PKG = REPO / "minimind_ray"
 MAX_LINES = 450
 # Ray Train is used by the Ray layer only; Ray itself (actors, Ray Data, Serve) also by these.
 RAY_TRAIN_ROOMS = {"raytrain"}
-# rl: a reward model on a shared actor (placement: actor); evals: `eval --workers N` shards a task over Ray tasks
-RAY_ROOMS = {"raytrain", "serve", "data", "rl", "evals"}
+# rl: a reward model on a shared actor (placement: actor); evals: `eval --workers N` shards a task over Ray tasks;
+# console: the filter in front of Ray's printer of the workers' lines (a quiet terminal, issue 38)
+RAY_ROOMS = {"raytrain", "serve", "data", "rl", "evals", "console"}
 
 
 def _modules():

@@ -28,7 +28,7 @@ def test_preset_fills_fields_and_explicit_values_win():
     (["train.global_batch_size=30", "train.micro_batch_size=4", "cluster.num_workers=2"], "train.global_batch_size"),
     (["data.train_path=[/no/such/file.jsonl]"], "data.train_path"),
     (["train.stage=rlhf"], "train.stage"),
-    (["train.stage=dpo"], "data.format"),
+    (["train.stage=dpo", "data.format=pretrain"], "data.format"),  # an explicit format the stage cannot train on
     (["cluster.min_workers=3", "cluster.num_workers=2"], "cluster.min_workers"),
     (["data.bad_records=ignore"], "data.bad_records"),
     (["train.lr=abc"], "train.lr"),

@@ -80,6 +80,11 @@ def test_hf_export_folder_contents(tmp_path, tokenizer_dir):
         assert "lm_head.weight" not in f.keys()  # tied: stored once
         assert f.get_tensor("model.embed_tokens.weight").dtype == torch.bfloat16
     assert AutoTokenizer.from_pretrained(out).eos_token_id == 2
+    # every file readable by others as any new file here (issue 38: model.safetensors was 0600, save_file's own mode)
+    plain = tmp_path / "plain"
+    plain.write_text("")
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in out.iterdir()}
+    assert set(modes.values()) == {oct(plain.stat().st_mode & 0o777)}, modes
 
 
 def test_minimind2_moe_hf_export_is_refused_with_a_reason(tmp_path, tokenizer_dir):

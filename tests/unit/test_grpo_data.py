@@ -132,9 +132,9 @@ def test_grpo_defaults_are_minimind_and_other_stages_refuse_rl_data(grpo_cfg):
     assert (g.num_generations, g.beta, g.loss_type, g.epsilon, g.epsilon_high) == (6, 0.1, "cispo", 0.2, 5.0)
     assert [r.name for r in g.rewards] == ["length", "think_format", "repetition"]
     assert grpo_cfg("data.format=rlaif").data.format == "rlaif"
-    with pytest.raises(ConfigError, match="data.format: stage 'grpo' needs data.format in"):
+    with pytest.raises(ConfigError, match="data.format: grpo trains on rlaif or prompt records, not 'sft'"):
         grpo_cfg("data.format=sft")
-    with pytest.raises(ConfigError, match="data.format: stage 'sft' needs"):
+    with pytest.raises(ConfigError, match="data.format: sft trains on sft records, not 'prompt'"):
         load_config(None, ["data.train_path=[demo]", "train.stage=sft", "data.format=prompt"])
 
 

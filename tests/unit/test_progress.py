@@ -25,11 +25,27 @@ def test_eta_unknown_without_a_step_time():
 
 
 def test_an_rl_run_shows_its_reward_not_its_loss():
-    from minimind_ray.raytrain.progress import ProgressPrinter
+    from minimind_ray.stages import get_stage
 
+    grpo = get_stage("grpo")
     line = ProgressPrinter.describe({**_m(5), "loss": 0.0012, "reward": 0.4375,
-                                     "reward_exact_answer": 0.25, "kl": 0.0031})
+                                     "reward_exact_answer": 0.25, "kl": 0.0031}, grpo.headline, grpo.rl)
     assert line == "ep 0 reward 0.4375 exact 0.2500 kl 0.0031 tok/s 1,000"
     assert "loss" not in line
     assert ProgressPrinter.describe(_m(5)).startswith("ep 0 loss 2.0000 ")
-    assert ProgressPrinter.describe({**_m(5), "reward": 0.5}) == "ep 0 reward 0.5000 tok/s 1,000"  # beta 0: no kl
+    assert ProgressPrinter.describe({**_m(5), "reward": 0.5}, grpo.headline, grpo.rl) == \
+        "ep 0 reward 0.5000 tok/s 1,000"  # beta 0: no kl
+
+
+def test_each_stage_shows_its_records_headline_metrics():
+    """Issue 38: DPO's reward margin and accuracy, distillation's KL, on the console as in MLflow."""
+    from minimind_ray.stages import STAGES
+
+    m = {**_m(5), "reward_margin": 0.75, "reward_accuracy": 0.625, "kl": 0.125, "reward": 0.5, "eval_loss": 1.5}
+    lines = {name: ProgressPrinter.describe(m, s.headline, s.rl) for name, s in STAGES.items()}
+    assert lines["dpo"] == lines["simpo"] == "ep 0 loss 2.0000 margin 0.7500 acc 0.6250 tok/s 1,000 eval 1.5000"
+    assert lines["distill"] == "ep 0 loss 2.0000 kl 0.1250 tok/s 1,000 eval 1.5000"
+    assert lines["ppo"] == lines["agent"] == "ep 0 reward 0.5000 kl 0.1250 tok/s 1,000 eval 1.5000"
+    assert lines["pretrain"] == lines["sft"] == "ep 0 loss 2.0000 tok/s 1,000 eval 1.5000"
+    printer = ProgressPrinter(sink=None, name="dpo-run", headline=STAGES["dpo"].headline)
+    assert printer.line(m).startswith("[dpo-run] step 5/30 ep 0 loss 2.0000 margin 0.7500 acc 0.6250 ")

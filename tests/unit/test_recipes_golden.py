@@ -30,9 +30,10 @@ def _help() -> list:
 
 # sections added since the golden file: a new stage's (SimPO) and the rollout engine every RL stage shares
 NEW_SECTIONS = ("train.simpo.", "train.rollout.")
-# help lines that changed on purpose: the stage list names the new stage; train.grpo.rollout* moved to train.rollout
+# help lines that changed on purpose: the stage list names the new stage; train.grpo.rollout* moved to train.rollout;
+# data.format says what a verb implies when it is not given, data.train_path that one path needs no list (issue 38)
 CHANGED_HELP = {"train.stage", "train.grpo.rollout", "train.grpo.rollout_actors", "train.grpo.rollout_actor_cpus",
-                "train.grpo.rollout_actor_gpus", "train.grpo.rollout_overlap"}
+                "train.grpo.rollout_actor_gpus", "train.grpo.rollout_overlap", "data.format", "data.train_path"}
 
 
 def _flat(d: dict, prefix: str = "") -> dict:

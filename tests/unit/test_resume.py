@@ -71,3 +71,45 @@ def test_resume_never_under_an_explicit_existing_name_is_refused(tmp_path):
 def test_an_explicit_name_keeps_working(tmp_path):
     cfg = _cfg("name=my-run")
     assert decide_run(cfg, str(tmp_path)) == ("my-run", "starting run my-run")
+
+
+def test_the_same_command_after_a_finished_run_is_a_no_op_that_says_where_its_results_are(tmp_path, capsys):
+    """Issue 38: running a finished command again exits 0 and names the run directory, its export and its MLflow
+    run, before Ray starts; --fresh starts anew; resume=must still refuses."""
+    from minimind_ray.cli import _load, build_parser, main
+
+    argv = ["pretrain", "--config", "pipelines/configs/tiny.yaml", "train.max_steps=12",
+            f"checkpoint.storage_path={tmp_path}"]
+    cfg = _cfg(f"checkpoint.storage_path={tmp_path}")
+    run_dir = tmp_path / run_identity(cfg)
+    d = run_dir / "checkpoint_2026-11-30_00-00-12.000000"
+    ck.write_rank_files(d, 0, RNGState().state_dict())
+    ck.write_shared_files(d, model_state={}, train_state={}, meta=ck.CheckpointMeta(
+        step=12, epoch=0, data_state={}, world_size=1, stage="pretrain", total_steps=12, config=to_dict(cfg),
+        prepared_dir="/nowhere", mlflow_run_id="0123abcd"))
+    (run_dir / "export").mkdir()
+    assert main(argv) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[-1].startswith(f"[minimind-ray] {run_dir.name} already finished at step 12: {run_dir}, "
+                              f"{run_dir / 'export'}, MLflow 0123abcd; raise train.max_steps above 12"), out
+    assert _load(build_parser().parse_args([*argv, "--fresh"]), "pretrain").resume == "never"
+    with pytest.raises(ConfigError, match="resume: must, but run .* finished at step 12") as e:
+        decide_run(dataclasses.replace(cfg, resume="must"), str(tmp_path))
+    assert not isinstance(e.value, RunFinished)
+
+
+def test_a_stage_latest_link_chains_stages_without_copying_run_names(tmp_path):
+    """Issue 38: runs/<stage>-latest names the newest finished run of a stage; train.init_from takes it."""
+    first, second = _cfg("name=pre-a"), _cfg("name=pre-b")
+    _checkpoint(tmp_path, first, 12, 12)
+    _checkpoint(tmp_path, second, 12, 12)
+    link = ck.mark_latest(str(tmp_path / "pre-a"), "pretrain")
+    assert link == str(tmp_path / "pretrain-latest") and ck.newest_complete(link).location.startswith(link)
+    assert ck.mark_latest(str(tmp_path / "pre-b"), "pretrain") == link  # re-pointed to the newer run
+    assert (tmp_path / "pretrain-latest").resolve() == (tmp_path / "pre-b").resolve()
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary link left
+    chained = load_config(None, ["data.train_path=[demo]", "train.stage=sft", f"train.init_from={link}"])
+    assert chained.train.init_from == link and chained.data.format == "sft"
+    (tmp_path / "sft-latest").mkdir()  # a run of that name is never replaced
+    assert ck.mark_latest(str(tmp_path / "pre-b"), "sft") is None and (tmp_path / "sft-latest").is_dir()
+    assert ck.mark_latest("s3://bucket/runs/pre-b", "pretrain") is None
