@@ -76,7 +76,8 @@ OWN_RAY = ("integration/test_node_faults.py", "integration/test_local_cluster.py
 HEAVIEST_FIRST = tuple(f"integration/test_{n}.py" for n in (
     "training", "grpo", "tracking_training", "pipeline", "serve", "recipes", "resume", "evals", "stages", "oom")) + (
     "unit/test_precision.py", "integration/test_use_model.py", "integration/test_tracking.py",
-    "integration/test_data_pipeline.py")
+    "integration/test_data_pipeline.py",
+    "integration/test_fsdp_ray.py", "unit/test_fsdp.py")  # issue 36's (~75 s and ~45 s at load 11): before the small files
 
 
 def _by_file(config) -> bool:
