@@ -34,7 +34,7 @@ class LoopConfig:
     precision: str = _f("auto", "'auto' (bf16 autocast on CUDA, fp32 on CPU), 'bf16' or 'fp32'")
     compile: bool = _f(False, "torch.compile the model")
     parallelism: str = _f("ddp", "how workers share the model: 'ddp' (a whole copy each) or 'fsdp' (FSDP2: weights, "
-                                 "gradients and AdamW state sharded over the workers; one worker: unsharded)")
+                                 "gradients and AdamW state sharded over the workers)")
     activation_checkpointing: str = _f("none", "'none' or 'blocks': keep each transformer block's input only and "
                                                "recompute the block in backward (less memory, about 1/3 more compute)")
     reshard_after_forward: bool = _f(True, "fsdp: free a block's gathered weights after its forward, gather them "

@@ -20,6 +20,8 @@ Under train.parallelism=fsdp over W workers (engine/parallel.py) the weights, gr
                     with reshard_after_forward=false every block's, from its forward until its backward
     gradients       + one block's (or the root's, the larger) whole gradients in the compute dtype and their fp32
                     copy for the reduce-scatter
+    heap slack      on CPU only: what glibc's heap keeps of the whole model each rank builds and frees as it
+                    shards it, and of the chunks FSDP gathers and frees (CPU_HEAP_SLACK, measured)
 
 It is arithmetic on the config (no model is built), so the driver can check a run before any worker
 starts (:func:`minimind_ray.raytrain.oom.warn_if_short`) and suggest a micro-batch after an
@@ -39,11 +41,12 @@ GiB = float(2 ** 30)
 # What a worker process holds before its first tensor (measured: a CPU Ray Train worker with torch and
 # the engine imported, RSS ~0.45 GiB; CUDA context + cuBLAS workspace ~0.5-1 GiB outside torch's allocator).
 RUNTIME_BYTES = {"cpu": 0.5 * GiB, "cuda": 1.0 * GiB}
-# FSDP on CPU: every micro-batch gathers and frees each block's weights (forward and backward) and its gradients, chunks
-# of a few sizes; glibc keeps the freed chunks in its heap, which grows to about the whole model's weights and
-# gradients although two blocks' are live at a time (measured: tests/unit/test_memory_estimate.py). CUDA's caching
-# allocator hands the same blocks back for the same sizes: no such term there.
-CPU_HEAP_SLACK = 1.0
+# FSDP on CPU, measured rather than counted: each rank builds the whole fp32 model (the same seeded init as DDP's) and
+# frees it as it shards it, and every micro-batch gathers and frees each block's weights and gradients; glibc keeps
+# freed chunks under its mmap threshold (at most 32 MiB each) in its heap, so the peak RSS sits above what is live: by
+# about 0.2 GiB on the 26M model (tests/unit/test_memory_estimate.py) and about half the whole fp32 weights on the
+# 0.5B preset (bench/bench_fsdp.py). CUDA's caching allocator reuses its blocks for the same sizes: no such term.
+CPU_HEAP_SLACK = {"floor": 0.2 * GiB, "per_parameter": 2.0}
 
 
 @dataclass
@@ -138,7 +141,7 @@ def estimate(cfg, micro_batch_size: Optional[int] = None, device_type: str = "cp
     per_logit = 12 + (2 if precision == "bf16" else 0) + terms.extra_logit_bytes
     models_forward = 1 + terms.trained_models  # a critic runs its own forward and backward over the same tokens
     world = world or cfg.cluster.num_workers
-    sharded = t.parallelism == "fsdp" and world > 1
+    sharded = t.parallelism == "fsdp"  # one worker too: a Ray Train run has a process group of one to shard over
     shard = world if sharded else 1  # under FSDP each worker keeps 1/world of the policy's state
     if sharded and precision == "bf16":  # FSDP computes in bf16 weights: the residual stream is bf16 too
         precision = "bf16-weights"
@@ -156,7 +159,7 @@ def estimate(cfg, micro_batch_size: Optional[int] = None, device_type: str = "cp
         "logits": float(tokens * c.vocab_size * per_logit),
         "runtime": RUNTIME_BYTES["cuda" if device_type == "cuda" else "cpu"],
     }
-    strategy = f"fsdp over {world} workers" if sharded else "ddp"
+    strategy = f"fsdp over {world} worker{'s' if world > 1 else ''}" if sharded else "ddp"
     if sharded:
         counts = _parameter_counts(c)
         wbytes = 2 if precision == "bf16-weights" else 4
@@ -164,7 +167,7 @@ def estimate(cfg, micro_batch_size: Optional[int] = None, device_type: str = "cp
         parts["gathered"] = float(wbytes * (counts["root"] + held * counts["block"]))
         parts["gradients"] += (wbytes + 4) * max(counts["root"], counts["block"])
         if device_type != "cuda":  # see CPU_HEAP_SLACK
-            parts["heap slack"] = CPU_HEAP_SLACK * 4.0 * 2 * n_all
+            parts["heap slack"] = max(CPU_HEAP_SLACK["floor"], CPU_HEAP_SLACK["per_parameter"] * n_all)
     if t.activation_checkpointing == "blocks":
         strategy += ", activation checkpointing"
     return MemoryEstimate(mb, sequences, seq_len, precision, parts, strategy)

@@ -8,7 +8,9 @@ model for training. The state (engine/state.py) calls it; a stage never chooses 
            (DTensors sharded on dim 0); a block's weights are all-gathered just before it runs and freed after it
            (``train.reshard_after_forward``), its gradients reduce-scattered as backward leaves it, on every
            micro-batch (skipping that would hold whole gradients, the memory FSDP is there to save)
-    one worker: the plain model, under either
+    one worker: under ddp the plain model; under fsdp a process group of one (a Ray Train run of one worker) is
+           sharded over its one rank (no memory saved, the same code path: bf16 weights on a GPU, a sharded
+           checkpoint), and one process with no process group (the engine alone: tests, benchmarks) is the plain model
 
 FSDP2 keeps the tie: the embedding and lm_head are one Parameter, in the root's group, sharded once.
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
+import torch.distributed as dist
 
 from minimind_ray.cluster_config import worker_threads
 from minimind_ray.engine.metrics import CommTimer
@@ -127,11 +128,12 @@ class TrainState:
         if t.init_from:  # also on restore: DPO's reference is a copy of the *initial* weights
             load_model_weights(model, t.init_from, strict=True)
         objective.setup(model, device)  # freezes / builds frozen models from the initial weights
-        model.to(device)
+        sharded = t.parallelism == "fsdp" and dist.is_available() and dist.is_initialized()  # one rank too (Ray Train)
+        if not sharded:  # FSDP moves each block to the device as it shards it: the GPU never holds the whole model
+            model.to(device)
         if t.activation_checkpointing == "blocks":
             checkpoint_blocks(model)
         ddp_model, comm, autocast = model, None, autocast_for(t.precision, device)
-        sharded = world > 1 and t.parallelism == "fsdp"
         if sharded:  # in place; bf16 comes from the sharding's mixed-precision policy, not autocast
             shard_model(model, device, world, bf16_compute(t.precision, device), t.reshard_after_forward, t.compile)
             autocast = contextlib.nullcontext

@@ -212,7 +212,8 @@ def test_fsdp_shards_the_state_over_the_workers_and_checkpointing_keeps_block_in
     for part in ("parameters", "AdamW"):
         assert fsdp4.parts[part] == ddp.parts[part] / 4 and fsdp8.parts[part] == ddp.parts[part] / 8
     assert fsdp4.parts["activations"] == ddp.parts["activations"] and fsdp4.total > fsdp8.total
-    assert estimate(_cfg("train.parallelism=fsdp", "cluster.num_workers=1"), 8).strategy == "ddp"  # one worker: whole
+    one = estimate(_cfg("train.parallelism=fsdp", "cluster.num_workers=1"), 8)  # sharded over one rank: all of it
+    assert one.strategy == "fsdp over 1 worker" and one.parts["AdamW"] == ddp.parts["AdamW"]
     keep = estimate(_cfg("train.parallelism=fsdp", "cluster.num_workers=4", "train.reshard_after_forward=false"), 8)
     assert keep.parts["gathered"] > 2 * fsdp4.parts["gathered"]  # every block held from its forward to its backward
     ac = estimate(_cfg("train.parallelism=fsdp", "cluster.num_workers=4", "train.activation_checkpointing=blocks"), 8)
