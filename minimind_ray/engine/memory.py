@@ -200,6 +200,22 @@ def _stage_batch_fields(cfg):
     return get_stage(cfg.train.stage).memory(cfg, c, lambda m: _parameter_counts(resolve_config(m))["all"]).batch_fields
 
 
+def _outgrow(cfg, world: int, device_type: str) -> str:
+    """', or set train.activation_checkpointing=blocks (about 9.8 GiB) ...': the settings that save memory whatever
+    the micro-batch, where the run does not use them yet and its stage allows them, with the estimate under each."""
+    t, options = cfg.train, []
+    if t.activation_checkpointing == "none":
+        options.append({"activation_checkpointing": "blocks"})
+    if t.parallelism == "ddp" and world > 1 and get_stage(t.stage).fsdp_refusal is None:
+        options.append({"parallelism": "fsdp", **options[0]} if options else {"parallelism": "fsdp"})
+    said = []
+    for option in options:
+        e = estimate(dataclasses.replace(cfg, train=dataclasses.replace(t, micro_batch_size=1, **option)), 1,
+                     device_type, world)
+        said.append(" ".join(f"train.{k}={v}" for k, v in option.items()) + f" (about {e.total / GiB:.1f} GiB)")
+    return "".join(f", or set {s}" for s in said)
+
+
 def advice(cfg, world: int, budget_bytes: float, device_type: str) -> str:
     """'lower train.micro_batch_size to 16 (the global batch of 512 stays, by accumulation 32)', or why not."""
     m = suggest_micro_batch(cfg, world, budget_bytes, device_type)
@@ -209,7 +225,8 @@ def advice(cfg, world: int, budget_bytes: float, device_type: str) -> str:
                        device_type, world)
         lengths = [f for f in _stage_batch_fields(cfg) if f.endswith("_len")]
         return (f"even train.micro_batch_size=1 needs about {one.total / GiB:.1f} GiB by the estimate: lower "
-                f"data.max_seq_len" + "".join(f" or {f}" for f in lengths) + ", or use machines with more memory")
+                f"data.max_seq_len" + "".join(f" or {f}" for f in lengths) + _outgrow(cfg, world, device_type)
+                + ", or use machines with more memory")
     extra = _stage_batch_fields(cfg)
     return (f"set train.micro_batch_size={m} (the global batch of {g} stays, by accumulation {g // (world * m)})"
             + (f" or lower {' / '.join(extra)}" if extra else " or lower data.max_seq_len"))

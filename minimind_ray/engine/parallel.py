@@ -70,14 +70,12 @@ def is_sharded(model: nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
-def clip_grad_norm(params: List[nn.Parameter], max_norm: float) -> torch.Tensor:
-    """The global gradient norm, gradients scaled down to ``max_norm`` if above it (inf: none). Sharded gradients
-    (DTensors) give a DTensor norm: its value is all-reduced over the shards and made a plain tensor."""
-    grads = [p.grad for p in params if p.grad is not None]
+def clip_sharded_grad_norm(params: List[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """``clip_grad_norm_`` of sharded gradients: their norm is a DTensor, its value all-reduced over the shards,
+    made a plain tensor for the metrics; gradients scaled down to ``max_norm`` if above it (inf: none)."""
     from torch.distributed.tensor import DTensor
 
-    if not any(isinstance(g, DTensor) for g in grads):
-        return torch.nn.utils.clip_grad_norm_(params, max_norm)  # DDP and one worker: as before, bit for bit
+    grads = [p.grad for p in params if p.grad is not None]
     total = torch.nn.utils.get_total_norm(grads)
     total = total.full_tensor() if isinstance(total, DTensor) else total
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)

@@ -23,7 +23,7 @@ from typing import Callable, Dict, List, Tuple
 import torch
 import torch.distributed as dist
 
-from minimind_ray.engine.parallel import clip_grad_norm
+from minimind_ray.engine.parallel import clip_sharded_grad_norm
 
 
 def lr_lambda(train_cfg, total_steps: int) -> Callable[[int], float]:
@@ -153,7 +153,8 @@ def train_step(state, batches: List[Dict[str, torch.Tensor]], step: int) -> Step
                     opt.zero_grad(set_to_none=True)
                 stopped = True
                 break
-            grad_norm = clip_grad_norm(state.params, clip if clip > 0 else float("inf"))  # sharded or not
+            clip_norm = clip_sharded_grad_norm if getattr(state, "sharded", False) else torch.nn.utils.clip_grad_norm_
+            grad_norm = clip_norm(state.params, clip if clip > 0 else float("inf"))
             state.optimizer.step()
             state.optimizer.zero_grad(set_to_none=True)
             for part in parts:  # clipped on its own, as MiniMind clips actor and critic

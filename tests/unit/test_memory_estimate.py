@@ -223,3 +223,7 @@ def test_fsdp_shards_the_state_over_the_workers_and_checkpointing_keeps_block_in
     gpu = estimate(_cfg("train.parallelism=fsdp", "cluster.num_workers=4"), 8, "cuda")
     assert gpu.precision == "bf16-weights" and "heap slack" not in gpu.parts
     assert gpu.parts["gathered"] == fsdp4.parts["gathered"] / 2
+    # a 1B model that no micro-batch fits under DDP on a 10 GiB budget: the advice names what shards and checkpoints
+    said = advice(_cfg("cluster.num_workers=2", "model.preset=minimind2-1b"), 2, 10 * GiB, "cuda")
+    assert said.startswith("even train.micro_batch_size=1 needs about") and (
+        ", or set train.parallelism=fsdp train.activation_checkpointing=blocks (about ") in said
