@@ -134,6 +134,7 @@ def one_process(work):
 def assert_losses_close(got, want, atol, steps=range(1, STEPS + 1)):
     assert [s for s in steps if s in got] == list(steps), sorted(got)
     worst = max(abs(got[s] - want[s]) for s in steps)
+    print(f"largest loss difference over steps {steps.start}-{steps.stop - 1}: {worst:.2g}")  # pytest -s shows it
     assert worst <= atol, f"largest difference {worst:.3g} > {atol}: {got} vs {want}"
 
 
