@@ -243,7 +243,7 @@ class TrainState:
             stored.load_sharded({k: weights[k] for k in ("model", "optimizer")})
         else:
             weights = {"model": stored.model_state(), "optimizer": train_state["optimizer"]}
-        self.load_state_dict({**weights, "scheduler": train_state["scheduler"], "data": meta.data_state, "step": meta.step,
-                              "rng": stored.rng(self.rank), "objective": train_state.get("objective"),
+        self.load_state_dict({**weights, "scheduler": train_state["scheduler"], "data": meta.data_state,
+                              "step": meta.step, "rng": stored.rng(self.rank), "objective": train_state.get("objective"),
                               "parts": parts})
         return meta
