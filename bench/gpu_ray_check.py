@@ -12,6 +12,12 @@ Parts, in this order (``--parts``; each is skipped, and says so, once ``--budget
            restored step, the seconds from the fault to the first step after, final weights equal or not
   oom      a micro-batch the GPU cannot hold (by the estimate, about 1.3x its memory): exit code 2, one line,
            the worker group started once
+  fsdp     FSDP2 on CUDA (issue 36), sharded over the one rank one GPU allows (NCCL takes one rank per GPU; the
+           memory FSDP saves needs 2+ GPUs): ``minimind-ray pretrain ... train.parallelism=fsdp`` with a fault,
+           restored from its sharded (DCP) checkpoint, and with activation checkpointing (and compile), against the DDP
+           pipeline (bf16 autocast) of the same steps: tokens/s, the final loss (bf16 weights under FSDP's
+           MixedPrecisionPolicy vs autocast); the bare engine on a process group of one: peak memory against the
+           estimate, and the 0.5B preset's tokens/s and peak with activation checkpointing
   profile  torch.profiler over a few bare-engine steps (bf16, compiled): kernel table and trace under --out
   mfu      the MFU candidates, before/after in this call on the bare engine (bench-only switches, the
            product code is untouched): SDPA ``enable_gqa`` instead of ``repeat_kv`` copies, fused AdamW, a
@@ -52,11 +58,12 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from gpu_ray_variants import VARIANTS, apply_variant, kernel_summary  # noqa: E402
 from minimind_ray.config import load_config  # noqa: E402
-from minimind_ray.engine import Hooks, TrainState, run  # noqa: E402
+from minimind_ray.engine.loop import Hooks, run  # noqa: E402  (engine/__init__.py imports nothing since issue 33)
+from minimind_ray.engine.state import TrainState  # noqa: E402
 from minimind_ray.engine.memory import GiB, estimate  # noqa: E402
 from minimind_ray.engine.metrics import peak_flops  # noqa: E402
 
-PARTS = ("env", "speed", "restore", "oom", "profile", "mfu")
+PARTS = ("env", "speed", "restore", "oom", "fsdp", "profile", "mfu")
 
 
 class Setup:
@@ -334,6 +341,78 @@ def part_oom(s: Setup):
                         "seconds": time.time() - t0, "ok": ok}
     s.row("out of memory", f"micro-batch {micro} x {s.seq}: exit 2 in {time.time() - t0:.0f} s, "
           f"{len(lines)} error line, worker group started {starts}x", (lines or ["(no line)"])[0][:400], "", "")
+
+
+def fsdp_engine_run(s: Setup, preset: str, micro: int, steps: int, checkpointing: str) -> dict:
+    """The bare engine under train.parallelism=fsdp in this process, on a process group of one (what a one-worker
+    Ray Train run has): tokens/s over the log-synchronised window, peak memory against the estimate."""
+    import torch.distributed as dist
+
+    over = s.overrides(micro=micro, max_steps=steps, parallelism="fsdp", activation_checkpointing=checkpointing)
+    cfg = load_config(None, over + [f"model.preset={preset}"])
+    dist.init_process_group("gloo" if s.cpu else "nccl", init_method=f"file://{s.work}/pg-{preset}-{checkpointing}",
+                            rank=0, world_size=1)
+    try:
+        if s.device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        state = TrainState.build(cfg, s.prepared, device=s.device)
+        hooks = Stamps()
+        run(state, hooks)
+        if s.device.type == "cuda":
+            torch.cuda.synchronize()
+        assert state.sharded
+        del state
+    finally:
+        dist.destroy_process_group()
+    a, b = window(hooks.t, s.log_every, steps)
+    tok_s = (b - a) * micro * s.seq / (hooks.t[b] - hooks.t[a]) if a else float("nan")
+    est = estimate(cfg, micro, s.device.type, 1)
+    peak = torch.cuda.max_memory_allocated() / GiB if s.device.type == "cuda" else hooks.peak
+    return {"tok_s": tok_s, "mfu": mfu_of(tok_s, cfg, s.device), "peak_gib": peak, "micro": micro,
+            "estimate_gib": (est.total - (est.parts["runtime"] if s.device.type == "cuda" else 0)) / GiB,
+            "last_loss": hooks.loss.get(steps)}
+
+
+def part_fsdp(s: Setup):
+    from minimind_ray.store.checkpoint import newest_complete
+
+    steps, every, fault = 40, 10, 25
+
+    def final(p):
+        ck = newest_complete(str(p["run_dir"]))
+        return ck, ck.meta().reported.get("loss")
+
+    def tok_s(p, attempt=None):
+        t = rank0_times(p["rows"], attempt)
+        a, b = (min(k for k in t if k > 2 * s.log_every), max(t)) if len(t) > 2 * s.log_every + 2 else (None, None)
+        return (b - a) * s.micro * s.seq / (t[b] - t[a]) if a and b > a else float("nan")
+
+    over = [f"checkpoint.interval={every}"]
+    ddp = pipeline(s, "fsdp-ddp-reference", *s.overrides(max_steps=steps), *over)
+    faulted = pipeline(s, "fsdp-fault", *s.overrides(max_steps=steps, parallelism="fsdp"), *over,
+                       f"train.faults=[{fault}:raise:0]")
+    # on the GPU also compiled: each block compiled in place before it is sharded (no CPU test runs that)
+    ac = pipeline(s, "fsdp-ac", *s.overrides(max_steps=steps, parallelism="fsdp", activation_checkpointing="blocks",
+                                             compile=not s.cpu), *over)
+    (ck_ddp, loss_ddp), (ck_fsdp, loss_fsdp), (_, loss_ac) = final(ddp), final(faulted), final(ac)
+    attempts = sorted({r["attempt"] for r in faulted["rows"]})
+    res = {"ddp_tok_s": tok_s(ddp), "fsdp_tok_s": tok_s(faulted, 0), "fsdp_ac_tok_s": tok_s(ac),
+           "loss_ddp": loss_ddp, "loss_fsdp": loss_fsdp, "loss_fsdp_ac": loss_ac, "sharded": ck_fsdp.sharded,
+           "restored_from": max(attempts), "attempts": attempts}
+    s.row(f"fsdp on {s.device.type} (1 rank)", f"pipeline tok/s: ddp {res['ddp_tok_s']:,.0f}, fsdp "
+          f"{res['fsdp_tok_s']:,.0f}, fsdp+checkpointing{'' if s.cpu else '+compile'} {res['fsdp_ac_tok_s']:,.0f}",
+          f"final loss ddp {loss_ddp:.4f} / fsdp {loss_fsdp:.4f} (fault at {fault}, restored from step "
+          f"{res['restored_from']}, sharded {ck_fsdp.sharded}) / fsdp+ac {loss_ac:.4f}", "", "")
+    small = fsdp_engine_run(s, "tiny" if s.cpu else "minimind2-small", s.micro, 30, "none")
+    big_preset = "demo" if s.cpu else "minimind2-0.5b"
+    big = fsdp_engine_run(s, big_preset, max(1, s.micro // 4), 30, "blocks") if s.left() > 90 else None
+    res["engine"] = {"small": small, "big": big}
+    s.results["fsdp"] = res
+    s.row("fsdp engine (1 rank)", f"{small['tok_s']:,.0f} tok/s ({small['mfu']:.1%} MFU)",
+          f"micro {small['micro']} x {s.seq}", f"peak {small['peak_gib']:.2f} GiB (estimate {small['estimate_gib']:.2f})",
+          "" if big is None else f"{big_preset} + checkpointing: {big['tok_s']:,.0f} tok/s ({big['mfu']:.1%} MFU), "
+          f"micro {big['micro']}, peak {big['peak_gib']:.2f} GiB (estimate {big['estimate_gib']:.2f})")
 
 
 def part_profile(s: Setup):

@@ -163,6 +163,21 @@ class Tokenizer:
         """The vocabulary's own spelling of one token (byte-level BPE: 'Ġ' for a space), None past the vocabulary."""
         return self._hf.id_to_token(int(token_id))
 
+    def token_bytes(self) -> List[int]:
+        """The UTF-8 bytes each id spells, by id: what bits per byte divides by (engine/evaluate.py). A byte-level BPE
+        token's characters stand for one byte each (GPT-2's byte-to-unicode alphabet: MiniMind's tokenizers); a
+        special token spells none (markup, not text); any other added token its own text (``<think>``)."""
+        byte_level = set(pre_tokenizers.ByteLevel.alphabet())
+        added = self._hf.get_added_tokens_decoder()
+        out = []
+        for i in range(self.vocab_size):
+            if i in added:
+                out.append(0 if added[i].special else len(added[i].content.encode("utf-8")))
+                continue
+            token = self._hf.id_to_token(i) or ""
+            out.append(len(token) if set(token) <= byte_level else len(self.decode([i]).encode("utf-8")))
+        return out
+
     def apply_chat_template(self, messages: List[dict], add_generation_prompt: bool = False, **kw) -> str:
         """Render a conversation to text. ``kw`` reaches the template as variables: ``tools``,
         ``enable_thinking`` (MiniMind2), ``open_thinking`` (minimind-3), ...; the special

@@ -305,6 +305,7 @@ def prepare(sources: List[str], out_dir: str, tokenizer, data_cfg, digests: Opti
         "tokenizer_hash": tokenizer.hash(),
         "tokenizer_path": tokenizer.path,
         "vocab_size": tokenizer.vocab_size,
+        "token_bytes": tokenizer.token_bytes(),  # bits per byte (engine/evaluate.py): the bytes each id spells
         "id_dtype": np.dtype(formats.id_dtype(tokenizer.vocab_size)).name,
         "block_rows": data_cfg.block_rows,
         "chunk_bytes": data_cfg.chunk_bytes,
@@ -364,6 +365,8 @@ def ensure_prepared(data_cfg, tokenizer) -> str:
             manifest = read_manifest(out)
             check_manifest(manifest, out, data_cfg, tokenizer)
             verify_shards(out, manifest)
+            if "token_bytes" not in manifest:  # our own cache, made before they were recorded: add them (bits per byte)
+                write_manifest(out, {**manifest, "token_bytes": tokenizer.token_bytes()})
             return out
         except DataError as e:  # our own cache: make it again rather than train on it
             log.warning("prepared cache is unusable, preparing it again: %s", e)

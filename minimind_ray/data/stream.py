@@ -87,6 +87,12 @@ class PreparedDataset:
         self._positions = {"train": np.flatnonzero(~held_out), "eval": np.flatnonzero(held_out)}
 
     @property
+    def token_bytes(self) -> Optional[List[int]]:
+        """The UTF-8 bytes each token id spells (bits per byte, engine/evaluate.py), as prepare recorded them from
+        the tokenizer; None for data prepared before they were recorded."""
+        return self.manifest.get("token_bytes")
+
+    @property
     def num_blocks(self) -> int:
         return len(self.block_shard)
 

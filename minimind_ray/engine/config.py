@@ -33,6 +33,12 @@ class LoopConfig:
     seed: int = _f(1337, "seed of weights init, data order and dropout")
     precision: str = _f("auto", "'auto' (bf16 autocast on CUDA, fp32 on CPU), 'bf16' or 'fp32'")
     compile: bool = _f(False, "torch.compile the model")
+    parallelism: str = _f("ddp", "how workers share the model: 'ddp' (a whole copy each) or 'fsdp' (FSDP2: weights, "
+                                 "gradients and AdamW state sharded over the workers)")
+    activation_checkpointing: str = _f("none", "'none' or 'blocks': keep each transformer block's input only and "
+                                               "recompute the block in backward (less memory, about 1/3 more compute)")
+    reshard_after_forward: bool = _f(True, "fsdp: free a block's gathered weights after its forward, gather them "
+                                           "again for backward (False: hold them until then, fewer all-gathers)")
     log_interval: int = _f(10, "optimizer steps between metric reports", ge=1)
     eval_interval: int = _f(0, "optimizer steps between evaluations (0 = only at the end, if there is an eval split)", ge=0)
     eval_batches: int = _f(8, "micro-batches per rank per evaluation (0 = the whole eval split)", ge=0)
@@ -66,6 +72,14 @@ def validate_train(cfg) -> None:
     need(t.lr_schedule in ("cosine", "minimind"), "train.lr_schedule", "must be 'cosine' or 'minimind'")
     need(t.precision in ("auto", "bf16", "fp32"), "train.precision", "must be auto, bf16 or fp32")
     need(t.fail_mode in ("raise", "exit", "sigkill"), "train.fail_mode", "must be raise, exit or sigkill")
+    need(t.parallelism in ("ddp", "fsdp"), "train.parallelism", f"must be ddp or fsdp, not {t.parallelism!r}")
+    need(t.activation_checkpointing in ("none", "blocks"), "train.activation_checkpointing",
+         f"must be none or blocks, not {t.activation_checkpointing!r}")
+    need(t.reshard_after_forward or t.parallelism == "fsdp", "train.reshard_after_forward",
+         "applies to train.parallelism=fsdp only: leave it as it is")
+    refusal = STAGES[t.stage].fsdp_refusal
+    need(t.parallelism == "ddp" or refusal is None, "train.parallelism",
+         f"stage {t.stage!r} does not train under fsdp: {refusal}; use train.parallelism=ddp")
     validate_faults(cfg)
     validate_rollout(t.rollout)
     need(t.rollout == RolloutConfig() or STAGES[t.stage].rl, "train.rollout",

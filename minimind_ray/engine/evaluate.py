@@ -1,15 +1,25 @@
-"""Held-out loss and perplexity: the training objective summed over target units, in eval mode.
+"""Held-out loss, perplexity and bits per byte: the training objective summed over target units, in eval mode.
 
 The held-out split is the data pipeline's (sequences whose sample-id hash falls under
 ``data.eval_fraction``), so a run's eval split is never trained on. During training each rank
 evaluates its share and the sums are all-reduced; the ``eval`` verb runs the same sums on one
 process (the ``loss`` task, minimind_ray/evals/loss.py).
+
+Bits per byte (``eval_bpb``, nanochat's measure): the cross-entropy summed over the target tokens, in nats, over the
+UTF-8 bytes those tokens spell, divided by ln 2. A loss per token depends on how much text a token holds, so it
+compares models of one tokenizer only; bits per byte is per unit of text, so it compares models whose tokenizers
+differ (MiniMind2's and minimind-3's 6,400-token vocabularies) on the same text. The bytes of each id come from the
+prepared data (its manifest's ``token_bytes``, written by the tokenizer at prepare time) or from the tokenizer
+itself (tokenizer.py:Tokenizer.token_bytes); special tokens spell no bytes, and their loss counts (a document's end
+is information about the text). Defined for the cross-entropy objective (pretrain, SFT, LoRA data): other objectives'
+losses are not nats per token.
 """
 from __future__ import annotations
 
 import contextlib
 import math
-from typing import Dict, Iterable, Tuple
+from dataclasses import dataclass
+from typing import Dict, Iterable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -18,26 +28,56 @@ from minimind_ray.stages.objective import Objective
 from minimind_ray.engine.step import to_device
 
 
+@dataclass
+class EvalSums:
+    loss_sum: float = 0.0  # the objective's loss summed over its units (nats, for the cross-entropy)
+    weight: float = 0.0  # loss units (target tokens, pairs)
+    text_bytes: float = 0.0  # UTF-8 bytes the targets spell; 0 when unknown (no bits per byte then)
+    batches: int = 0  # micro-batches evaluated
+
+
+def counts_bytes(objective: Objective) -> bool:
+    """Whether bits per byte means something for this objective: its loss is the cross-entropy of the base class,
+    nats summed over target tokens (a subclass that overrides ``loss_sum`` computes something else)."""
+    return type(objective).loss_sum is Objective.loss_sum
+
+
 @torch.no_grad()
 def eval_sums(model, objective: Objective, batches: Iterable[Dict[str, torch.Tensor]], limit: int = 0,
-              device="cpu", autocast=None) -> Tuple[float, float]:
-    """(loss summed over loss units, number of units) on up to ``limit`` micro-batches (0 = all)."""
+              device="cpu", autocast=None, token_bytes: Optional[Sequence[int]] = None) -> EvalSums:
+    """The sums on up to ``limit`` micro-batches (0 = all). ``token_bytes``: the UTF-8 bytes of each token id
+    (bits per byte), or None."""
     model.eval()
-    loss_sum = weight = 0.0
+    sums = EvalSums()
+    table = None
+    if token_bytes is not None and counts_bytes(objective):
+        table = torch.as_tensor(token_bytes, dtype=torch.int64, device=torch.device(device))
     for i, mb in enumerate(batches):
         if limit and i >= limit:
             break
         mb = to_device(mb, torch.device(device))
         with (autocast or contextlib.nullcontext)():
             l, _, _ = objective.loss_sum(model, mb)
-        loss_sum += float(l)
-        weight += objective.weight(mb)
-    return loss_sum, weight
+        sums.loss_sum += float(l)
+        sums.weight += objective.weight(mb)
+        sums.batches += 1
+        if table is not None:
+            targets = mb["targets"]
+            sums.text_bytes += float(table[targets[targets.ne(-100)]].sum())
+    return sums
 
 
-def eval_metrics(loss_sum: float, weight: float) -> Dict[str, float]:
-    loss = loss_sum / max(weight, 1.0)
-    return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
+def bits_per_byte(loss_sum_nats: float, text_bytes: float) -> float:
+    """Summed cross-entropy in nats over the bytes of the text it predicted, in bits."""
+    return loss_sum_nats / (math.log(2) * text_bytes)
+
+
+def eval_metrics(sums: EvalSums) -> Dict[str, float]:
+    loss = sums.loss_sum / max(sums.weight, 1.0)
+    out = {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
+    if sums.text_bytes > 0:
+        out["eval_bpb"] = bits_per_byte(sums.loss_sum, sums.text_bytes)
+    return out
 
 
 def evaluate_state(state) -> Dict[str, float]:
@@ -46,15 +86,31 @@ def evaluate_state(state) -> Dict[str, float]:
     from minimind_ray.data.stream import TrainStream
 
     cfg = state.cfg
-    ev = TrainStream(state.dataset, split="eval", global_batch_size=cfg.train.micro_batch_size * state.world,
-                     micro_batch_size=cfg.train.micro_batch_size, world_size=state.world, rank=state.rank,
+    mb = cfg.train.micro_batch_size
+    ev = TrainStream(state.dataset, split="eval", global_batch_size=mb * state.world,
+                     micro_batch_size=mb, world_size=state.world, rank=state.rank,
                      seed=cfg.train.seed, shuffle=False, prefetch_steps=0)
     try:
-        loss_sum, weight = eval_sums(state.model, state.objective, ev.eval_batches(), limit=cfg.train.eval_batches,
-                                     device=state.device, autocast=state.autocast)
+        sums = eval_sums(state.model, state.objective, ev.eval_batches(), limit=cfg.train.eval_batches,
+                         device=state.device, autocast=state.autocast, token_bytes=state.dataset.token_bytes)
     finally:
         ev.close()
-    t = torch.tensor([loss_sum, weight], dtype=torch.float64, device=state.device)
+    if getattr(state, "sharded", False):
+        _match_forwards(state, sums.batches)
+    t = torch.tensor([sums.loss_sum, sums.weight, sums.text_bytes], dtype=torch.float64, device=state.device)
     if state.world > 1:
         dist.all_reduce(t)
-    return eval_metrics(float(t[0]), float(t[1]))
+    return eval_metrics(EvalSums(float(t[0]), float(t[1]), float(t[2])))
+
+
+def _match_forwards(state, done: int) -> None:
+    """Under FSDP a forward is a collective (each block's weights are all-gathered), so every rank must run as many
+    as the others. Shares of the split differ by one row at most, so a rank may have one micro-batch fewer than
+    rank 0 (which has the most): it runs a one-token forward for each it lacks, its output unused."""
+    n, world, mb, limit = state.dataset.num_sequences("eval"), state.world, state.cfg.train.micro_batch_size, \
+        state.cfg.train.eval_batches
+    most = -(-(n // world + (n % world > 0)) // mb)  # rank 0's share, in micro-batches
+    most = min(most, limit) if limit else most
+    with torch.no_grad():
+        for _ in range(most - done):
+            state.model(torch.zeros((1, 1), dtype=torch.long, device=state.device))

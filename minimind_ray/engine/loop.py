@@ -64,7 +64,10 @@ def run(state: TrainState, hooks: Optional[Hooks] = None) -> None:
     has_eval = state.dataset.num_sequences("eval") > 0
     meter = IntervalMeter()
     if state.rank == 0:
-        print(f"[minimind-ray] world {state.world} on {device_name(state.device)}, "
+        wrapper = "fsdp (sharded)" if state.sharded else "ddp" if state.world > 1 else "one worker"
+        if cfg.train.activation_checkpointing != "none":
+            wrapper += f", activation checkpointing of {cfg.train.activation_checkpointing}"
+        print(f"[minimind-ray] world {state.world} on {device_name(state.device)}, {wrapper}, "
               f"{state.model.num_parameters() / 1e6:.2f}M params, {stream.steps_per_epoch} steps/epoch "
               f"({stream.dropped_per_epoch} sequences/epoch left out: the last, partial global batch of "
               f"{stream.global_batch_size}, at any world size), {state.total_steps} steps, "

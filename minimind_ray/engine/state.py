@@ -1,6 +1,6 @@
 """Everything one rank's training depends on, built once and saved/restored as a whole.
 
-:class:`TrainState` holds the model (plain, DDP-wrapped and maybe compiled), the stage
+:class:`TrainState` holds the model (plain, DDP-wrapped or FSDP-sharded (engine/parallel.py), maybe compiled), the stage
 objective, the optimizer, the lr scheduler, the data stream, the step, the RNG, and the models a
 stage trains beside the policy with their own optimizers (:class:`TrainedPart`: PPO's critic). Each part
 follows the ``state_dict()``/``load_state_dict()`` contract (torchtitan's ``Stateful``), and
@@ -11,18 +11,22 @@ and a larger world needs only ``torch.distributed`` initialised (Ray Train does 
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import random
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
+import torch.distributed as dist
 
 from minimind_ray.cluster_config import worker_threads
 from minimind_ray.engine.metrics import CommTimer
+from minimind_ray.engine.parallel import (checkpoint_blocks, load_sharded_state, load_whole_state, shard_model,
+                                          sharded_state)
 from minimind_ray.stages import build_objective
 from minimind_ray.stages.objective import Objective
-from minimind_ray.engine.step import autocast_for, lr_lambda
+from minimind_ray.engine.step import autocast_for, bf16_compute, lr_lambda
 
 
 class RNGState:
@@ -86,8 +90,8 @@ class TrainState:
     rank: int
     world: int
     device: torch.device
-    model: torch.nn.Module  # the plain model: what checkpoints and exports hold
-    ddp_model: torch.nn.Module  # DDP-wrapped when world > 1, else ``model``
+    model: torch.nn.Module  # the plain model (sharded in place under FSDP): what checkpoints and exports hold
+    ddp_model: torch.nn.Module  # DDP-wrapped when world > 1 under ddp, else ``model``
     forward_model: Callable  # ``ddp_model``, compiled when train.compile
     objective: Objective
     params: List[torch.nn.Parameter]  # the trained ones
@@ -101,6 +105,7 @@ class TrainState:
     step: int = 0  # optimizer steps done
     rng: RNGState = field(default_factory=RNGState)
     parts: Dict[str, TrainedPart] = field(default_factory=dict)  # models trained beside the policy (PPO's critic)
+    sharded: bool = False  # FSDP: weights, gradients and AdamW sharded over the ranks; checkpoints sharded (DCP)
 
     @classmethod
     def build(cls, cfg, prepared_dir: str, rank: int = 0, world: int = 1,
@@ -123,15 +128,22 @@ class TrainState:
         if t.init_from:  # also on restore: DPO's reference is a copy of the *initial* weights
             load_model_weights(model, t.init_from, strict=True)
         objective.setup(model, device)  # freezes / builds frozen models from the initial weights
-        model.to(device)
-        ddp_model, comm = model, None
-        if world > 1:
+        sharded = t.parallelism == "fsdp" and dist.is_available() and dist.is_initialized()  # one rank too (Ray Train)
+        if not sharded:  # FSDP moves each block to the device as it shards it: the GPU never holds the whole model
+            model.to(device)
+        if t.activation_checkpointing == "blocks":
+            checkpoint_blocks(model)
+        ddp_model, comm, autocast = model, None, autocast_for(t.precision, device)
+        if sharded:  # in place; bf16 comes from the sharding's mixed-precision policy, not autocast
+            shard_model(model, device, world, bf16_compute(t.precision, device), t.reshard_after_forward, t.compile)
+            autocast = contextlib.nullcontext
+        elif world > 1:
             ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                             forward_sync_buffers=False, gradient_as_bucket_view=True)  # RoPE tables are equal on all ranks
             comm = CommTimer()
             ddp_model.register_comm_hook(None, comm.hook)
-        forward_model = torch.compile(ddp_model) if t.compile else ddp_model
-        params = [p for p in model.parameters() if p.requires_grad]
+        forward_model = torch.compile(ddp_model) if t.compile and not sharded else ddp_model
+        params = [p for p in model.parameters() if p.requires_grad]  # after sharding: the DTensor shards
         optimizer = torch.optim.AdamW(params, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay)
 
         dataset = PreparedDataset(prepared_dir, eval_fraction=cfg.data.eval_fraction)
@@ -150,14 +162,20 @@ class TrainState:
         return cls(cfg=cfg, rank=rank, world=world, device=device, model=model, ddp_model=ddp_model,
                    forward_model=forward_model, objective=objective, params=params, optimizer=optimizer,
                    scheduler=scheduler, dataset=dataset, stream=stream, total_steps=total_steps,
-                   autocast=autocast_for(t.precision, device), comm=comm, parts=parts)
+                   autocast=autocast, comm=comm, parts=parts, sharded=sharded)
 
     # ---- Stateful
 
+    def _weights(self) -> Dict[str, Any]:
+        """The model and AdamW: as they are under DDP (AdamW keyed by parameter index); under FSDP keyed by name,
+        this rank's slices (``by_name``: what a sharded checkpoint holds, engine/parallel.py:sharded_state)."""
+        if self.sharded:
+            return {**sharded_state(self.model, self.optimizer), "by_name": True}
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+
     def state_dict(self) -> Dict[str, Any]:
-        sd = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-              "scheduler": self.scheduler.state_dict(), "data": self.stream.state_dict(), "step": self.step,
-              "rng": self.rng.state_dict(), "objective": self.objective.state_dict()}
+        sd = {**self._weights(), "scheduler": self.scheduler.state_dict(), "data": self.stream.state_dict(),
+              "step": self.step, "rng": self.rng.state_dict(), "objective": self.objective.state_dict()}
         if self.parts:  # only stages that train a second model have the key: the others' state is as before
             sd["parts"] = {n: {"model": p.model.state_dict(), **p.train_state()} for n, p in self.parts.items()}
         return sd
@@ -165,8 +183,13 @@ class TrainState:
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
         from minimind_ray.store.pth import load_pth
 
-        load_pth(self.model, sd["model"], strict=True)
-        self.optimizer.load_state_dict(sd["optimizer"])
+        if sd.get("by_name"):  # a sharded checkpoint's form (filled with this rank's slices, or whole tensors)
+            load_sharded_state(self.model, self.optimizer, sd)
+        elif self.sharded:  # a DDP checkpoint into FSDP: each rank keeps its slices of the whole tensors
+            load_whole_state(self.model, self.optimizer, self.params, sd["model"], sd["optimizer"])
+        else:
+            load_pth(self.model, sd["model"], strict=True)
+            self.optimizer.load_state_dict(sd["optimizer"])
         self.scheduler.load_state_dict(sd["scheduler"])
         self.stream.load_state_dict(sd["data"])
         self.step = int(sd["step"])
@@ -186,21 +209,26 @@ class TrainState:
     def save(self, ckpt_dir, mlflow_run_id: Optional[str], prepared_dir: str,
              reported: Optional[Dict[str, Any]] = None) -> None:
         """Write this rank's part of a checkpoint into a local staging directory (``reported``: the metrics the
-        caller hands over with it, kept in meta.json)."""
+        caller hands over with it, kept in meta.json). Every rank calls it (under FSDP each writes its shards, a
+        collective)."""
         from minimind_ray.store.checkpoint import CheckpointMeta, write_rank_files, write_shared_files
+        from minimind_ray.store.sharded import write_sharded
 
         write_rank_files(ckpt_dir, self.rank, self.rng.state_dict())
+        sharded_files = write_sharded(ckpt_dir, sharded_state(self.model, self.optimizer)) if self.sharded else None
         if self.rank == 0:
             meta = CheckpointMeta(step=self.step, epoch=(self.step - 1) // self.stream.steps_per_epoch,
                                   data_state=self.stream.state_dict(), world_size=self.world,
                                   mlflow_run_id=mlflow_run_id, stage=self.cfg.train.stage,
                                   total_steps=self.total_steps, config=dataclasses.asdict(self.cfg), prepared_dir=prepared_dir,
                                   reported=dict(reported or {}))
-            train_state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                           "objective": self.objective.state_dict()}
+            train_state = {"scheduler": self.scheduler.state_dict(), "objective": self.objective.state_dict()}
+            if not self.sharded:  # under FSDP AdamW's moments are in the shards
+                train_state = {"optimizer": self.optimizer.state_dict(), **train_state}
             if self.parts:
                 train_state["parts"] = {n: p.train_state() for n, p in self.parts.items()}
-            write_shared_files(ckpt_dir, model_state=self.model.state_dict(), train_state=train_state, meta=meta,
+            write_shared_files(ckpt_dir, model_state=None if self.sharded else self.model.state_dict(),
+                               train_state=train_state, meta=meta, sharded_files=sharded_files,
                                part_states={n: p.model.state_dict() for n, p in self.parts.items()})
 
     def restore(self, stored):
@@ -210,8 +238,12 @@ class TrainState:
         train_state = stored.train_state()
         parts = {n: {"model": stored.part_state(n), **(train_state.get("parts") or {}).get(n, {})}
                  for n in self.parts if stored.has_part(n)}
-        self.load_state_dict({"model": stored.model_state(), "optimizer": train_state["optimizer"],
-                              "scheduler": train_state["scheduler"], "data": meta.data_state, "step": meta.step,
-                              "rng": stored.rng(self.rank), "objective": train_state.get("objective"),
+        if stored.sharded:  # written under FSDP by any number of ranks: DCP reads this rank's slices (or all of it)
+            weights = {**sharded_state(self.model, self.optimizer), "by_name": True}
+            stored.load_sharded({k: weights[k] for k in ("model", "optimizer")})
+        else:
+            weights = {"model": stored.model_state(), "optimizer": train_state["optimizer"]}
+        self.load_state_dict({**weights, "scheduler": train_state["scheduler"], "data": meta.data_state,
+                              "step": meta.step, "rng": stored.rng(self.rank), "objective": train_state.get("objective"),
                               "parts": parts})
         return meta

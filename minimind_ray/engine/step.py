@@ -23,6 +23,8 @@ from typing import Callable, Dict, List, Tuple
 import torch
 import torch.distributed as dist
 
+from minimind_ray.engine.parallel import clip_sharded_grad_norm
+
 
 def lr_lambda(train_cfg, total_steps: int) -> Callable[[int], float]:
     """Multiplier of the peak lr at optimizer step t (0-based); ``train_cfg`` is a TrainConfig."""
@@ -51,13 +53,18 @@ def check_precision(precision: str, device_type: str, bf16_supported: bool, devi
                           f"{device_name or 'this GPU'} has none: use train.precision=fp32 (or auto)")
 
 
-def autocast_for(precision: str, device: torch.device):
-    """A context-manager factory: bf16 autocast on CUDA GPUs that have bf16 (or when asked), fp32 otherwise."""
+def bf16_compute(precision: str, device: torch.device) -> bool:
+    """Whether the run computes in bf16: on CUDA GPUs that have it (or when asked), else fp32. DDP gets it from
+    autocast (:func:`autocast_for`), FSDP from its mixed-precision policy (engine/parallel.py)."""
     bf16_ok = device.type != "cuda" or torch.cuda.is_bf16_supported()
     if device.type == "cuda":
         check_precision(precision, device.type, bf16_ok, torch.cuda.get_device_name(device))
-    use_bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda" and bf16_ok)
-    if use_bf16:
+    return precision == "bf16" or (precision == "auto" and device.type == "cuda" and bf16_ok)
+
+
+def autocast_for(precision: str, device: torch.device):
+    """A context-manager factory: bf16 autocast on CUDA GPUs that have bf16 (or when asked), fp32 otherwise."""
+    if bf16_compute(precision, device):
         return lambda: torch.autocast(device_type=device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext
 
@@ -82,8 +89,9 @@ class StepOutput:
 
 
 def _no_sync(state, parts, sync: bool):
-    """No gradient all-reduce on this micro-batch: DDP's no_sync of the policy and of every trained part."""
-    if sync:
+    """No gradient all-reduce on this micro-batch: DDP's no_sync of the policy and of every trained part. FSDP
+    reduce-scatters every micro-batch (engine/parallel.py: skipping it would hold whole gradients)."""
+    if sync or getattr(state, "sharded", False):
         return contextlib.nullcontext()
     stack = contextlib.ExitStack()
     for m in [state.ddp_model, *(part.ddp_model for part in parts)]:
@@ -145,7 +153,8 @@ def train_step(state, batches: List[Dict[str, torch.Tensor]], step: int) -> Step
                     opt.zero_grad(set_to_none=True)
                 stopped = True
                 break
-            grad_norm = torch.nn.utils.clip_grad_norm_(state.params, clip if clip > 0 else float("inf"))
+            clip_norm = clip_sharded_grad_norm if getattr(state, "sharded", False) else torch.nn.utils.clip_grad_norm_
+            grad_norm = clip_norm(state.params, clip if clip > 0 else float("inf"))
             state.optimizer.step()
             state.optimizer.zero_grad(set_to_none=True)
             for part in parts:  # clipped on its own, as MiniMind clips actor and critic

@@ -1,5 +1,6 @@
-"""``loss``: the training objective's loss and perplexity of any weights on a held-out split (what
-``minimind-ray eval WEIGHTS`` computes without ``--task``, as before).
+"""``loss``: the training objective's loss, perplexity and bits per byte of any weights on a held-out split (what
+``minimind-ray eval WEIGHTS`` computes without ``--task``, as before; bits per byte since issue 36: it compares
+models whose tokenizers differ, engine/evaluate.py).
 
 The held-out split is the data pipeline's (sequences whose sample-id hash falls under ``data.eval_fraction``), so a
 run's eval split is never trained on. The loss is the same objective and the same sums the training loop's
@@ -22,7 +23,8 @@ from minimind_ray.evals.config import EvalTaskConfig
 from minimind_ray.evals.registry import EvalTask
 
 log = logging.getLogger(__name__)
-SUMMARY_KEYS = ("eval_loss", "eval_ppl", "eval_units")  # what the verb prints, as before the registry
+# what the verb prints: as before the registry, and eval_bpb when the bytes of the tokens are known
+SUMMARY_KEYS = ("eval_loss", "eval_ppl", "eval_bpb", "eval_units")
 
 
 def _weights_tokenizer_hash(lw, tokenizer: Optional[str]) -> Tuple[Optional[str], str]:
@@ -48,6 +50,20 @@ def _weights_tokenizer_hash(lw, tokenizer: Optional[str]) -> Tuple[Optional[str]
     except (OSError, ValueError, TokenizerFetchError) as e:
         return None, f"the tokenizer of {lw.source} is not at hand ({e}; pass --tokenizer)"
     return tok.hash(), f"data.tokenizer {data['tokenizer']!r} of {lw.source}"
+
+
+def _token_bytes(ds, target) -> Optional[list]:
+    """The bytes each token id spells (bits per byte): as the prepared data recorded them, else from the weights'
+    tokenizer when it is the one the data was tokenized with; None (no bits per byte) when neither is at hand."""
+    if ds.token_bytes is not None:
+        return ds.token_bytes
+    try:
+        tok = target.tokenizer
+    except Exception as e:  # no tokenizer recorded or reachable: the loss stands without bits per byte
+        log.warning("eval: no bits per byte: %s records no token bytes and the weights' tokenizer is not at hand "
+                    "(%s)", ds.path, str(e).splitlines()[0] if str(e) else type(e).__name__)
+        return None
+    return tok.token_bytes() if tok.hash() == ds.manifest["tokenizer_hash"] else None
 
 
 class Loss(EvalTask):
@@ -97,20 +113,21 @@ class Loss(EvalTask):
         stream = TrainStream(ds, split=split, global_batch_size=mb, micro_batch_size=mb,
                              world_size=1, rank=0, seed=0, shuffle=False, prefetch_steps=0)
         try:
-            loss_sum, weight = eval_sums(model, objective, stream.eval_batches(), limit=self.cfg.limit or 0,
-                                         device=target.device)
+            sums = eval_sums(model, objective, stream.eval_batches(), limit=self.cfg.limit or 0, device=target.device,
+                             token_bytes=_token_bytes(ds, target))
         finally:
             stream.close()
-        return {**eval_metrics(loss_sum, weight), "eval_units": weight, "data": data, "split": split}
+        return {**eval_metrics(sums), "eval_units": sums.weight, "data": data, "split": split}
 
     def metrics(self, summary):
-        return {"loss": summary["eval_loss"], "ppl": summary["eval_ppl"]}
+        return {"loss": summary["eval_loss"], "ppl": summary["eval_ppl"],
+                **({"bpb": summary["eval_bpb"]} if "eval_bpb" in summary else {})}
 
     def samples(self, items, summary):
         return []  # a split's loss has no questions
 
     def table(self, summary):
-        return json.dumps({k: summary[k] for k in SUMMARY_KEYS}, indent=1)
+        return json.dumps({k: summary[k] for k in SUMMARY_KEYS if k in summary}, indent=1)
 
 
 def evaluate_weights(weights: str, data: Optional[str] = None, preset: Optional[str] = None,
@@ -127,4 +144,4 @@ def evaluate_weights(weights: str, data: Optional[str] = None, preset: Optional[
     res = evaluate_task(weights, EvalTaskConfig(task="loss", data=data or "", batch_size=micro_batch_size,
                                                 limit=batches or None), preset=preset, device=device,
                         tokenizer=tokenizer)
-    return {k: res[k] for k in SUMMARY_KEYS}
+    return {k: res[k] for k in SUMMARY_KEYS if k in res}

@@ -162,7 +162,7 @@ def warn_if_short(cfg: RunConfig, use_gpu: bool) -> None:
     device = "cuda" if use_gpu else "cpu"
     est = estimate(cfg, device_type=device)
     have = gpu_memory_per_worker() if use_gpu else host_memory_per_worker(cfg)
-    shape = f"{est.sequences} x {est.seq_len} tokens, {cfg.model.preset}, {est.precision}"
+    shape = f"{est.sequences} x {est.seq_len} tokens, {cfg.model.preset}, {est.precision}, {est.strategy}"
     if have is None:
         print(f"[minimind-ray] memory: one worker needs about {est.total / GiB:.1f} GiB by the estimate ({shape})",
               flush=True)

@@ -33,4 +33,6 @@ def plugins(cfg) -> List[str]:
 STAGE = Stage("agent", "agentic tool-use RL: multi-turn GRPO/CISPO rollouts that call tools and read their results",
               formats=("agent_rl",), objective=objective, export_prefix="agent", section=AgentConfig,
               validate=validate_agent, memory=memory, plugins=plugins, beside=actor_resources, metric_group="rl",
-              headline=("reward", "kl"), rl=True)
+              headline=("reward", "kl"), rl=True,
+              fsdp_refusal="its rollouts sample from the policy on each worker alone, which a sharded policy cannot "
+                           "do")

@@ -30,4 +30,6 @@ def plugins(cfg) -> List[str]:
 STAGE = Stage("grpo", "GRPO/CISPO: sample completions, score them with rewards, reinforce the better ones",
               formats=PROMPT_FORMATS, objective=objective, export_prefix="grpo", section=GRPOConfig,
               validate=validate_grpo, memory=memory, plugins=plugins, beside=actor_resources, metric_group="rl",
-              headline=("reward", "reward_exact_answer", "kl"), rl=True)
+              headline=("reward", "reward_exact_answer", "kl"), rl=True,
+              fsdp_refusal="its rollouts sample from the policy on each worker alone, which a sharded policy cannot "
+                           "do")

@@ -32,4 +32,6 @@ def plugins(cfg) -> List[str]:
 STAGE = Stage("ppo", "PPO: an actor and a critic, GAE advantages of the rewards, clipped policy and value losses",
               formats=PROMPT_FORMATS, objective=objective, export_prefix="ppo_actor", parts=(("critic", "ppo_critic"),),
               section=PPOConfig, validate=validate_ppo, memory=memory, plugins=plugins, beside=actor_resources, metric_group="rl",
-              headline=("reward", "kl"), rl=True)
+              headline=("reward", "kl"), rl=True,
+              fsdp_refusal="its rollouts sample from the policy on each worker alone, which a sharded policy cannot "
+                           "do, and its critic has a DDP wrapper of its own")

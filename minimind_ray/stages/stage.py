@@ -66,3 +66,7 @@ class Stage:
     metric_group: str = "train"  # its interval metrics' MLflow group: train/<key>, or rl/<key>
     headline: Tuple[str, ...] = ()  # interval metrics the console shows beside the loss
     rl: bool = False  # samples completions from the policy (train.rollout applies)
+    # why it cannot train under train.parallelism=fsdp (the refusal names train.parallelism); None: it can. Refused
+    # unless its record says otherwise: a model held beside the sharded policy, or a policy sampled one rank at a time,
+    # needs more than the engine's wrapper
+    fsdp_refusal: Optional[str] = "it is not run under FSDP yet"

@@ -10,6 +10,11 @@ One directory per ``ray.train.report(..., checkpoint=...)``::
     <part>.pth         a model a stage trains beside the policy (PPO: critic.pth, MiniMind's CriticModel keys)
     COMPLETE.json      written last by rank 0: the file list with sizes, the ranks, the step
 
+Under ``train.parallelism=fsdp`` the weights and AdamW's state are sharded (``store/sharded.py``: DCP files under
+``sharded/``, every rank's listed in COMPLETE.json) instead of ``model.pth`` and train_state.pt's optimizer; the rest
+is the same. Either layout resumes under either parallelism at any world size, and :meth:`StoredCheckpoint.model_state`
+reads whole weights from both (export, eval, serve, ``train.init_from``).
+
 Every rank writes into its own local staging directory; Ray Train uploads them all into the
 same storage directory. A checkpoint without a readable ``COMPLETE.json``, or whose files do
 not match it, is refused by :func:`open_checkpoint` instead of being loaded half-written.
@@ -29,6 +34,7 @@ import pyarrow.fs as pafs
 import torch
 
 from minimind_ray.fsio import filesystem, is_uri, redact, redact_obj, torch_save_atomic, write_json_atomic
+from minimind_ray.store.sharded import METADATA as SHARDED_METADATA
 
 COMPLETE = "COMPLETE.json"
 MODEL = "model.pth"
@@ -84,19 +90,23 @@ def write_rank_files(ckpt_dir, rank: int, rng: Dict[str, Any]) -> None:
     torch_save_atomic(rng, Path(ckpt_dir) / RNG_DIR / f"rank_{rank}.pt")
 
 
-def write_shared_files(ckpt_dir, *, model_state: Dict[str, torch.Tensor], train_state: Dict[str, Any],
-                       meta: CheckpointMeta, part_states: Optional[Dict[str, Dict[str, torch.Tensor]]] = None) -> None:
+def write_shared_files(ckpt_dir, *, model_state: Optional[Dict[str, torch.Tensor]], train_state: Dict[str, Any],
+                       meta: CheckpointMeta, part_states: Optional[Dict[str, Dict[str, torch.Tensor]]] = None,
+                       sharded_files: Optional[Dict[str, int]] = None) -> None:
     """Rank 0 writes the shared state (and each part's weights, ``<name>.pth``), then the COMPLETE marker listing
-    every file."""
+    every file. A sharded checkpoint has no ``model_state`` here but every rank's ``sharded_files``
+    (store/sharded.py:write_sharded, written before)."""
     from minimind_ray.model.minimind import clean_state_dict
 
     ckpt_dir = Path(ckpt_dir)
     parts = {f"{name}.pth": sd for name, sd in (part_states or {}).items()}
-    for name, sd in [(MODEL, model_state), *parts.items()]:
+    weights = [(MODEL, model_state)] if model_state is not None else []
+    for name, sd in [*weights, *parts.items()]:
         torch_save_atomic({k: v.detach().cpu() for k, v in clean_state_dict(sd).items()}, ckpt_dir / name)
     torch_save_atomic(train_state, ckpt_dir / TRAIN_STATE)
     write_json_atomic(ckpt_dir / META, redact_obj(meta.to_json()))  # a URI's credentials never reach storage
-    files = {name: (ckpt_dir / name).stat().st_size for name in (MODEL, TRAIN_STATE, META, *parts)}
+    files = {name: (ckpt_dir / name).stat().st_size for name in (*(n for n, _ in weights), TRAIN_STATE, META, *parts)}
+    files.update(sharded_files or {})
     write_json_atomic(ckpt_dir / COMPLETE, {"files": files, "rng_ranks": list(range(meta.world_size)),
                                             "step": meta.step})
 
@@ -125,7 +135,8 @@ def _complete_record(fs, root: str, where: str) -> Dict[str, Any]:
     ok = (isinstance(rec, dict) and isinstance(rec.get("files"), dict) and isinstance(rec.get("step"), int)
           and isinstance(rec.get("rng_ranks"), list) and all(isinstance(r, int) for r in rec["rng_ranks"])
           and all(isinstance(n, str) and isinstance(s, int) for n, s in rec["files"].items())
-          and all(n in rec["files"] for n in (MODEL, TRAIN_STATE, META)))
+          and all(n in rec["files"] for n in (TRAIN_STATE, META))
+          and (MODEL in rec["files"] or SHARDED_METADATA in rec["files"]))
     if not ok:
         raise CheckpointError(f"{where}: malformed {COMPLETE} (expected files, rng_ranks and step); checkpoint refused")
     return rec
@@ -152,10 +163,33 @@ class StoredCheckpoint:
             raise CheckpointError(f"{where}: unreadable ({e})") from e
         return CheckpointMeta.from_json(d, where)
 
+    @property
+    def sharded(self) -> bool:
+        """Written under train.parallelism=fsdp: weights and AdamW in ``sharded/`` (store/sharded.py)."""
+        return SHARDED_METADATA in self.record["files"]
+
     def model_state(self) -> Dict[str, torch.Tensor]:
+        """The whole weights under MiniMind's keys, whichever layout (a sharded one is read by this process alone)."""
         from minimind_ray.model.minimind import clean_state_dict
 
+        if self.sharded:
+            from minimind_ray.store.sharded import read_whole_model
+
+            try:
+                return clean_state_dict(read_whole_model(self.fs, self.path))
+            except Exception as e:  # a shard that is not DCP's, metadata that names code
+                raise CheckpointError(f"{self.location}/sharded: unreadable ({type(e).__name__}: "
+                                      f"{str(e).splitlines()[0] if str(e) else ''})") from e
         return clean_state_dict(_torch_load(self.fs, f"{self.path}/{MODEL}", f"{self.location}/{MODEL}"))
+
+    def load_sharded(self, state: Dict[str, Any]) -> None:
+        """Fill ``state`` (engine/parallel.py:sharded_state's shape: this rank's slices, or whole tensors) from a
+        sharded checkpoint; every rank of a process group calls it together."""
+        from minimind_ray.store.sharded import load_sharded
+
+        if not self.sharded:
+            raise CheckpointError(f"{self.location}: holds model.pth, not sharded state")
+        load_sharded(self.fs, self.path, state)
 
     def train_state(self) -> Dict[str, Any]:
         return _torch_load(self.fs, f"{self.path}/{TRAIN_STATE}", f"{self.location}/{TRAIN_STATE}")

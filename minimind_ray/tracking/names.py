@@ -1,7 +1,7 @@
 """Metric names in MLflow: grouped by a prefix, so the run page shows its sections in this order of interest:
 
     train/  loss, loss_interval, lr, grad_norm, aux_loss, epoch, and a stage's own sums (DPO margins, distillation ce/kl)
-    eval/   loss, ppl (the held-out split) and eval/<task>/<metric> (benchmark tasks, minimind_ray/evals)
+    eval/   loss, ppl, bpb (the held-out split) and eval/<task>/<metric> (benchmark tasks, minimind_ray/evals)
     rl/     an RL stage's reward and its terms, kl, clip_fraction, completion_len, rollout_s, ...
     perf/   tokens_per_s, mfu, step_time_s, data_wait_s, allreduce_s, comm_fraction
     sys/    peak_mem_gb, world_size (MLflow's own sampler writes system/*)
@@ -15,7 +15,7 @@ from typing import List, Tuple
 PERF = {"tokens_per_s", "tokens_per_s_per_worker", "mfu", "step_time_s", "data_wait_s", "allreduce_s", "comm_fraction"}
 SYS = {"peak_mem_gb", "world_size", "total_steps"}
 TRAIN = {"loss", "loss_interval", "aux_loss", "lr", "grad_norm", "epoch"}
-HELD_OUT = {"eval_loss": "eval/loss", "eval_ppl": "eval/ppl"}
+HELD_OUT = {"eval_loss": "eval/loss", "eval_ppl": "eval/ppl", "eval_bpb": "eval/bpb"}
 
 
 def metric_name(key: str, group: str = "train") -> str:

@@ -1,4 +1,5 @@
-"""The training engine on its own: no Ray, no process group (or a plain gloo group), CPU.
+"""The training engine on its own: no Ray, no process group, CPU (two ranks over plain gloo, DDP and FSDP side by
+side: tests/unit/test_fsdp.py).
 
 The data and model are the small ones of tests/fixtures/checkpoint_v1 (a 33k-parameter model on
 prepared data of the demo corpus), so every test here takes a second or two.
@@ -6,7 +7,6 @@ prepared data of the demo corpus), so every test here takes a second or two.
 from __future__ import annotations
 
 import dataclasses
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -108,38 +108,8 @@ def test_train_step_is_the_step_a_bare_loop_calls():
     assert 4.0 < float(out.loss_sum / out.weight) < 7.0  # ~ln(320) at init
 
 
-def _rank_main(rank: int, world: int, init_file: str, out: str) -> None:
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        state = TrainState.build(fixture_config(max_steps=6), PREPARED, rank=rank, world=world)
-        run(state)
-        if rank == 0:
-            torch.save(state.model.state_dict(), out)
-    finally:
-        dist.destroy_process_group()
-
-
-def test_two_ranks_over_plain_gloo_match_one_rank(tmp_path):
-    """The engine needs only torch.distributed: two processes started by hand (as torchrun would) take
-    the same steps as one process, to the cross-world-size tolerance of tests/integration/test_training.py."""
-    import torch.multiprocessing as mp
-
-    env = {"OMP_NUM_THREADS": "1"}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        mp.start_processes(_rank_main, args=(2, str(tmp_path / "init"), str(tmp_path / "w2.pt")), nprocs=2,
-                           start_method="spawn")
-    finally:
-        for k, v in old.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
-    one = TrainState.build(fixture_config(max_steps=6), PREPARED)
-    run(one)
-    w2 = torch.load(tmp_path / "w2.pt", weights_only=True)
-    for k, v in one.model.state_dict().items():
-        torch.testing.assert_close(w2[k], v, atol=1e-4, rtol=0)
+# Two processes over plain gloo (as torchrun would start them) taking the same steps as one process: DDP and FSDP
+# side by side in tests/unit/test_fsdp.py, which runs every two-rank scenario in one pair of processes.
 
 
 def test_bf16_on_a_gpu_without_bf16_is_refused_naming_the_field():

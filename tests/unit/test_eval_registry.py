@@ -151,10 +151,11 @@ def test_the_validation_of_checkpoints_runs_a_user_kind_and_the_loss_through_the
                                                      EvalTaskConfig(task="loss", data=str(PREPARED), limit=2)],
                                "data_cache", "cpu")
     assert not errors and set(scores) == {"eval/nt/last_token_logprob", "eval/nt/next_token_acc",
-                                                 "eval/loss/loss", "eval/loss/ppl"}
+                                                 "eval/loss/loss", "eval/loss/ppl", "eval/loss/bpb"}
     assert scores["eval/nt/last_token_logprob"] < 0 and 0 <= scores["eval/nt/next_token_acc"] <= 1
     plain = evaluate_weights(str(run_checkpoint), data=str(PREPARED), micro_batch_size=16, batches=2)
-    assert (scores["eval/loss/loss"], scores["eval/loss/ppl"]) == (plain["eval_loss"], plain["eval_ppl"])
+    assert (scores["eval/loss/loss"], scores["eval/loss/ppl"], scores["eval/loss/bpb"]) == (
+        plain["eval_loss"], plain["eval_ppl"], plain["eval_bpb"])
 
 
 def test_log_samples_hold_the_prompt_each_choices_log_likelihood_the_pick_and_the_gold(weights, model, tok, tmp_path):
@@ -229,13 +230,14 @@ def test_a_subject_without_subject_mapping_is_named_from_its_file_with_spaces(tm
 
 
 def test_the_plain_eval_verb_is_the_loss_kind_and_prints_what_it_printed(run_checkpoint, tmp_path, capsys):
-    """``eval WEIGHTS --data DIR`` (no --task) and ``--task loss`` print evaluate_weights' JSON as before; a task
-    YAML of kind loss gives the same numbers, and its MLflow metrics are eval/loss/loss and eval/loss/ppl."""
+    """``eval WEIGHTS --data DIR`` (no --task) and ``--task loss`` print evaluate_weights' JSON as before (with bits
+    per byte since issue 36); a task YAML of kind loss gives the same numbers, and its MLflow metrics are
+    eval/loss/loss, eval/loss/ppl and eval/loss/bpb."""
     from minimind_ray.cli import main
     from minimind_ray.evals.loss import evaluate_weights
 
     want = evaluate_weights(str(run_checkpoint), data=str(PREPARED), micro_batch_size=4, batches=3)
-    assert set(want) == {"eval_loss", "eval_ppl", "eval_units"} and math.isfinite(want["eval_loss"])
+    assert set(want) == {"eval_loss", "eval_ppl", "eval_bpb", "eval_units"} and math.isfinite(want["eval_loss"])
     for task in ([], ["--task", "loss"]):
         assert main(["eval", str(run_checkpoint), *task, "--data", str(PREPARED), "--micro-batch-size", "4",
                      "--batches", "3"]) == 0
@@ -246,6 +248,7 @@ def test_the_plain_eval_verb_is_the_loss_kind_and_prints_what_it_printed(run_che
     assert main(["eval", str(run_checkpoint), "--config", str(yaml), "--out", str(out)]) == 0
     res = json.loads(out.read_text())
     assert {k: res[k] for k in want} == want and (res["task"], res["kind"]) == ("loss", "loss")
-    assert metric_items(res) == {"eval/loss/loss": want["eval_loss"], "eval/loss/ppl": want["eval_ppl"]}
+    assert metric_items(res) == {"eval/loss/loss": want["eval_loss"], "eval/loss/ppl": want["eval_ppl"],
+                                 "eval/loss/bpb": want["eval_bpb"]}
     with pytest.raises(ValueError, match="--log-samples: the loss task has no per-question records"):
         main(["--debug", "eval", str(run_checkpoint), "--data", str(PREPARED), "--out", str(out), "--log-samples"])

@@ -27,6 +27,8 @@ PARAM_COUNTS = {
     "tiny3": 508_288,
     "tiny3-moe": 631_680,
     "demo": 1_606_784,
+    "minimind2-0.5b": 505_345_536,  # no MiniMind release: MiniMind2's shapes scaled up (presets.py)
+    "minimind2-1b": 987_850_752,
 }
 
 
