@@ -28,6 +28,8 @@ import openai
 import pytest
 import torch
 
+from tests.skip_budget import missing
+
 from .helpers import new_shared, run_tiny
 from .serve_fuzz import chat_body, completion_body, raw_bodies
 
@@ -690,7 +692,7 @@ def test_a_flood_gets_200_429_or_504_and_leaves_the_server_bounded_and_answering
 def browser(tmp_path_factory):
     chromium, driver_bin = shutil.which("chromium"), shutil.which("chromedriver")
     if not chromium or not driver_bin:
-        pytest.skip("Debian's chromium and chromium-driver are not installed (.ci/run installs them)")
+        missing("Debian's chromium and chromium-driver are not installed (.ci/run installs them)")
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
