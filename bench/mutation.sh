@@ -32,6 +32,8 @@ for file in "${FILES[@]}"; do
     {
         echo "[mutmut]"
         echo "source_paths=minimind_ray"
+        echo "also_copy="
+        echo "    pipelines"   # the recipes some tests load
         echo "only_mutate=$file"
         echo "pytest_add_cli_args_test_selection="
         for t in $tests; do echo "    $t"; done
