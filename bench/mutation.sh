@@ -23,7 +23,7 @@ declare -A TESTS=(  # each file's fast unit tests (no Ray): the runner of its mu
 FILES=("$@")
 [ ${#FILES[@]} -gt 0 ] || FILES=(minimind_ray/engine/step.py minimind_ray/rl/grpo.py minimind_ray/rl/ppo.py
                                  minimind_ray/data/stream.py minimind_ray/store/checkpoint.py)
-printf '%-34s %8s %7s %9s %8s %6s\n' file mutants killed survived other score
+printf '%-34s %8s %7s %9s %8s %6s\n' file mutants killed survived "no test" score
 for file in "${FILES[@]}"; do
     tests=${TESTS[$file]:?"no tests listed for $file in bench/mutation.sh"}
     work=$(mktemp -d "/tmp/mutation-$(basename "$file" .py)-XXXX")
@@ -46,11 +46,11 @@ for file in "${FILES[@]}"; do
     (cd "$work" && OMP_NUM_THREADS=1 "$MUTMUT" run --max-children "$CHILDREN" > mutmut-run.log 2>&1) || true
     (cd "$work" && "$MUTMUT" results --all true > results.txt 2>&1) || true
     total=$(grep -c ": " "$work/results.txt" || true)
-    killed=$(grep -c ": killed$" "$work/results.txt" || true)
+    killed=$(grep -cE ": (killed|timeout)$" "$work/results.txt" || true)  # a mutant that hangs the tests is caught
     survived=$(grep -c ": survived$" "$work/results.txt" || true)
     other=$((total - killed - survived))
     score=$(awk -v k="$killed" -v t="$total" 'BEGIN { printf (t ? "%.1f%%" : "-"), 100 * k / (t ? t : 1) }')
     printf '%-34s %8d %7d %9d %8d %6s\n' "$file" "$total" "$killed" "$survived" "$other" "$score"
-    grep -v ": killed$" "$work/results.txt" | sed "s|^|    |" || true
+    grep -vE ": (killed|timeout)$" "$work/results.txt" | sed "s|^|    |" || true
     if [ "${KEEP:-0}" = 1 ]; then echo "    kept: $work"; else rm -rf "$work"; fi
 done

@@ -286,8 +286,9 @@ def test_the_edges_the_hand_cases_above_leave_out():
     # V = 0 against the rollout's 0.5 (cliprange 0.2: clipped up to 0.3), return -1: max(1, 1.69) / 2 = 0.845
     t = ppo_token_losses(_tok(0.0), _tok(0.0), None, _tok(0.0), _tok(0.0), _tok(0.5), _tok(-1.0), 0.2, 0.2)
     assert t["value"].item() == pytest.approx(0.845, abs=1e-6)
-    # equal advantages: variance 0, whitened to 0 (not NaN: the 1e-8 is added)
-    close(whiten(torch.tensor([[2.0, 2.0]]), torch.ones(1, 2), mean=2.0, var=0.0), [[0.0, 0.0]])
+    # variance 0 (a batch of equal advantages): the 1e-8 is added, so the scale is 1e4, real and finite
+    w = whiten(torch.tensor([[2.0, 3.0]]), torch.ones(1, 2), mean=2.0, var=0.0)
+    assert w.dtype == torch.float32 and w.tolist() == [[0.0, 1e4]]
     # one-token completions: the advantage is the reward minus the value, the return the reward
     adv, ret = gae(torch.tensor([[1.0], [0.5]]), torch.tensor([[0.25], [0.5]]), torch.ones(2, 1), 1.0, 0.95)
     close(adv, [[0.75], [0.0]])
