@@ -33,7 +33,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from minimind_ray.config import load_config  # noqa: E402
-from minimind_ray.engine import Hooks, TrainState, run, train_step  # noqa: E402
+from minimind_ray.engine.loop import Hooks, run  # noqa: E402
+from minimind_ray.engine.state import TrainState  # noqa: E402
+from minimind_ray.engine.step import train_step  # noqa: E402
 
 
 DEVICE = torch.device("cuda", 0)

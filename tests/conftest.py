@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.skip_budget import SkipBudget, missing
+
 REPO = Path(__file__).resolve().parents[1]
 SHARED_MINIMIND = Path(os.environ.get("MINIMIND_SHARED", REPO.parent / "shared" / "minimind"))
 
@@ -26,10 +28,38 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING", "false")
 
-# Named tokenizers (data.tokenizer=minimind2|minimind3|auto) go through the real fetch code with
-# ../shared/minimind as the mirror, into a cache of this session: tests never need the network
-# and never write to the user's ~/.cache. Forced, not defaulted, so the run is hermetic.
-os.environ["MINIMIND_RAY_TOKENIZER_MIRROR"] = str(SHARED_MINIMIND.resolve())
+# Named tokenizers (data.tokenizer=minimind2|minimind3|auto) go through the real fetch code with a mirror, into a cache
+# of this session: tests never write to the user's ~/.cache. The mirror is ../shared/minimind (MINIMIND_SHARED); where
+# it is missing, MiniMind's tokenizers are fetched once by the project's own code (GitHub at the pinned commit, sha256
+# checked) into a directory of this machine's temp dir, which is then the mirror. Where that fails too, the tests that
+# need them are skipped with the reason (tests/skip_budget.py:missing; under CI=true they fail with it). The first test
+# process decides; the processes it starts (xdist's workers, Ray's) inherit its answer.
+_MIRROR_ENV, _MIRROR_MISSING_ENV = "MINIMIND_RAY_TEST_TOKENIZERS", "MINIMIND_RAY_TEST_TOKENIZERS_MISSING"
+
+
+def _tokenizer_mirror() -> tuple:
+    """(a directory laid out as <name>/tokenizer.json holding MiniMind's tokenizers, or None; why not, one line)."""
+    from minimind_ray.tokenizer_fetch import PINNED, TokenizerFetchError, fetch_tokenizer
+
+    if all((SHARED_MINIMIND / name / "tokenizer.json").exists() for name in PINNED):
+        return SHARED_MINIMIND, ""
+    fetched = Path(tempfile.gettempdir()) / f"minimind-ray-test-tokenizers-{os.getuid()}"
+    try:
+        for name in PINNED:
+            fetch_tokenizer(name, cache_dir=str(fetched), mirror="")  # "": GitHub, not this environment's mirror
+    except TokenizerFetchError as e:
+        return None, f"MiniMind's tokenizers: no mirror at {SHARED_MINIMIND} (set MINIMIND_SHARED), and {e}"
+    return fetched / "tokenizers", ""
+
+
+if _MIRROR_ENV in os.environ:
+    TOKENIZER_MIRROR = Path(os.environ[_MIRROR_ENV]) if os.environ[_MIRROR_ENV] else None
+    TOKENIZERS_MISSING = os.environ.get(_MIRROR_MISSING_ENV, "")
+else:
+    TOKENIZER_MIRROR, TOKENIZERS_MISSING = _tokenizer_mirror()
+    os.environ[_MIRROR_ENV], os.environ[_MIRROR_MISSING_ENV] = str(TOKENIZER_MIRROR or ""), TOKENIZERS_MISSING
+# Forced, not defaulted, so the run is hermetic.
+os.environ["MINIMIND_RAY_TOKENIZER_MIRROR"] = str((TOKENIZER_MIRROR or SHARED_MINIMIND).resolve())
 # One cache per test process. A process it starts that imports a test module (a Ray worker unpickling a reward term
 # of tests/unit) inherits the cache instead of making one it would never remove: Ray kills its workers, atexit never
 # runs. (An xdist worker is a test process of its own: PYTEST_XDIST_WORKER tells it from its parent.)
@@ -46,11 +76,10 @@ else:
 
 
 def minimind_tokenizer_dir(generation: str) -> Path:
-    """MiniMind's own tokenizer from ../shared, or skip the test with the reason."""
-    d = SHARED_MINIMIND / generation
-    if not (d / "tokenizer.json").exists():
-        pytest.skip(f"MiniMind's {generation} tokenizer not found at {d} (set MINIMIND_SHARED)")
-    return d
+    """MiniMind's own tokenizer from the mirror, or skip the test with the reason (under CI=true: fail with it)."""
+    if TOKENIZER_MIRROR is None:
+        missing(TOKENIZERS_MISSING)
+    return TOKENIZER_MIRROR / generation
 
 
 # Ray forwards its actors' log lines to the driver's stderr ("(Name pid=N) ..."), in colour or not,
@@ -85,6 +114,11 @@ def _by_file(config) -> bool:
     """``--dist loadfile``, in the controller, or as the controller told a worker (xdist sets a worker's dist to "no")."""
     workerinput = getattr(config, "workerinput", None)
     return workerinput.get("mmr_by_file", False) if workerinput is not None else config.getvalue("dist") == "loadfile"
+
+
+def pytest_configure(config):
+    if not hasattr(config, "workerinput"):  # the process that reports: xdist's controller, or the only one
+        config.pluginmanager.register(SkipBudget(), "minimind-ray-skip-budget")
 
 
 def pytest_configure_node(node):

@@ -1,7 +1,9 @@
 """``minimind-ray serve`` and ``python -m pipelines.serve``: start or join Ray, deploy, wait.
 
 Without ``--address`` or ``RAY_ADDRESS`` a local Ray is started for the service and stopped with
-it. On a cluster the app is deployed next to whatever else runs there; the command then waits
+it, on this machine's loopback address only: its node, and so its metrics agent's Prometheus endpoint
+(the replicas' metrics, docs/serving.md), answer on 127.0.0.1 alone, whatever ``--host`` the app binds.
+On a cluster the app is deployed next to whatever else runs there; the command then waits
 (Ctrl-C or ``ray job stop`` deletes the app again) unless ``--detach`` leaves it running.
 """
 from __future__ import annotations
@@ -22,6 +24,10 @@ from minimind_ray.fsio import is_uri
 from minimind_ray.serve.options import API_KEY_ENV, ServeOptions, is_mlflow_uri
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+# Ray's own switch: off, a local Ray takes 127.0.0.1 as its node address (what it does on macOS and Windows), and its
+# metrics agent binds its Prometheus port to it. Ray reads it when first imported; =1 in the environment keeps the
+# node's network address (Ray's default on Linux).
+LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -100,15 +106,19 @@ def api_key_from(key: Optional[str], key_file: Optional[str]) -> Optional[str]:
 
 
 def connect(opts: ServeOptions) -> bool:
-    """Join ``opts.address`` / RAY_ADDRESS, or start a local Ray; True when we started it."""
+    """Join ``opts.address`` / RAY_ADDRESS, or start a local Ray bound to the loopback address; True when we
+    started it."""
+    address = opts.address or os.environ.get("RAY_ADDRESS")
+    under_job = "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ  # under `ray job submit`: the job's runtime env applies
+    if not address and not under_job:
+        os.environ.setdefault(LOOPBACK_ENV, "0")  # before Ray's first import in this process, which reads it
     import ray
 
     if ray.is_initialized():
         return False
     env = {"env_vars": {"PYTHONPATH": str(REPO_ROOT), "TOKENIZERS_PARALLELISM": "false"}}
-    address = opts.address or os.environ.get("RAY_ADDRESS")
     quiet = ray_init_options()  # Ray's and Serve's own lines to Ray's log files, unless --verbose (console.py)
-    if "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ:  # under `ray job submit`: the job's runtime env applies
+    if under_job:
         after_ray_start(ray.init(**quiet))
         return False
     if address:
@@ -116,7 +126,19 @@ def connect(opts: ServeOptions) -> bool:
         return False
     after_ray_start(ray.init(num_cpus=max(os.cpu_count() or 1, opts.logical_cpus()), include_dashboard=False,
                              runtime_env=env, **quiet))
+    node = ray.nodes()[0]["NodeManagerAddress"]
+    if os.environ[LOOPBACK_ENV] == "0" and node != "127.0.0.1":
+        print(f"warning: this local Ray took the node address {node}, not 127.0.0.1 (Ray was imported before "
+              f"{LOOPBACK_ENV}=0 was set): its metrics port answers on every interface", file=sys.stderr)
     return True
+
+
+def metrics_url() -> str:
+    """The Prometheus endpoint of this node's Ray metrics agent (where the replicas' metrics are)."""
+    import ray
+
+    node = next(n for n in ray.nodes() if n["Alive"] and n["NodeID"] == ray.get_runtime_context().get_node_id())
+    return f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
 
 
 def deploy(opts: ServeOptions, quiet: bool = False) -> str:
@@ -168,7 +190,8 @@ def serve_from_args(args: argparse.Namespace) -> int:
         print(f"  OpenAI base URL:  {url}/v1   (model id: GET {url}/v1/models)")
         print(f"  health:           {url}/health")
         print(f"  API key:          {'required (Authorization: Bearer <key>)' if opts.api_key_sha256 else 'none'}")
-        print("  metrics:          Prometheus, on each Ray node's metrics export port (docs/serving.md)")
+        print(f"  metrics:          {metrics_url()}" if started_ray else
+              "  metrics:          Prometheus, on each Ray node's metrics export port (docs/serving.md)")
         if opts.host in ("0.0.0.0", "::"):
             print(f"  bound to {opts.host}: reachable from other machines; see docs/serving.md"
                   + ("" if opts.api_key_sha256 else " (and set an API key)"))

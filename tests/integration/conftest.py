@@ -119,8 +119,9 @@ def tiny_baseline(ray_session, tmp_path_factory):
             shared = new_shared(tmp_path_factory, "baseline")
             # It also evaluates its checkpoints on the side (eval.tasks never change what is trained): the demo's
             # multiple-choice set at every checkpoint, and a task whose file is missing, which must fail alone
-            # (tests/integration/test_evals.py reads what they left).
-            res = run_tiny(shared, "baseline-2w", "eval.interval=4",
+            # (tests/integration/test_evals.py reads what they left, and scores each step's checkpoint again: all
+            # three are kept).
+            res = run_tiny(shared, "baseline-2w", "eval.interval=4", "checkpoint.num_to_keep=3",
                            "eval.tasks=[{task: mc, data: 'demo:mc_eval', limit: 24}, "
                            "{task: gen, data: /nonexistent/prompts.jsonl, name: missing}]")
             done.write_bytes(pickle.dumps((shared, res)))

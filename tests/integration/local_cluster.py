@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.skip_budget import missing
+
 REPO = Path(__file__).resolve().parents[2]
 LOCAL = REPO / "cluster" / "local"
 RAY_BIN = Path(sys.executable).parent / "ray"
@@ -51,7 +53,7 @@ def _free_base(worker_nodes: int = 1) -> int:
         block += list(range(base + 500, base + 600 + 100 * worker_nodes))
         if _ports_free(block):
             return base
-    pytest.skip("no free port block for a local cluster")
+    missing(f"no free port block for a local cluster in {lo}-{hi} (50 tries; another cluster or service holds them)")
 
 
 def _sh(script: str, *args: str, env: dict, timeout: float = 150) -> subprocess.CompletedProcess:

@@ -158,6 +158,22 @@ def test_checkpoints_are_scored_beside_training_once_each_and_a_failed_task_does
         assert record["task_id"] and record["actor_id"] is None  # a Ray task, not a Train worker (an actor)
         assert set(record["scores"]) == {"eval/mc_eval/acc", "eval/mc_eval/acc_norm"} and "missing" in record["errors"]
     assert res.metrics["eval/mc_eval/acc"] == json.loads(markers[0].read_text())["scores"]["eval/mc_eval/acc"]
+    # each step's scores, in MLflow and in its marker, are evaluate_task's on that step's own checkpoint
+    from minimind_ray.evals.run import metric_items
+    from minimind_ray.store.checkpoint import open_checkpoint
+
+    by_step = {open_checkpoint(str(c)).meta().step: str(c) for c in Path(res.run_dir).glob("checkpoint_*") if c.is_dir()}
+    assert sorted(by_step) == [4, 8, 12]
+    task = EvalTaskConfig(task="mc", data="demo:mc_eval", limit=24)
+    details = {}
+    for step, ckpt in sorted(by_step.items()):
+        result = evaluate_task(ckpt, task, cache_dir=str(shared["cache"]))
+        details[step] = [d["logprobs"] for d in result["details"]]
+        want = metric_items(result)
+        assert json.loads((Path(res.run_dir) / "eval" / f"step-{step}.json").read_text())["scores"] == want, step
+        for key, value in want.items():
+            assert dict(loss_history(shared, res.mlflow_run_id, key))[step] == pytest.approx(value, abs=1e-12), key
+    assert details[4] != details[8] != details[12]  # three different models: a score could tell them apart
     kwargs = dict(run_dir=res.run_dir, tracking_uri=shared["mlflow"], cache_dir=str(shared["cache"]), threads=1,
                   tasks=[{"task": "mc", "data": "demo:mc_eval", "limit": 24}], tracking_timeout_s=10.0)
     ckpt = Checkpoint.from_directory(res.checkpoint_dir)

@@ -1,6 +1,7 @@
 """Out of memory, said plainly (issue 25, part 5): real memory failures through the real CLI and Ray.
 
-- Training: a micro-batch whose logits are twice the machine's memory. The host refuses the allocation
+- Training: a micro-batch whose logits are twice the machine's memory (its vocabulary sized from the machine's
+  memory, so that it runs on any machine the fixture's 982 sequences serve). The host refuses the allocation
   (a real ``DefaultCPUAllocator`` failure in the worker, nothing touched), the Train controller ends the
   run at the first failure instead of restarting it ``cluster.max_failures`` times, and ``main`` prints
   one line naming the settings, exit 2. It runs in this process on the session's Ray (no Ray to start).
@@ -25,7 +26,8 @@ from tests.conftest import _RAY_FORWARDED
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
 FIXTURE = REPO / "tests/fixtures/checkpoint_v1"  # 982 prepared sequences of 32 tokens, its own tokenizer
-VOCAB = 1 << 20  # logits of 32 tokens x 2^20 vocab x 4 bytes = 128 MiB per sequence
+VOCAB = 1 << 20  # logits of 32 tokens x 2^20 vocab x 4 bytes = 128 MiB per sequence (the vocabulary doubles on large machines)
+MAX_MICRO = 512  # of the fixture's 982 sequences
 
 
 def _machine_bytes() -> int:
@@ -34,16 +36,31 @@ def _machine_bytes() -> int:
     return info["MemTotal"] + info.get("SwapTotal", 0)
 
 
-def _refusing_micro_batch() -> int:
+def refusing_batch(machine_bytes: int) -> tuple:
+    """(micro-batch, vocabulary): logits of the micro-batch alone are twice RAM + swap; the vocabulary doubles from
+    2^20 until the micro-batch is at most MAX_MICRO sequences (on a machine of more than 64 GiB)."""
+    vocab = VOCAB
+    while math.ceil(2 * machine_bytes / (32 * vocab * 4)) > MAX_MICRO:
+        vocab *= 2
+    return math.ceil(2 * machine_bytes / (32 * vocab * 4)), vocab
+
+
+def test_the_refused_allocation_is_sized_from_the_machine():
+    GiB = 1 << 30
+    assert refusing_batch(24 * GiB) == (384, VOCAB)  # the CI machine's 24 GiB: 384 sequences of 128 MiB
+    for machine in (64 * GiB, 141 * GiB, 2048 * GiB):  # the GPU machine has 128 GiB + swap
+        micro, vocab = refusing_batch(machine)
+        assert micro <= MAX_MICRO and 32 * vocab * 4 * micro >= 2 * machine and vocab > VOCAB
+
+
+def _refusing_micro_batch() -> tuple:
     """A micro-batch whose logits alone are twice RAM + swap: the kernel refuses it at once (unless it
-    overcommits everything, vm.overcommit_memory=1, when the test cannot run safely)."""
+    overcommits everything, vm.overcommit_memory=1, when the test cannot run safely: an allowed skip,
+    tests/skip_budget.py)."""
     with open("/proc/sys/vm/overcommit_memory") as f:
         if f.read().strip() == "1":
             pytest.skip("vm.overcommit_memory=1 would grant the allocation and then touch it")
-    micro = math.ceil(2 * _machine_bytes() / (32 * VOCAB * 4))
-    if micro > 900:
-        pytest.skip(f"the fixture's 982 sequences cannot make a micro-batch of {micro} on this large a machine")
-    return micro
+    return refusing_batch(_machine_bytes())
 
 
 def test_a_micro_batch_the_host_cannot_hold_ends_the_run_at_once_in_one_line(ray_session, tmp_path, capsys,
@@ -52,9 +69,9 @@ def test_a_micro_batch_the_host_cannot_hold_ends_the_run_at_once_in_one_line(ray
     from minimind_ray.engine.memory import estimate
     from minimind_ray.config import load_config
 
-    micro = _refusing_micro_batch()
+    micro, vocab = _refusing_micro_batch()
     over = ["model.preset=tiny", "model.hidden_size=32", "model.num_hidden_layers=2", "model.num_attention_heads=2",
-            "model.num_key_value_heads=1", "model.intermediate_size=64", f"model.vocab_size={VOCAB}",
+            "model.num_key_value_heads=1", "model.intermediate_size=64", f"model.vocab_size={vocab}",
             f"data.train_path=[{FIXTURE / 'prepared'}]", f"data.tokenizer={FIXTURE / 'tokenizer'}",
             "data.max_seq_len=32", "data.block_rows=16", "data.shuffle_window_blocks=2",
             f"train.global_batch_size={micro}", f"train.micro_batch_size={micro}", "train.max_steps=2",

@@ -14,10 +14,15 @@ from __future__ import annotations
 import hashlib
 import http.client
 import json
+import os
 import random
 import re
 import shutil
 import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
 import time
 import urllib.request
 import uuid
@@ -28,11 +33,14 @@ import openai
 import pytest
 import torch
 
+from tests.skip_budget import missing
+
 from .helpers import new_shared, run_tiny
 from .serve_fuzz import chat_body, completion_body, raw_bodies
 
 pytestmark = pytest.mark.integration
 
+REPO = Path(__file__).resolve().parents[2]
 PROMPT = "What is the capital of France?"
 CONTEXT, CAP = 4096, 4000  # room for a long stream in the disconnect test
 REGISTERED = "serve-tiny"
@@ -593,6 +601,67 @@ def test_the_api_key_is_required_and_never_logged_or_echoed(served):
             assert KEY.encode() not in text and wrong.encode() not in text, f
 
 
+CHAT_BODY = {"messages": [{"role": "user", "content": "What is 3 plus 8 plus 5?"}], "max_tokens": 2, "temperature": 0}
+TEXT_BODY = {"prompt": "3 plus 8 is", "max_tokens": 2, "temperature": 0}
+GUARDED_ROUTES = {  # every route the app serves behind the key: (method, path, body)
+    "POST /v1/completions": ("POST", "/v1/completions", TEXT_BODY),
+    "POST /v1/completions stream": ("POST", "/v1/completions", {**TEXT_BODY, "stream": True}),
+    "POST /v1/chat/completions": ("POST", "/v1/chat/completions", CHAT_BODY),
+    "POST /v1/chat/completions stream": ("POST", "/v1/chat/completions", {**CHAT_BODY, "stream": True}),
+    "GET /v1/models": ("GET", "/v1/models", None),
+}
+OPEN_ROUTES = {"GET /": ("GET", "/", None), "GET /health": ("GET", "/health", None)}  # the page and the probes
+KEYS = {"no key": {}, "a wrong key": {"Authorization": f"Bearer wrong-{KEY[::-1]}"},
+        "the key without Bearer": {"Authorization": KEY}, "the right key": {"Authorization": f"Bearer {KEY}"}}
+
+
+def test_the_routes_tried_with_keys_are_every_route_the_app_serves():
+    from minimind_ray.serve.app import app
+
+    def walk(routes):  # Serve's ingress puts the app's routes inside an included router
+        for r in routes:
+            yield from walk(r.original_router.routes) if hasattr(r, "original_router") else [r]
+
+    served = {f"{m} {r.path}" for r in walk(app.routes) for m in r.methods}
+    assert served == {name.removesuffix(" stream") for name in (*GUARDED_ROUTES, *OPEN_ROUTES)}
+
+
+def fetch(base, method, path, body, headers):
+    """(status, headers, body text) of one request to the app at ``base``, read to its end."""
+    host, port = base[len("http://"):].split("/")[0].split(":")
+    prefix = base.split(f":{port}", 1)[1]
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn.request(method, prefix + path, body=None if body is None else json.dumps(body),
+                 headers={"Content-Type": "application/json", **headers})
+    resp = conn.getresponse()
+    text = resp.read().decode()
+    conn.close()
+    return resp.status, resp.headers, text
+
+
+@pytest.mark.parametrize("key", list(KEYS))
+@pytest.mark.parametrize("route", [*GUARDED_ROUTES, *OPEN_ROUTES])
+def test_every_route_but_the_page_and_health_needs_the_key(served, route, key):
+    method, path, body = {**GUARDED_ROUTES, **OPEN_ROUTES}[route]
+    status, headers, text = fetch(served["base"] + "/guarded", method, path, body, KEYS[key])
+    if route in GUARDED_ROUTES and key != "the right key":
+        assert status == 401 and headers["WWW-Authenticate"] == "Bearer", (status, text[:300])
+        assert json.loads(text)["error"]["code"] == "invalid_api_key" and KEY not in text
+        return
+    assert status == 200, (status, text[:300])
+    if route == "GET /":
+        assert "<title>" in text and "authorized(" in text  # the chat page, which asks for the key itself
+    elif route == "GET /health":
+        assert json.loads(text)["status"] == "ok"
+    elif route == "GET /v1/models":
+        assert [m["id"] for m in json.loads(text)["data"]] == ["tool-tiny"]
+    elif route.endswith("stream"):
+        events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]" and all("error" not in json.loads(e) for e in events[:-1]), text[-300:]
+    else:
+        assert json.loads(text)["usage"]["completion_tokens"] >= 1
+
+
 # --------------------------------------------------------------------------- fuzz and flood
 
 
@@ -691,7 +760,7 @@ def test_a_flood_gets_200_429_or_504_and_leaves_the_server_bounded_and_answering
 def browser(tmp_path_factory):
     chromium, driver_bin = shutil.which("chromium"), shutil.which("chromedriver")
     if not chromium or not driver_bin:
-        pytest.skip("Debian's chromium and chromium-driver are not installed (.ci/run installs them)")
+        missing("Debian's chromium and chromium-driver are not installed (.ci/run installs them)")
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
@@ -733,6 +802,51 @@ def test_the_chat_page_streams_the_greedy_reply_over_two_turns(served, browser, 
         assert "tokens" in meta  # the usage chunk of the stream was read
     assert not browser.find_elements(By.CSS_SELECTOR, ".msg.error")
     browser.save_screenshot(str(tmp_path / "chat.png"))
+
+
+def test_the_chat_page_asks_for_the_key_says_when_it_is_wrong_and_streams_with_the_right_one(served, browser):
+    """The guarded app's page: its first call gets a 401, so it asks for the key; a wrong one is refused, asked for
+    again saying so, and when none is given the page says what the server wants; reloaded, the right key loads the
+    model and a typed question streams the reply the API gives with that key."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+    from selenium.webdriver.support import expected_conditions as EC
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    wait = WebDriverWait(browser, 120)
+    browser.get(served["base"] + "/guarded/")
+
+    def answer(expected_prompt, key):
+        alert = wait.until(EC.alert_is_present())
+        assert alert.text == expected_prompt
+        if key is None:
+            alert.dismiss()
+        else:
+            alert.send_keys(key)
+            alert.accept()
+
+    answer("This server needs its API key:", "wrong-" + KEY[::-1])
+    answer("The server refused that API key. Enter its API key:", None)
+    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, ".msg.error"))
+    assert browser.find_element(By.CSS_SELECTOR, ".msg.error").text == \
+        "the server refused the API key (401): reload the page to enter the right one"
+    assert browser.find_element(By.ID, "model").text == "model unavailable"
+    browser.refresh()  # the refused key was forgotten: the page asks again
+    answer("This server needs its API key:", KEY)
+    wait.until(lambda d: "tool-tiny" in d.find_element(By.ID, "model").text)
+    for field, value in (("temperature", "0"), ("max-tokens", "24")):
+        box = browser.find_element(By.ID, field)
+        box.clear()
+        box.send_keys(value)
+    question = "What is 3 plus 8 plus 5?"
+    browser.find_element(By.ID, "prompt").send_keys(question + Keys.ENTER)
+    wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, ".msg.assistant[data-state=done]"))
+    shown = browser.find_element(By.CSS_SELECTOR, ".msg.assistant .content").get_property("textContent")
+    api = served["guarded"].chat.completions.create(model="tool-tiny", messages=[{"role": "user", "content": question}],
+                                                    temperature=0, max_tokens=24).choices[0].message.content
+    assert shown == api and shown.strip()
+    assert "tokens" in browser.find_element(By.CSS_SELECTOR, ".msg.assistant .meta").text  # streamed to its usage
+    assert not browser.find_elements(By.CSS_SELECTOR, ".msg.error")
 
 
 # --------------------------------------------------------------------------- Prometheus (last: what the others did)
@@ -792,3 +906,38 @@ def test_replicas_export_prometheus_metrics_through_rays_metrics_port(served):
         if failing:
             time.sleep(1)
     assert not failing, f"not in Ray's /metrics: {failing}"
+
+
+def test_the_serve_commands_own_ray_exports_metrics_on_loopback_only(tmp_path):
+    """Where the metrics are by default: `minimind-ray serve` without a cluster starts a Ray of its own
+    (serve/launch.py:connect), whose metrics agent serves Prometheus' /metrics (the replicas' metrics with Ray's)
+    on 127.0.0.1 alone, not on the machine's network address; the command prints that URL."""
+    script = textwrap.dedent('''
+        import json, urllib.request
+        import psutil
+        from minimind_ray.serve.launch import connect, metrics_url
+        from minimind_ray.serve.options import ServeOptions
+
+        started = connect(ServeOptions(weights="unused", cpus_per_replica=1))  # imports Ray, as the command does
+        import ray
+        url = metrics_url()
+        port = int(url.rsplit(":", 1)[1].split("/")[0])
+        listening = sorted({c.laddr.ip for c in psutil.net_connections("tcp")
+                            if c.status == psutil.CONN_LISTEN and c.laddr.port == port})
+        with urllib.request.urlopen(url, timeout=60) as r:
+            answered = r.status == 200 and "# TYPE ray_" in r.read().decode()
+        ray.shutdown()
+        print("RESULT " + json.dumps({"started": started, "url": url, "listening": listening, "answered": answered}))
+        ''')
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
+    env["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="mmrm", dir="/tmp")  # short: Ray's socket paths live under it
+    try:
+        p = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
+                           timeout=300)
+    finally:
+        shutil.rmtree(env["RAY_TMPDIR"], ignore_errors=True)
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert p.returncode == 0 and lines, (p.stdout + p.stderr)[-4000:]
+    got = json.loads(lines[0][len("RESULT "):])
+    assert got["started"] and got["answered"] and got["url"].startswith("http://127.0.0.1:"), got
+    assert got["listening"] == ["127.0.0.1"], got  # not 0.0.0.0, not the node's network address

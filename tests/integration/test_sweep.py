@@ -76,22 +76,25 @@ def test_asha_stops_weak_trials_and_the_sweep_resumes_after_its_driver_is_killed
     try:
         deadline = time.monotonic() + 600
         # killed once a trial has trained to its end and the last trial has started (so that the rerun has little
-        # left to train); a sweep that ends before that is run again all the same
+        # left to train), never after the sweep ended: the resume after a SIGKILL is what this test is for
         while not (list(runs.glob("tiny-lr-*/sweep_trial.json")) and list(runs.glob(f"tiny-lr-*_{len(LRS) - 1:05d}"))):
             if first.poll() is not None and _ray_did_not_start(log.read_text()) and starts < 3:
                 first = launch()  # a local Ray whose dashboard missed its start timeout, at load 15-30
-            if first.poll() is not None:
-                assert first.returncode == 0, log.read_text()[-4000:]
-                break
+                continue
+            assert first.poll() is None, f"the first driver ended (exit {first.returncode}) before the kill: " \
+                                         + log.read_text()[-4000:]
             assert time.monotonic() < deadline, log.read_text()[-4000:]
             time.sleep(0.2)
-        finished = {p.parent.name for p in runs.glob("tiny-lr-*/sweep_trial.json")}
     finally:
         if first.poll() is None:
             os.killpg(first.pid, signal.SIGKILL)  # the driver, its local Ray and the trials with it
         first.wait(timeout=30)
         for pid in _own_processes(ray_dir):  # whatever of that Ray outlived its process group
             os.kill(pid, signal.SIGKILL)
+    # the first driver died of the SIGKILL, with a trial unfinished: the rerun has something to resume
+    assert first.returncode == -signal.SIGKILL, (first.returncode, log.read_text()[-4000:])
+    finished = {p.parent.name for p in runs.glob("tiny-lr-*/sweep_trial.json")}
+    assert 1 <= len(finished) < len(LRS), finished
 
     t0 = time.monotonic()
     for _ in range(3):

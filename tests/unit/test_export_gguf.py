@@ -60,13 +60,16 @@ def expected_tensors(m, arch: str):
     return {n: t.numpy().astype(np.float16 if t.dim() > 1 else np.float32) for n, t in out.items()}
 
 
-@pytest.mark.parametrize("preset,arch,generation", [("tiny", "llama", "minimind2"), ("tiny3", "qwen3", "minimind3"),
-                                                    ("tiny3-moe", "qwen3moe", "minimind3")])
-def test_gguf_round_trip_every_tensor_and_the_tokenizer(tmp_path, preset, arch, generation):
+@pytest.mark.parametrize("preset,arch,generation,yarn", [
+    ("tiny", "llama", "minimind2", False), ("tiny3", "qwen3", "minimind3", False),
+    ("tiny3-moe", "qwen3moe", "minimind3", False), ("tiny3", "qwen3", "minimind3", True)])
+def test_gguf_round_trip_every_tensor_and_the_tokenizer(tmp_path, preset, arch, generation, yarn):
     import gguf
 
+    from minimind_ray.model.minimind import YARN
+
     tok_dir = minimind_tokenizer_dir(generation)
-    m = model(preset)
+    m = model(preset, inference_rope_scaling=yarn)
     path = export_gguf(m, tok_dir, tmp_path / "m.gguf")
     got, want = read_gguf_tensors(path), expected_tensors(m, arch)
     assert sorted(got) == sorted(want)  # no tensor missing, none extra (the tied lm_head is token_embd)
@@ -78,6 +81,12 @@ def test_gguf_round_trip_every_tensor_and_the_tokenizer(tmp_path, preset, arch, 
         f = r.fields[key]
         return bytes(f.parts[f.data[0]]).decode() if f.types[0] == gguf.GGUFValueType.STRING else f.parts[f.data[0]][0]
 
+    def array(key):
+        f = r.fields[key]
+        if f.types[-1] == gguf.GGUFValueType.STRING:
+            return [bytes(f.parts[i]).decode("utf-8") for i in f.data]
+        return [int(f.parts[i][0]) for i in f.data]
+
     c = m.cfg
     assert field("general.architecture") == arch
     assert (field(f"{arch}.block_count"), field(f"{arch}.embedding_length"), field(f"{arch}.attention.head_count"),
@@ -86,6 +95,15 @@ def test_gguf_round_trip_every_tensor_and_the_tokenizer(tmp_path, preset, arch, 
                                                         c.num_key_value_heads, c.max_position_embeddings,
                                                         c.intermediate_size)
     assert field(f"{arch}.rope.freq_base") == pytest.approx(c.rope_theta)
+    assert field(f"{arch}.rope.dimension_count") == c.head_dim == c.hidden_size // c.num_attention_heads
+    scaling = {k for k in r.fields if k.startswith(f"{arch}.rope.scaling.")}
+    if yarn:  # llama.cpp's YaRN with MiniMind's factor over its original context (model/minimind.py:YARN)
+        assert (field(f"{arch}.rope.scaling.type"), field(f"{arch}.rope.scaling.factor"),
+                field(f"{arch}.rope.scaling.original_context_length")) == (
+                    "yarn", YARN["factor"], YARN["original_max_position_embeddings"])
+        assert c.max_position_embeddings > YARN["original_max_position_embeddings"]
+    else:
+        assert not scaling, scaling
     assert field(f"{arch}.attention.layer_norm_rms_epsilon") == pytest.approx(c.rms_norm_eps)
     if arch == "qwen3moe":
         assert (field("qwen3moe.expert_count"), field("qwen3moe.expert_used_count")) == (c.num_experts,
@@ -97,7 +115,16 @@ def test_gguf_round_trip_every_tensor_and_the_tokenizer(tmp_path, preset, arch, 
     assert (field("tokenizer.ggml.bos_token_id"), field("tokenizer.ggml.eos_token_id"),
             field("tokenizer.ggml.padding_token_id")) == (1, 2, 0)
     assert field("tokenizer.chat_template") == json.loads((tok_dir / "tokenizer_config.json").read_text())["chat_template"]
-    assert len(r.fields["tokenizer.ggml.merges"].data) == len(hf_tok["model"]["merges"])
+    merges = [m if isinstance(m, str) else " ".join(m) for m in hf_tok["model"]["merges"]]
+    assert array("tokenizer.ggml.merges") == merges and len(merges) > 6000 - 256  # every merge, in rank order
+    # token types: MiniMind's special tokens are control tokens, its other added tokens user-defined, the rest
+    # normal; ids no token uses (none in MiniMind's 6400) would be unused
+    added = {a["id"]: a for a in hf_tok["added_tokens"]}
+    want_types = [(gguf.TokenType.CONTROL if added[i].get("special") else gguf.TokenType.USER_DEFINED)
+                  if i in added else gguf.TokenType.NORMAL for i in range(6400)]
+    assert array("tokenizer.ggml.token_type") == [int(t) for t in want_types]
+    assert [vocab[i] for i in range(6400) if want_types[i] == gguf.TokenType.CONTROL][:3] == [
+        "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
 def test_the_llama_row_order_keeps_attention_scores_under_adjacent_pair_rope():

@@ -274,3 +274,41 @@ def test_two_ranks_over_plain_gloo_match_one_rank(prepared, tmp_path):
     for name, model in (("actor", one.model), ("critic", one.parts["critic"].model)):
         for k, v in model.state_dict().items():
             torch.testing.assert_close(w2[name][k], v, atol=1e-4, rtol=0, msg=f"{name}.{k}")
+
+
+def test_the_edges_the_hand_cases_above_leave_out():
+    """Cases mutation testing found unchecked (docs/testing.md): a ratio below the clip range, a value clipped from
+    below, whitening a batch of equal advantages, one-token completions, token_rewards' defaults and a mask of any
+    dtype, which critic parameters train, and the critic's length limit."""
+    from minimind_ray.config import ModelConfig
+    from minimind_ray.model.presets import preset_values
+
+    # ratio 0.5 (p 0.25 against 0.5), A = -1, eps 0.2: max(0.5, 0.8) = 0.8, the clipped branch
+    t = ppo_token_losses(_tok(LN_QUARTER), _tok(LN_HALF), None, _tok(-1.0), _tok(0.0), _tok(0.0), _tok(0.0), 0.2, 0.2)
+    assert t["policy"].item() == pytest.approx(0.8, abs=1e-6) and t["clipped"].item() == 1.0
+    # V = 0 against the rollout's 0.5 (cliprange 0.2: clipped up to 0.3), return -1: max(1, 1.69) / 2 = 0.845
+    t = ppo_token_losses(_tok(0.0), _tok(0.0), None, _tok(0.0), _tok(0.0), _tok(0.5), _tok(-1.0), 0.2, 0.2)
+    assert t["value"].item() == pytest.approx(0.845, abs=1e-6)
+    # variance 0 (a batch of equal advantages): the 1e-8 is added, so the scale is 1e4, real and finite
+    w = whiten(torch.tensor([[2.0, 3.0]]), torch.ones(1, 2), mean=2.0, var=0.0)
+    assert w.dtype == torch.float32 and w.tolist() == [[0.0, 1e4]]
+    # one-token completions: the advantage is the reward minus the value, the return the reward
+    adv, ret = gae(torch.tensor([[1.0], [0.5]]), torch.tensor([[0.25], [0.5]]), torch.ones(2, 1), 1.0, 0.95)
+    close(adv, [[0.75], [0.0]])
+    close(ret, [[1.0], [0.5]])
+    # token_rewards: no KL term unless both the KL and its weight are given; float rewards from any mask dtype
+    scores, mask, kl = torch.tensor([1.5, -2.0]), torch.tensor([[1, 1, 0], [1, 0, 0]]), torch.full((2, 3), 0.5)
+    plain = [[0.0, 1.5, 0.0], [-2.0, 0.0, 0.0]]
+    for args in ((), (kl,), (None, 0.1), (kl, 0.0)):
+        got = token_rewards(scores, mask, *args)
+        assert got.dtype == torch.float32 and got.tolist() == plain, args
+    # the critic trains every parameter but an untied lm_head, which it never uses (DDP would stall on it)
+    for tied in (True, False):
+        policy = build_model(ModelConfig(**{**preset_values("tiny"), "tie_word_embeddings": tied,
+                                            "max_position_embeddings": 24}), seed=1)
+        critic = CriticModel(policy, seed=7)
+        frozen = [n for n, p in critic.named_parameters() if not p.requires_grad]
+        assert frozen == ([] if tied else ["lm_head.weight"]), (tied, frozen)
+    assert critic(torch.randint(3, 6400, (1, 24))).shape == (1, 24)  # the whole RoPE table
+    with pytest.raises(ValueError, match="sequence of 25 tokens exceeds max_position_embeddings=24"):
+        critic(torch.randint(3, 6400, (1, 25)))
