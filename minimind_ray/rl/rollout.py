@@ -5,9 +5,10 @@ is the one used by default: each training worker samples for its own prompts wit
 the policy, in batches, with the model's KV cache. Another engine (a pool of Ray actors, vLLM,
 SGLang) implements the same two methods; docs/rl.md says what that takes.
 
-Layout of a batch: prompts arrive left-padded (``prompt_mask`` marks their tokens), so every
-completion starts in the same column. RoPE depends only on relative positions, so a left-padded
-prompt with its pads masked out is computed as the same prompt alone would be.
+Layout of a batch: prompts arrive left-padded (``prompt_mask`` marks their tokens), and completions come back
+in one block after them. Inside, each prompt is moved to the start of its row (right padding) and decoded in
+its own row of the static KV cache (model/kv_cache.py) from position 0, exactly as the prompt alone would be:
+one write per token, no copy of the cache. Tokens are picked by the one sampler (model/sampling.py).
 """
 from __future__ import annotations
 
@@ -16,8 +17,10 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
+
+from minimind_ray.model.kv_cache import KVCache
+from minimind_ray.model.sampling import sample_tokens
 
 
 @dataclass(frozen=True)
@@ -92,35 +95,8 @@ def counter_uniform(seeds: Tensor, t: int) -> Tensor:
     return (((bits >> 11) & ((1 << 53) - 1)).double() + 0.5) * 2.0 ** -53
 
 
-def sample_tokens(logits: Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0,
-                  generator: torch.Generator = None, uniforms: Optional[Tensor] = None) -> Tensor:
-    """One token per row of ``logits`` (N, V): temperature, then top-k, then the top-p nucleus (the
-    token that crosses ``top_p`` is kept, as in minimind_ray/generate.py); draws from ``generator``
-    (None = the global RNG, which checkpoints save and restore), or by inverse CDF from ``uniforms`` (N,)
-    when given (counter_uniform: one number per row, so a row's token depends on its logits and its own
-    seed alone). ``temperature == 0`` is greedy (argmax, no draw)."""
-    if temperature == 0:
-        return logits.argmax(dim=-1)
-    logits = logits / temperature
-    if 0 < top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        drop = torch.cumsum(F.softmax(sorted_logits, dim=-1), dim=-1) > top_p
-        drop[:, 1:] = drop[:, :-1].clone()
-        drop[:, 0] = False
-        logits = logits.masked_fill(drop.scatter(1, order, drop), float("-inf"))
-    probs = F.softmax(logits, dim=-1)
-    if uniforms is None:
-        return torch.multinomial(probs, 1, generator=generator).squeeze(1)
-    cdf = probs.double().cumsum(dim=-1)  # (N, V)
-    pick = torch.searchsorted(cdf, (uniforms.to(cdf.device) * cdf[:, -1])[:, None]).squeeze(1)
-    return pick.clamp_max(logits.shape[-1] - 1)
-
-
 class TorchRollout(RolloutEngine):
-    """Batched sampling in this process with the model's KV cache: one forward over the prompts, then
+    """Batched sampling in this process with a static KV cache: one forward over the prompts, then
     one forward of one token per row until every row has sent its EOS or ``max_new_tokens`` is reached.
     The model runs in eval mode without gradients (its mode is restored); no collectives, so each rank
     samples on its own. The grpo objective passes each row's seed (:func:`row_seeds`): a completion is then
@@ -149,12 +125,14 @@ def sample_completions(model, prompt_ids: Tensor, prompt_mask: Tensor, params: S
     if budget < 1:
         raise ValueError(f"prompts of {p_len} tokens leave no room under max_position_embeddings="
                          f"{model.cfg.max_position_embeddings}")
+    ids, lengths = right_aligned(prompt_ids, prompt_mask)
     was_training = model.training
     model.eval()
     try:
         with (autocast or contextlib.nullcontext)():
-            attention = prompt_mask.long()
-            out = model(prompt_ids, use_cache=True, attention_mask=attention)
+            cache = KVCache.for_model(model, slots=n, max_len=p_len + budget, capacity=p_len + budget)
+            last = torch.tensor(lengths, device=ids.device) - 1  # (N,): each prompt's last token
+            out = model(ids, kv_cache=cache, input_lengths=lengths, logits_at=last)
             alive = torch.ones(n, dtype=torch.bool, device=prompt_ids.device)
             tokens, logps, masks = [], [], []
             for t in range(budget):
@@ -169,10 +147,20 @@ def sample_completions(model, prompt_ids: Tensor, prompt_mask: Tensor, params: S
                 alive = alive & nxt.ne(params.eos_id)
                 if t == budget - 1 or not bool(alive.any()):
                     break
-                attention = torch.cat([attention, masks[-1].long()[:, None]], dim=1)
-                out = model(nxt[:, None], past_key_values=out.past_key_values, use_cache=True,
-                            attention_mask=attention)
+                out = model(nxt[:, None], kv_cache=cache)  # a finished row goes on with pads nobody reads
     finally:
         model.train(was_training)
     return Rollout(completion_ids=torch.stack(tokens, 1), completion_mask=torch.stack(masks, 1),
                    logprobs=torch.stack(logps, 1).float(), truncated=alive)
+
+
+def right_aligned(prompt_ids: Tensor, prompt_mask: Tensor):
+    """Left-padded prompts (N, P) -> the same prompts from column 0, right-padded, and each one's length (host
+    ints): what a row of the KV cache starts from. A mask that is not a left padding is refused."""
+    n, p_len = prompt_ids.shape
+    lengths = prompt_mask.long().sum(dim=1)  # (N,)
+    cols = torch.arange(p_len, device=prompt_ids.device)
+    if not torch.equal(prompt_mask.bool(), cols[None, :] >= (p_len - lengths)[:, None]):
+        raise ValueError("prompt_mask: prompts must be left-padded (each row's tokens at its end, in one run)")
+    ids = prompt_ids.gather(1, (cols[None, :] + (p_len - lengths)[:, None]) % p_len)  # (N, P): rolled left
+    return ids, lengths.tolist()

@@ -180,10 +180,10 @@ class Scripted(torch.nn.Module):
         reply = self.replies[min(len(starts) - 1, len(self.replies) - 1)]
         return reply[min(len(row) - starts[-1] - k, len(reply) - 1)]
 
-    def forward(self, ids, past_key_values=None, use_cache=False, attention_mask=None):
-        out = self.inner(ids, past_key_values=past_key_values, use_cache=use_cache, attention_mask=attention_mask)
-        if past_key_values is None:
-            self.rows = [r[m.bool()].tolist() for r, m in zip(ids, attention_mask)]
+    def forward(self, ids, kv_cache=None, input_lengths=None, **kw):
+        out = self.inner(ids, kv_cache=kv_cache, input_lengths=input_lengths, **kw)
+        if input_lengths is not None:  # the prefill: right-padded prompts
+            self.rows = [r[:n].tolist() for r, n in zip(ids, input_lengths)]
         else:
             self.rows = [r + [int(t)] for r, t in zip(self.rows, ids[:, -1])]
         for i, row in enumerate(self.rows):

@@ -12,7 +12,8 @@ import torch
 from minimind_ray.config import load_config
 from minimind_ray.model.minimind import build_model
 from minimind_ray.rl.grpo import eos_mask, group_advantages, group_std, k3_kl, per_token_loss, sequence_mean
-from minimind_ray.rl.rollout import SamplingParams, TorchRollout, sample_tokens, token_logprobs
+from minimind_ray.model.sampling import sample_tokens
+from minimind_ray.rl.rollout import SamplingParams, TorchRollout, token_logprobs
 from minimind_ray.tokenizer import load_tokenizer
 from tests.conftest import minimind_tokenizer_dir
 
