@@ -131,12 +131,10 @@ def sample_completions(model, prompt_ids: Tensor, prompt_mask: Tensor, params: S
     try:
         with (autocast or contextlib.nullcontext)():
             cache = KVCache.for_model(model, slots=n, max_len=p_len + budget, capacity=p_len + budget)
-            last = torch.tensor(lengths, device=ids.device) - 1  # (N,): each prompt's last token
-            out = model(ids, kv_cache=cache, input_lengths=lengths, logits_at=last)
+            logits = _prefill(model, cache, ids, lengths)  # (N, V)
             alive = torch.ones(n, dtype=torch.bool, device=prompt_ids.device)
             tokens, logps, masks = [], [], []
             for t in range(budget):
-                logits = out.logits[:, -1].float()  # (N, V)
                 nxt = sample_tokens(logits, params.temperature, params.top_p, params.top_k, generator,
                                     None if seeds is None else counter_uniform(seeds, t))
                 logp = token_logprobs(logits, nxt)
@@ -147,7 +145,7 @@ def sample_completions(model, prompt_ids: Tensor, prompt_mask: Tensor, params: S
                 alive = alive & nxt.ne(params.eos_id)
                 if t == budget - 1 or not bool(alive.any()):
                     break
-                out = model(nxt[:, None], kv_cache=cache)  # a finished row goes on with pads nobody reads
+                logits = model(nxt[:, None], kv_cache=cache).logits[:, -1].float()  # a finished row: pads, unread
     finally:
         model.train(was_training)
     return Rollout(completion_ids=torch.stack(tokens, 1), completion_mask=torch.stack(masks, 1),
@@ -164,3 +162,23 @@ def right_aligned(prompt_ids: Tensor, prompt_mask: Tensor):
         raise ValueError("prompt_mask: prompts must be left-padded (each row's tokens at its end, in one run)")
     ids = prompt_ids.gather(1, (cols[None, :] + (p_len - lengths)[:, None]) % p_len)  # (N, P): rolled left
     return ids, lengths.tolist()
+
+
+def _prefill(model, cache: KVCache, ids: Tensor, lengths) -> Tensor:
+    """Right-aligned prompts (N, P) into cache rows 0..N-1 -> the logits after each prompt (N, V), float32. A
+    prompt repeated in the batch (a GRPO group: one prompt, G completions) is computed once, in its first row,
+    and copied into the others' rows."""
+    keyed = torch.cat([ids, torch.tensor(lengths, device=ids.device)[:, None]], dim=1)
+    _, inverse = torch.unique(keyed, dim=0, return_inverse=True)  # (N,): rows with one id are one prompt
+    inverse = inverse.tolist()
+    first = {}
+    for row, u in enumerate(inverse):
+        first.setdefault(u, row)
+    owners = sorted(first.values())  # each distinct prompt's first row
+    fresh = [lengths[r] for r in owners]
+    out = model(ids[owners], kv_cache=cache, slots=owners, input_lengths=fresh,
+                logits_at=torch.tensor(fresh, device=ids.device) - 1).logits[:, -1].float()  # (U, V)
+    for u, row in first.items():
+        cache.fork(row, [r for r, v in enumerate(inverse) if v == u and r != row])
+    where = {row: i for i, row in enumerate(owners)}
+    return out[[where[first[u]] for u in inverse]]
