@@ -155,6 +155,11 @@ class ActorRollout(RolloutEngine):
         if not ray.get(self.actors[index].has.remote(version)):
             ray.get(self.actors[index].load.remote(version, ray.put(self.copies[version])))
 
+    def generate_many(self, requests) -> list:
+        """Every request sent before the first is awaited: the actors generate side by side (each request goes to
+        the actor it would go to one by one)."""
+        return [self.collect(handle) for handle in [self.submit(*request) for request in requests]]
+
     def generate(self, prompt_ids: Tensor, prompt_mask: Tensor, params: SamplingParams,
                  generator: Optional[torch.Generator] = None, seeds: Optional[Tensor] = None) -> Rollout:
         if seeds is None:

@@ -59,10 +59,11 @@ class PPOPlan:
         self.engine.update_policy(state.model, step)
         params = self._params()
         out = []
-        for mb in batches:
+        rolls = self.engine.generate_many([  # the step's micro-batches in one batch
+            (mb["prompt_ids"].to(dev), mb["prompt_mask"].to(dev), params,
+             row_seeds(self.cfg.train.seed, step, mb["sample_ids"], 1).to(dev)) for mb in batches])
+        for mb, roll in zip(batches, rolls):
             prompt_ids, prompt_mask = mb["prompt_ids"].to(dev), mb["prompt_mask"].to(dev)
-            roll = self.engine.generate(prompt_ids, prompt_mask, params,
-                                        seeds=row_seeds(self.cfg.train.seed, step, mb["sample_ids"], 1).to(dev))
             ids = roll.completion_ids
             mask = eos_mask(ids, params.eos_id, roll.completion_mask)
             scores, per_term = _score(self.tokenizer, rewards, mb, ids, mask, 1)

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from minimind_ray.model.kv_cache import KVCache
@@ -55,6 +56,11 @@ class RolloutEngine:
         """Sample one completion for each row of ``prompt_ids`` (N, P), left-padded: from each row's ``seeds``
         (row_seeds) when given, else from ``generator``, else from the engine's own random source."""
         raise NotImplementedError
+
+    def generate_many(self, requests: List[Tuple[Tensor, Tensor, SamplingParams, Tensor]]) -> List[Rollout]:
+        """The rollouts of several requests ``(prompt_ids, prompt_mask, params, seeds)`` (a step's micro-batches),
+        each as :meth:`generate` gives it; an engine may run them together. Here: one after another."""
+        return [self.generate(ids, mask, params, seeds=seeds) for ids, mask, params, seeds in requests]
 
 
 def token_logprobs(logits: Tensor, tokens: Tensor) -> Tensor:
@@ -114,6 +120,26 @@ class TorchRollout(RolloutEngine):
     def generate(self, prompt_ids: Tensor, prompt_mask: Tensor, params: SamplingParams,
                  generator: Optional[torch.Generator] = None, seeds: Optional[Tensor] = None) -> Rollout:
         return sample_completions(self.model, prompt_ids, prompt_mask, params, self.autocast, generator, seeds)
+
+    def generate_many(self, requests: List[Tuple[Tensor, Tensor, SamplingParams, Tensor]]) -> List[Rollout]:
+        """All the requests' rows in one batch (each row from its own seed, so a row samples what it would in its
+        own request), cut back into one rollout per request: a decode step's forward reads the weights once for
+        every row of the step instead of once per micro-batch."""
+        params = requests[0][2] if requests else None
+        width = max((ids.shape[1] for ids, *_ in requests), default=0)
+        if (len(requests) < 2 or any(p != params or s is None for _, _, p, s in requests)
+                or width + params.max_new_tokens > self.model.cfg.max_position_embeddings):  # budgets would differ
+            return super().generate_many(requests)
+        ids = torch.cat([F.pad(i, (width - i.shape[1], 0), value=params.pad_id) for i, *_ in requests])
+        mask = torch.cat([F.pad(m, (width - m.shape[1], 0), value=0) for _, m, *_ in requests])
+        roll = self.generate(ids, mask, params, seeds=torch.cat([s for *_, s in requests]))
+        out, lo = [], 0
+        for n in (i.shape[0] for i, *_ in requests):
+            part = [t[lo:lo + n] for t in (roll.completion_ids, roll.completion_mask, roll.logprobs)]
+            R = max(int(part[1].sum(dim=1).max()), 1)  # as long as this request's own longest completion
+            out.append(Rollout(*(t[:, :R] for t in part), truncated=roll.truncated[lo:lo + n]))
+            lo += n
+        return out
 
 
 @torch.no_grad()
