@@ -122,24 +122,39 @@ class TorchRollout(RolloutEngine):
         return sample_completions(self.model, prompt_ids, prompt_mask, params, self.autocast, generator, seeds)
 
     def generate_many(self, requests: List[Tuple[Tensor, Tensor, SamplingParams, Tensor]]) -> List[Rollout]:
-        """All the requests' rows in one batch (each row from its own seed, so a row samples what it would in its
-        own request), cut back into one rollout per request: a decode step's forward reads the weights once for
-        every row of the step instead of once per micro-batch."""
-        params = requests[0][2] if requests else None
-        width = max((ids.shape[1] for ids, *_ in requests), default=0)
-        if (len(requests) < 2 or any(p != params or s is None for _, _, p, s in requests)
-                or width + params.max_new_tokens > self.model.cfg.max_position_embeddings):  # budgets would differ
+        """All the requests' rows in one batch (:func:`merge_requests`): a decode step's forward reads the weights
+        once for every row of the step instead of once per micro-batch."""
+        merged = merge_requests(requests, self.model.cfg.max_position_embeddings)
+        if merged is None:
             return super().generate_many(requests)
-        ids = torch.cat([F.pad(i, (width - i.shape[1], 0), value=params.pad_id) for i, *_ in requests])
-        mask = torch.cat([F.pad(m, (width - m.shape[1], 0), value=0) for _, m, *_ in requests])
-        roll = self.generate(ids, mask, params, seeds=torch.cat([s for *_, s in requests]))
-        out, lo = [], 0
-        for n in (i.shape[0] for i, *_ in requests):
-            part = [t[lo:lo + n] for t in (roll.completion_ids, roll.completion_mask, roll.logprobs)]
-            R = max(int(part[1].sum(dim=1).max()), 1)  # as long as this request's own longest completion
-            out.append(Rollout(*(t[:, :R] for t in part), truncated=roll.truncated[lo:lo + n]))
-            lo += n
-        return out
+        ids, mask, params, seeds = merged
+        return split_rollout(self.generate(ids, mask, params, seeds=seeds), [r[0].shape[0] for r in requests])
+
+
+def merge_requests(requests: List[Tuple[Tensor, Tensor, SamplingParams, Tensor]], max_positions: int):
+    """Several rollout requests as one: their rows left-padded to one width, each with its own seed (so a row
+    samples what it would in its own request, up to float rounding); None when they cannot be one (one request,
+    other params, no seeds, or a width that would cut the token budget)."""
+    params = requests[0][2] if requests else None
+    width = max((ids.shape[1] for ids, *_ in requests), default=0)
+    if (len(requests) < 2 or any(p != params or s is None for _, _, p, s in requests)
+            or width + params.max_new_tokens > max_positions):
+        return None
+    ids = torch.cat([F.pad(i, (width - i.shape[1], 0), value=params.pad_id) for i, *_ in requests])
+    mask = torch.cat([F.pad(m, (width - m.shape[1], 0), value=0) for _, m, *_ in requests])
+    return ids, mask, params, torch.cat([s for *_, s in requests])
+
+
+def split_rollout(roll: Rollout, sizes: List[int]) -> List[Rollout]:
+    """A merged request's rollout back into one per request (``sizes`` rows each), each as long as its own
+    longest completion, as the request alone would have come back."""
+    out, lo = [], 0
+    for n in sizes:
+        part = [t[lo:lo + n] for t in (roll.completion_ids, roll.completion_mask, roll.logprobs)]
+        R = max(int(part[1].sum(dim=1).max()), 1)
+        out.append(Rollout(*(t[:, :R] for t in part), truncated=roll.truncated[lo:lo + n]))
+        lo += n
+    return out
 
 
 @torch.no_grad()

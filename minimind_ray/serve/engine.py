@@ -166,7 +166,7 @@ class Engine:
             raise
 
     def _next_batch(self) -> bool:
-        """Wait for work; move waiting requests into the batch (prefill each). False when closed."""
+        """Wait for work; move waiting requests into the batch (prefilled together). False when closed."""
         with self._cond:
             while not self._closed and not self._waiting and not self._rows:
                 self._cond.wait()
