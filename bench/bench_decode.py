@@ -1,8 +1,9 @@
 """Decode cost per token against its position, before and after the static KV cache (not a test).
 
 For each position p (64, 512, 2048) and batch (1, 16): a freshly initialised model of --preset (minimind2-small,
-26M) prefills prompts of p tokens, then decodes --steps more tokens; tokens/s counts only those decode steps,
-timed between the tokens' arrivals:
+26M) prefills prompts of p tokens, then decodes --steps more tokens, each step timed between two tokens'
+arrivals in CPU seconds of the thread that runs the model (``time.thread_time``: on a shared machine wall time
+mostly measures the other processes); a point's figure is batch / the median step, tokens per CPU second:
 
   batch 1    ``generate_tokens`` (the ``minimind-ray generate`` loop), one prompt
   batch 16   the serving engine (``serve/engine.py``) with 16 requests of p-token prompts, timed once all 16 run
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import threading
 import time
@@ -33,9 +35,9 @@ def _batch1(model, p: int, steps: int) -> float:
     from minimind_ray.generate import generate_tokens
 
     prompt = torch.randint(3, 6400, (1, p), generator=torch.Generator().manual_seed(p))
-    stamps = [time.perf_counter() for _ in generate_tokens(model, prompt, steps + 1, temperature=0.0,
-                                                           eos_token_id=None)]
-    return steps / (stamps[-1] - stamps[0])  # the first token came with the prefill
+    stamps = [time.thread_time() for _ in generate_tokens(model, prompt, steps + 1, temperature=0.0,
+                                                          eos_token_id=None)]
+    return 1 / statistics.median(b - a for a, b in zip(stamps, stamps[1:]))  # the first came with the prefill
 
 
 def _batched(model, p: int, steps: int, batch: int) -> float:
@@ -49,8 +51,8 @@ def _batched(model, p: int, steps: int, batch: int) -> float:
 
     def on_event(i, event):
         if event[0] == "token":
-            if i == 0:
-                stamps.append(time.perf_counter())
+            if i == 0:  # on the engine thread, which runs the model
+                stamps.append(time.thread_time())
             firsts.append(i) if len(firsts) < batch and i not in firsts else None
         elif i == 0:
             done.set()
@@ -69,7 +71,7 @@ def _batched(model, p: int, steps: int, batch: int) -> float:
     finally:
         engine.close()
     timed = stamps[joined_at:joined_at + steps + 1]
-    return batch * (len(timed) - 1) / (timed[-1] - timed[0])
+    return batch / statistics.median(b - a for a, b in zip(timed, timed[1:]))
 
 
 def worker(args) -> dict:
@@ -95,7 +97,7 @@ def main(argv=None) -> int:
     ap.add_argument("--preset", default="minimind2-small")
     ap.add_argument("--positions", default="64,512,2048")
     ap.add_argument("--batches", default="1,16")
-    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--before", default=None, help="the commit to compare with (default: before_after.BASE_REV)")
@@ -123,10 +125,11 @@ def main(argv=None) -> int:
             print(f"round {r + 1} {side}: " + ", ".join(f"{k} {v:.1f}" for k, v in got.items()), flush=True)
         loads.append(os.getloadavg()[0])
     positions = [int(x) for x in args.positions.split(",")]
-    print(f"\n{args.preset}, {args.steps} decode steps per point, {args.threads} torch thread(s), best of "
-          f"{args.rounds} rounds; before = {rev}, after = this checkout; load average (1 min) "
+    print(f"\n{args.preset}, tokens per CPU second = batch / the median of {args.steps} decode steps' CPU time, "
+          f"{args.threads} torch thread(s), best of {args.rounds} rounds; before = {rev}, after = this checkout; "
+          f"load average (1 min) "
           + " -> ".join(f"{x:.1f}" for x in loads))
-    print("\n| batch | position | before tok/s | after tok/s | after / before | cost per token vs position "
+    print("\n| batch | position | before tok/CPU s | after tok/CPU s | after / before | cost per token vs position "
           f"{positions[0]}: before | after |")
     print("|---|---|---|---|---|---|---|")
     for b in [int(x) for x in args.batches.split(",")]:

@@ -2,7 +2,9 @@
 the same.
 
 What one training worker generates in one GRPO step, with the in-worker sampler (``rl/rollout.py``
-``sample_completions``, the function both versions have), each completion from its own seed (``row_seeds``):
+``TorchRollout``), each completion from its own seed (``row_seeds``), as the step asks for it: before, one
+``generate`` per micro-batch; after, ``generate_many`` of the step's micro-batches (policy_step.py), which runs
+them as one batch:
 
   demo             the demo recipe (demo_grpo.yaml): 16 sorting prompts x 8 completions, max_gen_len 10,
                    temperature 1, one micro-batch per worker and step
@@ -14,6 +16,8 @@ models are freshly initialised (time does not depend on what the weights learned
 completion early, so every row runs to max_gen_len, the longest case). "before" is the commit before issue 35
 (``--before``), exported with ``git archive``, "after" this checkout; rounds alternate, each in a fresh process,
 and the table gives each side's best round, the load average, and whether both sides sampled the same tokens.
+Time is the CPU seconds of the process (one torch thread: its work; on a shared machine wall time mostly measures
+the other processes), with the wall seconds of the same step beside it.
 
 Usage:  .venv/bin/python bench/bench_rollout.py [--cases demo,minimind2-small] [--steps 3] [--rounds 2]
                                                 [--threads 1] [--before REV]
@@ -59,7 +63,7 @@ def worker(args) -> dict:
     from minimind_ray.config import ModelConfig
     from minimind_ray.model.minimind import build_model
     from minimind_ray.model.presets import preset_values
-    from minimind_ray.rl.rollout import SamplingParams, row_seeds, sample_completions
+    from minimind_ray.rl.rollout import SamplingParams, TorchRollout, row_seeds
 
     torch.set_num_threads(args.threads)
     shared = json.loads(Path(args.prompts).read_text())
@@ -67,11 +71,13 @@ def worker(args) -> dict:
     for name in args.cases.split(","):
         preset, per_mb, group, mbs, gen_len, temperature = CASES[name]
         model = build_model(ModelConfig(**preset_values(preset)), seed=0).eval()
+        engine = TorchRollout()
+        engine.update_policy(model, 0)
         params = SamplingParams(max_new_tokens=gen_len, temperature=temperature, eos_id=shared["eos"],
                                 pad_id=shared["pad"])
         digest, seconds = hashlib.sha256(), []
         for step in range(args.steps + 1):  # step 0 warms up
-            t0 = time.perf_counter()
+            requests = []
             for mb in range(mbs):
                 first = ((step * mbs + mb) * per_mb) % (len(shared["prompts"]) - per_mb)
                 rows = [p for p in shared["prompts"][first:first + per_mb] for _ in range(group)]
@@ -80,12 +86,18 @@ def worker(args) -> dict:
                 mask = torch.zeros((len(rows), width), dtype=torch.long)
                 for i, r in enumerate(rows):
                     ids[i, width - len(r):], mask[i, width - len(r):] = torch.tensor(r), 1
-                seeds = row_seeds(1234, step, torch.arange(first, first + per_mb), group)
-                roll = sample_completions(model, ids, mask, params, seeds=seeds)
-                digest.update(json.dumps([roll.completion_ids.tolist(), roll.completion_mask.tolist()]).encode())
+                requests.append((ids, mask, params, row_seeds(1234, step, torch.arange(first, first + per_mb), group)))
+            t0, c0 = time.perf_counter(), time.process_time()
+            if hasattr(engine, "generate_many"):
+                rolls = engine.generate_many(requests)
+            else:  # the version before issue 35: one micro-batch at a time
+                rolls = [engine.generate(ids, mask, p, seeds=seeds) for ids, mask, p, seeds in requests]
             if step:
-                seconds.append(time.perf_counter() - t0)
-        out[name] = {"s_per_step": min(seconds), "samples": digest.hexdigest()[:16]}
+                seconds.append((time.process_time() - c0, time.perf_counter() - t0))
+            for roll in rolls:
+                digest.update(json.dumps([roll.completion_ids.tolist(), roll.completion_mask.tolist()]).encode())
+        cpu, wall = min(seconds)
+        out[name] = {"s_per_step": cpu, "wall_s": wall, "samples": digest.hexdigest()[:16]}
     return out
 
 
@@ -122,18 +134,20 @@ def main(argv=None) -> int:
             for k, v in got.items():
                 if k not in best[side] or v["s_per_step"] < best[side][k]["s_per_step"]:
                     best[side][k] = v
-            print(f"round {r + 1} {side}: " + ", ".join(f"{k} {v['s_per_step']:.2f} s" for k, v in got.items()),
+            print(f"round {r + 1} {side}: " + ", ".join(f"{k} {v['s_per_step']:.2f} CPU s" for k, v in got.items()),
                   flush=True)
         loads.append(os.getloadavg()[0])
-    print(f"\nrollout seconds per GRPO step of one worker, best of {args.rounds} rounds x {args.steps} steps, "
-          f"{args.threads} torch thread(s); before = {rev}, after = this checkout; load average (1 min) "
+    print(f"\nrollout CPU seconds (wall) per GRPO step of one worker, best of {args.rounds} rounds x {args.steps} "
+          f"steps, {args.threads} torch thread(s); before = {rev}, after = this checkout; load average (1 min) "
           + " -> ".join(f"{x:.1f}" for x in loads))
-    print("\n| case | completions x tokens per step | before (s) | after (s) | lower by | same samples |")
+    print("\n| case | completions x tokens per step | before CPU s (wall) | after CPU s (wall) | lower by | "
+          "same samples |")
     print("|---|---|---|---|---|---|")
     for name in args.cases.split(","):
         _, per_mb, group, mbs, gen_len, _ = CASES[name]
         b, a = best["before"][name], best["after"][name]
-        print(f"| {name} | {per_mb * group * mbs} x {gen_len} | {b['s_per_step']:.2f} | {a['s_per_step']:.2f} | "
+        print(f"| {name} | {per_mb * group * mbs} x {gen_len} | {b['s_per_step']:.2f} ({b['wall_s']:.2f}) | "
+              f"{a['s_per_step']:.2f} ({a['wall_s']:.2f}) | "
               f"{1 - a['s_per_step'] / b['s_per_step']:.0%} | {'yes' if a['samples'] == b['samples'] else 'NO'} |")
     return 0
 
