@@ -9,9 +9,16 @@
 2. Validation during training: the same training run without ``eval.tasks`` and with them (the demo's
    multiple-choice set on every checkpoint, in a Ray task beside the workers): mean step time from the run's
    MLflow history, and the evaluations' own time from their markers.
+3. ``--gen``: a ``gen`` task's questions per second before and after the static KV cache (issue 35): the
+   held-out sorting prompts (demo:sort_heldout) with greedy and sampled completions, on the demo model (16
+   samples of 10 tokens, as bench_grpo.py scores it) and on minimind2-small (4 samples of 64 tokens); fresh
+   weights and the demo tokenizer. "before" is the commit before issue 35 (``--before``, exported with
+   ``git archive``), "after" this checkout, each in a fresh process, alternating (``--rounds``, the best
+   counts), and whether both gave the same completions.
 
 Usage:  .venv/bin/python bench/bench_eval.py [--preset minimind2-small] [--questions 200] [--shots 5]
                                              [--skip-validation] [--skip-qps]
+        .venv/bin/python bench/bench_eval.py --gen [--rounds 2] [--before REV]
 """
 from __future__ import annotations
 
@@ -160,6 +167,83 @@ def bench_validation(args, work: Path) -> None:
         print(f"{label:<38} {step:>13.4f} {step / base:>9.3f}x {wall:>9.0f}   {ev}")
 
 
+GEN_CASES = {  # preset: (questions, samples, max_new_tokens, batch_size)
+    "demo": (100, 16, 10, 25),
+    "minimind2-small": (40, 4, 64, 10),
+}
+
+
+def gen_worker(args) -> dict:
+    """In a fresh process with ``args.src`` first on sys.path: each case's questions/s and a digest of its
+    completions."""
+    sys.path.insert(0, args.src)
+    import hashlib
+
+    from minimind_ray.evals.config import EvalTaskConfig
+    from minimind_ray.evals.run import evaluate_task
+
+    torch.set_num_threads(args.threads)
+    setup = json.loads(Path(args.setup).read_text())
+    out = {}
+    for preset, (n, samples, max_new, batch) in GEN_CASES.items():
+        task = EvalTaskConfig(task="gen", data=setup["data"], chat_template=True, samples=samples,
+                              max_new_tokens=max_new, temperature=1.0, limit=n, batch_size=batch)
+        cpu = time.process_time()
+        res = evaluate_task(setup["weights"][preset], task, tokenizer=setup["tokenizer"], device="cpu",
+                            cache_dir=setup["cache"])
+        cpu = time.process_time() - cpu  # one torch thread: the work, which the machine's other load disturbs less
+        digest = hashlib.sha256(json.dumps([(d["greedy"], d.get("samples")) for d in res["details"]]).encode())
+        out[preset] = {"qps": res["n"] / cpu, "wall_qps": res["questions_per_s"], "n": res["n"],
+                       "completions": digest.hexdigest()[:16]}
+    return out
+
+
+def bench_gen(args, work: Path) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from before_after import BASE_REV, REPO, export_tree, run_worker
+
+    from minimind_ray.config import ModelConfig
+    from minimind_ray.data.demo import resolve_demo_path
+    from minimind_ray.model.minimind import build_model
+    from minimind_ray.model.presets import preset_values
+    from minimind_ray.store.pth import save_pth
+    from minimind_ray.tokenizer import resolve_tokenizer
+
+    cache = work / "cache"
+    tok = resolve_tokenizer("builtin", str(cache))
+    weights = {}
+    for preset in GEN_CASES:
+        weights[preset] = str(work / f"{preset}.pth")
+        save_pth(build_model(ModelConfig(**preset_values(preset)), seed=0), weights[preset])
+    setup = work / "gen.json"
+    setup.write_text(json.dumps({"data": resolve_demo_path("demo:sort_heldout", "", str(cache)), "weights": weights,
+                                 "tokenizer": tok.path, "cache": str(cache)}))
+    rev = args.before or BASE_REV
+    trees = {"before": export_tree(rev), "after": REPO}
+    loads, best = [os.getloadavg()[0]], {"before": {}, "after": {}}
+    for r in range(args.rounds):
+        for side, tree in trees.items():
+            got = run_worker(Path(__file__).resolve(), tree, ["--setup", str(setup), "--threads", str(args.threads)],
+                             args.threads)
+            for k, v in got.items():
+                if k not in best[side] or v["qps"] > best[side][k]["qps"]:
+                    best[side][k] = v
+            print(f"round {r + 1} {side}: " + ", ".join(f"{k} {v['qps']:.2f} q/CPU s" for k, v in got.items()),
+                  flush=True)
+        loads.append(os.getloadavg()[0])
+    print(f"\n`gen` task questions per CPU second (wall q/s in brackets), best of {args.rounds} rounds, {args.threads} "
+          f"torch thread(s); before = {rev}, after = this checkout; load average (1 min) "
+          + " -> ".join(f"{x:.1f}" for x in loads))
+    print("\n| model | questions x (1 greedy + samples) x tokens | before q/CPU s (wall q/s) | "
+          "after q/CPU s (wall q/s) | after / before | same completions |")
+    print("|---|---|---|---|---|---|")
+    for preset, (n, samples, max_new, _) in GEN_CASES.items():
+        b, a = best["before"][preset], best["after"][preset]
+        print(f"| {preset} | {a['n']} x (1 + {samples}) x {max_new} | {b['qps']:.2f} ({b['wall_qps']:.2f}) | "
+              f"{a['qps']:.2f} ({a['wall_qps']:.2f}) | "
+              f"{a['qps'] / b['qps']:.2f}x | {'yes' if a['completions'] == b['completions'] else 'NO'} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="minimind2-small")
@@ -168,11 +252,23 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--skip-qps", action="store_true")
     ap.add_argument("--skip-validation", action="store_true")
+    ap.add_argument("--gen", action="store_true", help="only the gen task's questions/s, before and after")
+    ap.add_argument("--rounds", type=int, default=2, help="--gen: rounds of each side")
+    ap.add_argument("--threads", type=int, default=1, help="--gen: torch threads")
+    ap.add_argument("--before", default=None, help="--gen: the commit to compare with (before_after.BASE_REV)")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # --gen's worker (before_after.py)
+    ap.add_argument("--src", help=argparse.SUPPRESS)
+    ap.add_argument("--setup", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.worker:
+        print(json.dumps(gen_worker(args)))
+        return
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     with tempfile.TemporaryDirectory(prefix="bench-eval-") as tmp:
         work = Path(tmp)
+        if args.gen:
+            return bench_gen(args, work)
         if not args.skip_qps:
             bench_qps(args, work)
         if not args.skip_validation:

@@ -35,7 +35,8 @@ VARIANTS: Dict[str, dict] = {  # in the order they are measured (the budget may 
 
 def _gqa_sdpa(original):
     def sdpa(q, k, v, *args, **kwargs):  # q (B, nh, T, hs), k and v (B, nkv, S, hs) once repeat_kv is off
-        return original(q, k, v, *args, enable_gqa=k.shape[-3] != q.shape[-3], **kwargs)
+        kwargs.setdefault("enable_gqa", k.shape[-3] != q.shape[-3])  # decoding passes it itself
+        return original(q, k, v, *args, **kwargs)
     return sdpa
 
 

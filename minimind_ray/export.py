@@ -29,7 +29,8 @@ from torch import nn
 from minimind_ray.config import run_config_of
 from minimind_ray.model.config import ModelConfig
 from minimind_ray.fsio import atomic_write, write_text_atomic
-from minimind_ray.model.minimind import YARN, clean_state_dict, unwrap_model
+from minimind_ray.model.minimind import clean_state_dict, unwrap_model
+from minimind_ray.model.rope import YARN
 from minimind_ray.store.pth import save_pth
 from minimind_ray.store.weights import SAFETENSORS_CONFIG_KEY, model_config_json
 

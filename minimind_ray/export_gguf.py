@@ -34,7 +34,8 @@ from torch import nn
 
 from minimind_ray.model.config import ModelConfig
 from minimind_ray.fsio import atomic_write
-from minimind_ray.model.minimind import YARN, clean_state_dict, unwrap_model
+from minimind_ray.model.minimind import clean_state_dict, unwrap_model
+from minimind_ray.model.rope import YARN
 
 DTYPES = {torch.float16: np.float16, torch.float32: np.float32}
 # MiniMind's tokenizers: <|endoftext|> = 0 (pad), <|im_start|> = 1 (bos), <|im_end|> = 2 (eos)

@@ -6,8 +6,10 @@ from dataclasses import dataclass
 from typing import Iterator, List, Optional, TextIO
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
+
+from minimind_ray.model.kv_cache import KVCache
+from minimind_ray.model.sampling import sample_tokens
 
 
 @dataclass
@@ -20,21 +22,6 @@ class SamplingConfig:
     seed: Optional[int] = None
 
 
-def sample_filter(logits: Tensor, top_k: int, top_p: float) -> Tensor:
-    """Set logits outside the top-k and outside the top-p nucleus to -inf. logits (V,)."""
-    if 0 < top_k < logits.numel():
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, sorted_idx = torch.sort(logits, descending=True)
-        cum = torch.cumsum(F.softmax(sorted_logits, dim=-1), dim=-1)
-        drop = cum > top_p
-        drop[1:] = drop[:-1].clone()  # keep the token that crosses top_p
-        drop[0] = False
-        logits = logits.masked_fill(drop.scatter(0, sorted_idx, drop), float("-inf"))
-    return logits
-
-
 @torch.inference_mode()
 def generate_tokens(model, input_ids: Tensor, max_new_tokens: int, temperature: float = 0.85,
                     top_p: float = 0.85, top_k: int = 50, repetition_penalty: float = 1.0,
@@ -42,33 +29,32 @@ def generate_tokens(model, input_ids: Tensor, max_new_tokens: int, temperature: 
                     generator: Optional[torch.Generator] = None) -> Iterator[int]:
     """Yield new token ids one at a time (streaming) for a single prompt ``input_ids`` (1, T).
 
-    Sampling follows MiniMind's: repetition penalty over every token seen, then
-    temperature, top-k, top-p. ``temperature == 0`` is greedy. Stops after yielding
-    ``eos_token_id`` or at the model's maximum length. The model runs in eval mode
-    and its previous mode is restored afterwards.
+    Sampling follows MiniMind's: repetition penalty over every token seen, then the one sampler
+    (model/sampling.py: temperature, top-k, top-p). ``temperature == 0`` is greedy. Stops after yielding
+    ``eos_token_id`` or at the model's maximum length. One prefill of the prompt into a KV cache, then one
+    token per forward (``use_cache=False``: the whole sequence every time, the reference the tests use).
+    The model runs in eval mode and its previous mode is restored afterwards.
     """
     was_training = model.training
     model.eval()
     try:
         ids = input_ids
-        past = None
         limit = model.cfg.max_position_embeddings
+        cache = KVCache.for_model(model, slots=1) if use_cache else None
         for _ in range(max_new_tokens):
             if ids.shape[1] >= limit:
                 return
-            step_in = ids[:, -1:] if past is not None else ids
-            out = model(step_in, past_key_values=past, use_cache=use_cache)
-            past = out.past_key_values
-            logits = out.logits[0, -1].float()  # (V,)
+            if cache is None:
+                logits = model(ids).logits[0, -1:].float()  # (1, V)
+            else:
+                step_in = ids[:, cache.lengths[0]:]  # the prompt, then the newest token
+                logits = model(step_in, kv_cache=cache, logits_at=step_in.new_tensor([step_in.shape[1] - 1])
+                               ).logits[:, -1].float()  # (1, V)
             if repetition_penalty != 1.0:
                 seen = torch.unique(ids[0])
-                s = logits[seen]
-                logits[seen] = torch.where(s > 0, s / repetition_penalty, s * repetition_penalty)
-            if temperature == 0:
-                nxt = int(torch.argmax(logits))
-            else:
-                logits = sample_filter(logits / temperature, top_k, top_p)
-                nxt = int(torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator))
+                s = logits[0, seen]
+                logits[0, seen] = torch.where(s > 0, s / repetition_penalty, s * repetition_penalty)
+            nxt = int(sample_tokens(logits, temperature, top_p, top_k, generator))
             yield nxt
             if eos_token_id is not None and nxt == eos_token_id:
                 return

@@ -4,8 +4,9 @@ Multiple choice (lm-eval's method): a choice's score is the sum of log p over it
 the context. Tokens are split as lm-eval's ``_encode_pair`` splits them: trailing whitespace of the context
 moves to the continuation, the context is ``encode(context)`` and the continuation is
 ``encode(context + continuation)`` after that many tokens. The context of a question is computed once: one
-forward over a batch of left-padded contexts fills the KV cache, each question's cache is repeated for its
-choices, and one more forward over the right-padded continuations gives every choice's log-probs.
+forward over a batch of right-padded contexts fills one row of a static KV cache (model/kv_cache.py) per
+question, each question's row is copied into its other choices' rows, and one more forward over the
+right-padded continuations gives every choice's log-probs.
 
 Generation: greedy and sampled completions of a batch of left-padded prompts with the KV cache
 (:class:`minimind_ray.rl.rollout.TorchRollout`), each batch sampling from its own seeded generator, so what a
@@ -18,6 +19,8 @@ from typing import List, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
+
+from minimind_ray.model.kv_cache import KVCache
 
 Encoded = Tuple[List[int], List[List[int]]]  # (context ids, each choice's continuation ids)
 
@@ -85,14 +88,20 @@ def choice_logprobs(model, batch: List[Encoded], pad_id: int = 0, device="cpu", 
                 return _shared_prefix_logprobs(model, shared, [(c, conts) for c, (_, conts) in zip(contexts, batch)],
                                                pad_id, device)
         with (autocast or contextlib.nullcontext)():
-            ids, mask = _left_pad(contexts, pad_id, device)  # (Q, P)
-            out = model(ids, use_cache=True, attention_mask=mask)
-            first = F.log_softmax(out.logits[:, -1].float(), dim=-1)  # (Q, V): predicts each continuation's 1st token
+            ids, _ = _continuations(contexts, pad_id, device)  # (Q, P): right-padded
             owner = torch.tensor([q for q, (_, conts) in enumerate(batch) for _ in conts], device=ids.device)  # (N,)
+            rows = [[] for _ in batch]  # each question's cache rows, one per choice
+            for i, q in enumerate(owner.tolist()):
+                rows[q].append(i)
+            lengths = [len(c) for c in contexts]
+            cache = KVCache.for_model(model, slots=len(owner), capacity=max(lengths) + longest)
+            out = model(ids, kv_cache=cache, slots=[r[0] for r in rows], input_lengths=lengths,
+                        logits_at=torch.tensor(lengths, device=ids.device) - 1)
+            first = F.log_softmax(out.logits[:, -1].float(), dim=-1)  # (Q, V): predicts each continuation's 1st token
+            for r in rows:
+                cache.fork(r[0], r[1:])
             cont_ids, cont_mask = _continuations([c for _, cs in batch for c in cs], pad_id, ids.device)  # (N, L)
-            past = [(k.index_select(0, owner), v.index_select(0, owner)) for k, v in out.past_key_values]
-            full_mask = torch.cat([mask.index_select(0, owner), cont_mask], dim=1)  # (N, P + L)
-            rest = model(cont_ids, past_key_values=past, attention_mask=full_mask).logits.float()  # (N, L, V)
+            rest = model(cont_ids, kv_cache=cache, input_lengths=cont_mask.sum(1).tolist()).logits.float()  # (N, L, V)
         logp = torch.cat([first.index_select(0, owner).unsqueeze(1), F.log_softmax(rest[:, :-1], dim=-1)], dim=1)
         token_logp = logp.gather(-1, cont_ids.unsqueeze(-1)).squeeze(-1) * cont_mask  # (N, L)
         sums = token_logp.sum(dim=1).double().tolist()
@@ -117,18 +126,24 @@ def _continuations(conts: List[List[int]], pad_id: int, device) -> Tuple[torch.T
 
 
 def _shared_prefix_logprobs(model, shared: List[int], batch: List[Encoded], pad_id: int, device) -> List[List[float]]:
-    """The few-shot path of :func:`choice_logprobs`: the shared prefix once (one row, with the KV cache), then per
-    question its own tokens after that cache, then its choices as rows that share the question's cache."""
-    pre = model(torch.tensor([shared], device=device), use_cache=True).past_key_values
+    """The few-shot path of :func:`choice_logprobs`: the shared prefix once into cache row 0, then per question its
+    own tokens after it (row 0 is rewound to the prefix for the next question), copied into one row per choice."""
+    choices = max(len(conts) for _, conts in batch)
+    cache = KVCache.for_model(model, slots=1 + choices, capacity=max(len(c) for c, _ in batch) + max(
+        len(x) for _, conts in batch for x in conts))
+    model(torch.tensor([shared], device=device), kv_cache=cache, logits_at=torch.tensor([len(shared) - 1],
+                                                                                         device=device))
     out = []
     for ctx, conts in batch:
-        own = model(torch.tensor([ctx[len(shared):]], device=device), past_key_values=pre, use_cache=True)
+        cache.rewind(0, len(shared))
+        own = model(torch.tensor([ctx[len(shared):]], device=device), kv_cache=cache, slots=[0],
+                    logits_at=torch.tensor([len(ctx) - len(shared) - 1], device=device))
         first = F.log_softmax(own.logits[0, -1].float(), dim=-1)  # predicts each continuation's first token
         ids, mask = _continuations(conts, pad_id, device)
-        n, S = ids.shape[0], len(ctx)
-        past = [(k.expand(n, -1, -1, -1), v.expand(n, -1, -1, -1)) for k, v in own.past_key_values]
-        full_mask = torch.cat([torch.ones((n, S), dtype=mask.dtype, device=mask.device), mask], dim=1)
-        rest = model(ids, past_key_values=past, attention_mask=full_mask).logits.float()  # (n, L, V)
+        n = ids.shape[0]
+        cache.fork(0, range(1, n + 1))
+        rest = model(ids, kv_cache=cache, slots=range(1, n + 1), input_lengths=mask.sum(1).tolist()
+                     ).logits.float()  # (n, L, V)
         logp = torch.cat([first.expand(n, -1).unsqueeze(1), F.log_softmax(rest[:, :-1], dim=-1)], dim=1)
         out.append((logp.gather(-1, ids.unsqueeze(-1)).squeeze(-1) * mask).sum(dim=1).double().tolist())
     return out

@@ -17,24 +17,29 @@ hence MiniMind ``.pth`` files load here with ``strict=True`` and ours load there
 Shapes in comments: B batch, T new tokens, S = past + T key positions, h hidden,
 nh / nkv query / key-value heads, hs head size, E experts, k experts per token,
 N = B*T tokens.
+
+Decoding keeps keys and values in a :class:`~minimind_ray.model.kv_cache.KVCache` (``kv_cache=``): written in
+place, one length per row. Its attention reads the nkv cached heads as they are (SDPA's ``enable_gqa``);
+training's path (no cache) still copies them out to every query head (``repeat_kv``), because GQA's backward
+sums the query heads' key/value gradients in another order, and training results stay bit for bit as they were.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from minimind_ray.model.config import ModelConfig
+from minimind_ray.model.kv_cache import CacheStep, KVCache
+from minimind_ray.model.rope import YARN, apply_rope, rope_tables
 
-KVCache = List[Tuple[Tensor, Tensor]]  # per layer: (k, v), each (B, S, nkv, hs), RoPE already applied
-
-# The YaRN settings MiniMind hard-codes behind `inference_rope_scaling` (32768 = 16 x 2048).
-YARN = dict(factor=16.0, original_max_position_embeddings=2048, beta_fast=32.0, beta_slow=1.0, attention_factor=1.0)
+# SDPA attends nkv key/value heads from nh query heads itself since torch 2.5 (enable_gqa); older: repeat_kv
+SDPA_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
 
 
 # --------------------------------------------------------------------------- config resolution
@@ -83,44 +88,6 @@ class RMSNorm(nn.Module):
         return (self.weight * xf).type_as(x)
 
 
-def rope_tables(head_dim: int, max_pos: int, theta: float, yarn: Optional[dict] = None) -> Tuple[Tensor, Tensor]:
-    """cos and sin tables, each (max_pos, hs), in the half-split layout of HF's ``rotate_half``.
-
-    With ``yarn`` (MiniMind's ``inference_rope_scaling``) the frequencies are blended
-    between the original ones (high-frequency dims, which already resolve positions
-    well) and ones slowed down by ``factor`` (low-frequency dims), with a linear ramp
-    between the dims that rotate ``beta_fast`` and ``beta_slow`` times over the
-    original context. As in MiniMind, the blend only applies when the table is longer
-    than the original context.
-    """
-    half = head_dim // 2
-    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2)[:half].float() / head_dim))  # (hs/2,)
-    attn_factor = 1.0
-    if yarn is not None and max_pos > yarn["original_max_position_embeddings"]:
-        orig = yarn["original_max_position_embeddings"]
-
-        def dim_of(rotations: float) -> float:  # the dim index that turns `rotations` times over `orig` positions
-            return head_dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(theta))
-
-        lo = max(math.floor(dim_of(yarn["beta_fast"])), 0)
-        hi = min(math.ceil(dim_of(yarn["beta_slow"])), half - 1)
-        ramp = ((torch.arange(half).float() - lo) / max(hi - lo, 0.001)).clamp(0, 1)  # 0: keep, 1: interpolate
-        freqs = freqs * (1 - ramp + ramp / yarn["factor"])
-        attn_factor = yarn["attention_factor"]
-    angles = torch.outer(torch.arange(max_pos).float(), freqs)  # (max_pos, hs/2)
-    cos = torch.cat([angles.cos(), angles.cos()], dim=-1) * attn_factor  # (max_pos, hs)
-    sin = torch.cat([angles.sin(), angles.sin()], dim=-1) * attn_factor
-    return cos, sin
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate (B, T, n, hs) by position; cos/sin are (T, hs). Result keeps x's dtype."""
-    x1, x2 = x.chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
-    cos, sin = cos[:, None, :], sin[:, None, :]  # (T, 1, hs): broadcast over heads
-    return (x * cos + rotated * sin).to(x.dtype)
-
-
 def repeat_kv(x: Tensor, n_rep: int) -> Tensor:
     """(B, S, nkv, hs) -> (B, S, nkv*n_rep, hs): each kv head serves n_rep query heads (GQA)."""
     if n_rep == 1:
@@ -132,8 +99,9 @@ def repeat_kv(x: Tensor, n_rep: int) -> Tensor:
 class Attention(nn.Module):
     """Grouped-query causal self-attention with RoPE, optional QK-norm and a KV cache."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
+        self.layer_idx = layer_idx  # which layer of a KV cache is this one's
         h, hs = cfg.hidden_size, cfg.head_dim
         self.nh, self.nkv, self.hs = cfg.num_attention_heads, cfg.num_key_value_heads, hs
         self.q_proj = nn.Linear(h, self.nh * hs, bias=False)
@@ -147,8 +115,8 @@ class Attention(nn.Module):
         self.dropout = cfg.dropout
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, past: Optional[Tuple[Tensor, Tensor]],
-                mask: Optional[Tensor]) -> Tuple[Tensor, Tuple[Tensor, Tensor]]:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Optional[Tensor],
+                cache: Optional[CacheStep] = None) -> Tensor:
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.nh, self.hs)  # (B, T, nh, hs)
         k = self.k_proj(x).view(B, T, self.nkv, self.hs)  # (B, T, nkv, hs)
@@ -156,19 +124,19 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if past is not None:
-            k = torch.cat([past[0], k], dim=1)  # (B, S, nkv, hs)
-            v = torch.cat([past[1], v], dim=1)
-        present = (k, v)
         n_rep = self.nh // self.nkv
-        q = q.transpose(1, 2)  # (B, nh, T, hs)
-        k = repeat_kv(k, n_rep).transpose(1, 2)  # (B, nh, S, hs)
-        v = repeat_kv(v, n_rep).transpose(1, 2)  # (B, nh, S, hs)
-        # Without a mask: a fresh sequence is plainly causal; one new token after a cache sees every key.
+        if cache is None:  # training's path: a fresh sequence, causal unless a padding mask says more
+            causal, gqa = mask is None and T > 1, False
+        else:  # the new keys go into the cache in place; attend to the row's cached ones: (B, S, nkv, hs)
+            k, v, causal = cache.update(self.layer_idx, k, v)
+            gqa = n_rep > 1 and SDPA_GQA
+        if n_rep > 1 and not gqa:
+            k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)  # (B, S, nh, hs)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh|nkv, T|S, hs)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
-                                           is_causal=mask is None and past is None and T > 1)  # (B, nh, T, hs)
+                                           is_causal=causal, **({"enable_gqa": True} if gqa else {}))  # (B, nh, T, hs)
         y = y.transpose(1, 2).reshape(B, T, self.nh * self.hs)  # (B, T, nh*hs)
-        return self.resid_dropout(self.o_proj(y)), present
+        return self.resid_dropout(self.o_proj(y))
 
 
 class FeedForward(nn.Module):
@@ -281,23 +249,22 @@ class MoE(nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer block: x + attn(norm(x)), then + mlp(norm(x))."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, layer_idx)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.is_moe = cfg.use_moe
         self.mlp = MoE(cfg) if cfg.use_moe else FeedForward(cfg, cfg.intermediate_size)
 
-    def forward(self, x, cos, sin, past, mask):
-        """-> (x (B, T, h), this layer's (k, v), MoE aux loss or None)."""
-        a, present = self.self_attn(self.input_layernorm(x), cos, sin, past, mask)
-        x = x + a
+    def forward(self, x, cos, sin, mask, cache: Optional[CacheStep] = None):
+        """-> (x (B, T, h), MoE aux loss or None)."""
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
         if self.is_moe:
             m, aux = self.mlp(self.post_attention_layernorm(x))
         else:
             m, aux = self.mlp(self.post_attention_layernorm(x)), None
-        return x + m, present, aux
+        return x + m, aux
 
 
 class MiniMindModel(nn.Module):
@@ -307,7 +274,7 @@ class MiniMindModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.dropout = nn.Dropout(cfg.dropout)
-        self.layers = nn.ModuleList([Block(cfg) for _ in range(cfg.num_hidden_layers)])
+        self.layers = nn.ModuleList([Block(cfg, i) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         cos, sin = rope_tables(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                YARN if cfg.inference_rope_scaling else None)
@@ -315,29 +282,21 @@ class MiniMindModel(nn.Module):
         self.register_buffer("freqs_sin", sin, persistent=False)
 
 
-def attention_mask_for(T: int, S: int, attention_mask: Optional[Tensor], device: torch.device) -> Optional[Tensor]:
-    """Boolean (B|1, 1, T, S) mask, True = may attend; None when SDPA's own causal handling suffices.
-
-    Needed when several new tokens follow a cache (causal with an offset) or when
-    ``attention_mask`` (B, S) marks padded key positions. A query row with no visible
-    key (a left pad) is let see every key: its output is garbage but finite, not NaN.
-    """
-    past = S - T
-    if attention_mask is None and (past == 0 or T == 1):
+def attention_mask_for(T: int, attention_mask: Optional[Tensor], device: torch.device) -> Optional[Tensor]:
+    """Boolean (B, 1, T, T) mask of fresh sequences, True = may attend: causal, and only to the real keys that
+    ``attention_mask`` (B, T) marks; None without padding (SDPA's own causal handling). A query row with no
+    visible key (a left pad) is let see every key: its output is garbage but finite, not NaN."""
+    if attention_mask is None:
         return None
-    q_pos = torch.arange(T, device=device)[:, None] + past
-    mask = (torch.arange(S, device=device)[None, :] <= q_pos)[None, None]  # (1, 1, T, S)
-    if attention_mask is not None:
-        mask = mask & attention_mask.bool()[:, None, None, :]  # (B, 1, T, S)
-        mask = mask | ~mask.any(dim=-1, keepdim=True)
-    return mask
+    pos = torch.arange(T, device=device)
+    mask = (pos[None, :] <= pos[:, None])[None, None] & attention_mask.bool()[:, None, None, :]  # (B, 1, T, T)
+    return mask | ~mask.any(dim=-1, keepdim=True)
 
 
 @dataclass
 class ModelOutput:
     logits: Tensor  # (B, T, V)
     aux_loss: Tensor  # scalar: MoE load-balancing loss, already weighted by aux_loss_alpha; 0 when dense or in eval
-    past_key_values: Optional[KVCache] = None
 
 
 class MiniMindForCausalLM(nn.Module):
@@ -353,26 +312,39 @@ class MiniMindForCausalLM(nn.Module):
         if cfg.generation == "minimind3":
             self.apply(_hf_init)
 
-    def forward(self, input_ids: Tensor, past_key_values: Optional[KVCache] = None, use_cache: bool = False,
-                attention_mask: Optional[Tensor] = None) -> ModelOutput:
-        """input_ids (B, T); past_key_values from an earlier call with use_cache=True;
-        attention_mask (B, S) with 1 = real token over past + new positions (only needed with padding)."""
+    def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None, kv_cache: Optional[KVCache] = None,
+                slots: Optional[Sequence[int]] = None, input_lengths: Optional[Sequence[int]] = None,
+                logits_at: Optional[Tensor] = None) -> ModelOutput:
+        """input_ids (B, T). Without ``kv_cache``: a fresh sequence per row; attention_mask (B, T), 1 = real token,
+        marks padding (left or right). With ``kv_cache``: row b continues cache slot ``slots[b]`` (default b) from
+        its cached length; the first ``input_lengths[b]`` (default T) tokens are real, the rest right padding.
+        ``logits_at`` (B,): the one position per row whose logits are wanted (logits (B, 1, V)); None = all."""
         B, T = input_ids.shape
         m = self.model
-        start = past_key_values[0][0].shape[1] if past_key_values else 0
-        if start + T > m.freqs_cos.shape[0]:
-            raise ValueError(f"sequence of {start + T} tokens exceeds max_position_embeddings={m.freqs_cos.shape[0]}")
-        cos, sin = m.freqs_cos[start:start + T], m.freqs_sin[start:start + T]  # (T, hs)
-        mask = attention_mask_for(T, start + T, attention_mask, input_ids.device)
+        step = None
+        if kv_cache is None:
+            if T > m.freqs_cos.shape[0]:
+                raise ValueError(f"sequence of {T} tokens exceeds max_position_embeddings={m.freqs_cos.shape[0]}")
+            cos, sin = m.freqs_cos[:T], m.freqs_sin[:T]  # (T, hs)
+            mask = attention_mask_for(T, attention_mask, input_ids.device)
+        else:
+            if attention_mask is not None:
+                raise ValueError("with a kv_cache, padding is input_lengths (right padding), not attention_mask")
+            step = kv_cache.step(B, T, slots, input_lengths, input_ids.device)
+            at = step.positions.clamp_max(m.freqs_cos.shape[0] - 1)  # (B, T): pads may run past the table
+            cos, sin, mask = m.freqs_cos[at], m.freqs_sin[at], step.mask  # (B, T, hs)
         x = m.dropout(m.embed_tokens(input_ids))  # (B, T, h)
-        presents, aux = [], x.new_zeros((), dtype=torch.float32)
-        for i, layer in enumerate(m.layers):
-            x, present, layer_aux = layer(x, cos, sin, past_key_values[i] if past_key_values else None, mask)
-            presents.append(present)
+        aux = x.new_zeros((), dtype=torch.float32)
+        for layer in m.layers:
+            x, layer_aux = layer(x, cos, sin, mask, step)
             if layer_aux is not None:
                 aux = aux + layer_aux
-        logits = self.lm_head(m.norm(x))  # (B, T, V)
-        return ModelOutput(logits=logits, aux_loss=aux, past_key_values=presents if use_cache else None)
+        if step is not None:
+            step.advance()
+        if logits_at is not None:
+            x = x[torch.arange(B, device=x.device), logits_at].unsqueeze(1)  # (B, 1, h)
+        logits = self.lm_head(m.norm(x))  # (B, T|1, V)
+        return ModelOutput(logits=logits, aux_loss=aux)
 
     def num_parameters(self) -> int:
         """Unique parameters: the tied embedding/lm_head matrix counts once."""

@@ -8,9 +8,11 @@ seam as the in-worker sampler:
 * Weights once per step: rank 0 ``ray.put``s the policy's state dict and hands the reference to every actor
   (:meth:`ActorRollout.update_policy`); each actor keeps the two versions it received last, and a request
   names the version it was made for, so a late request never samples from newer weights.
-* Every rank sends its own micro-batches (each completion with its own seed, rollout.row_seeds) to the pool,
-  micro-batch j of rank r to actor (r + j * world) mod N, and gets its rollouts back. An actor computes
-  exactly what the worker would (the same function, rows and seeds), so a run with actors equals one without.
+* Every rank sends its own requests (each completion with its own seed, rollout.row_seeds) to the pool,
+  request j of rank r to actor (r + j * world) mod N, and gets its rollouts back: a step's micro-batches as one
+  request (rollout.merge_requests, as the in-worker sampler batches them), an overlapped step's one per
+  micro-batch. An actor computes exactly what the worker would (the same function, rows and seeds), so a run
+  with actors equals one without.
 * ``submit``/``collect`` split a request in two, for the overlap of step t+1's generation with step t's update
   (rl/grpo_step.py).
 * An actor that died (a lost node, a kill) is created again under its name by the first rank that notices,
@@ -25,7 +27,8 @@ from typing import Dict, Optional
 import torch
 from torch import Tensor
 
-from minimind_ray.rl.rollout import Rollout, RolloutEngine, SamplingParams, sample_completions
+from minimind_ray.rl.rollout import (Rollout, RolloutEngine, SamplingParams, merge_requests, sample_completions,
+                                     split_rollout)
 
 
 class RolloutActor:
@@ -175,6 +178,14 @@ class ActorRollout(RolloutEngine):
         self.recreated += 1
         if not ray.get(self.actors[index].has.remote(version)):
             ray.get(self.actors[index].load.remote(version, ray.put(self.copies[version])))
+
+    def generate_many(self, requests) -> list:
+        """The requests as one (rollout.merge_requests, one actor), exactly as the in-worker sampler batches them,
+        so that the pool samples what a worker would; else each to its actor, all sent before any is awaited."""
+        merged = merge_requests(requests, self.cfg.model.max_position_embeddings)
+        if merged is None:
+            return [self.collect(handle) for handle in [self.submit(*request) for request in requests]]
+        return split_rollout(self.collect(self.submit(*merged)), [r[0].shape[0] for r in requests])
 
     def generate(self, prompt_ids: Tensor, prompt_mask: Tensor, params: SamplingParams,
                  generator: Optional[torch.Generator] = None, seeds: Optional[Tensor] = None) -> Rollout:

@@ -52,13 +52,16 @@ class GRPOPlan(RolloutPlan):
         self.kl = AdaptiveKL(g.beta, g.kl_target, g.kl_horizon)
         self.pending: Dict[int, list] = {}  # step -> this rank's submitted requests, one per micro-batch
 
-    def _submit(self, state, batches: List[Batch], step: int) -> list:
+    def _requests(self, state, batches: List[Batch], step: int) -> list:
+        """Each micro-batch's rollout request: (prompt rows, their mask, params, each row's seed)."""
         from minimind_ray.rl.rollout import row_seeds
 
         G, dev = self.g.num_generations, state.device
-        return [self.engine.submit(mb["prompt_ids"].to(dev).repeat_interleave(G, 0),
-                                   mb["prompt_mask"].to(dev).repeat_interleave(G, 0), self.params(),
-                                   row_seeds(self.cfg.train.seed, step, mb["sample_ids"], G)) for mb in batches]
+        return [(mb["prompt_ids"].to(dev).repeat_interleave(G, 0), mb["prompt_mask"].to(dev).repeat_interleave(G, 0),
+                 self.params(), row_seeds(self.cfg.train.seed, step, mb["sample_ids"], G).to(dev)) for mb in batches]
+
+    def _submit(self, state, batches: List[Batch], step: int) -> list:
+        return [self.engine.submit(*request) for request in self._requests(state, batches, step)]
 
     def prepare(self, state, batches: List[Batch], step: int, *, rewards, reference) -> List[Batch]:
         from minimind_ray.rl.grpo import group_advantages, rollout_micro_batch
@@ -67,6 +70,8 @@ class GRPOPlan(RolloutPlan):
         g, t0 = self.g, time.perf_counter()
         ahead = [self.engine.collect(h) for h in self.pending.pop(step, [])]  # generated from older weights
         self.engine.update_policy(state.model, step)
+        if not ahead:  # the step's micro-batches together: the in-worker sampler runs them as one batch
+            ahead = self.engine.generate_many(self._requests(state, batches, step))
         out = [rollout_micro_batch(mb, engine=self.engine, params=self.params(), group_size=g.num_generations,
                                    rewards=rewards, tokenizer=self.tokenizer, reference=reference,
                                    autocast=state.autocast, device=state.device, seed=self.cfg.train.seed, step=step,

@@ -53,10 +53,10 @@ class CriticModel(nn.Module):
         m, T = self.model, input_ids.shape[1]
         if T > m.freqs_cos.shape[0]:
             raise ValueError(f"sequence of {T} tokens exceeds max_position_embeddings={m.freqs_cos.shape[0]}")
-        mask = attention_mask_for(T, T, attention_mask, input_ids.device)
+        mask = attention_mask_for(T, attention_mask, input_ids.device)
         x = m.dropout(m.embed_tokens(input_ids))
         for layer in m.layers:  # the causal LM's trunk (MiniMindForCausalLM.forward) without the lm_head
-            x, _, _ = layer(x, m.freqs_cos[:T], m.freqs_sin[:T], None, mask)
+            x, _ = layer(x, m.freqs_cos[:T], m.freqs_sin[:T], mask)
         return self.value_head(m.norm(m.norm(x))).squeeze(-1).float()
 
 

@@ -45,10 +45,11 @@ class PPOPlan(RolloutPlan):
         self.engine.update_policy(state.model, step)
         params = self.params()
         out = []
-        for i, mb in enumerate(batches):
+        rolls = ahead or self.engine.generate_many([  # the step's micro-batches in one batch
+            (mb["prompt_ids"].to(dev), mb["prompt_mask"].to(dev), params, self._seeds(mb, step, dev))
+            for mb in batches])
+        for mb, roll in zip(batches, rolls):
             prompt_ids, prompt_mask = mb["prompt_ids"].to(dev), mb["prompt_mask"].to(dev)
-            roll = ahead[i] if ahead else self.engine.generate(prompt_ids, prompt_mask, params,
-                                                               seeds=self._seeds(mb, step, dev))
             ids = roll.completion_ids
             mask = eos_mask(ids, params.eos_id, roll.completion_mask)
             scores, per_term = score_rollouts(self.tokenizer, rewards, mb, ids, mask, 1)

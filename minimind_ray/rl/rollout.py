@@ -5,19 +5,23 @@ is the one used by default: each training worker samples for its own prompts wit
 the policy, in batches, with the model's KV cache. Another engine (a pool of Ray actors, vLLM,
 SGLang) implements the same two methods; docs/rl.md says what that takes.
 
-Layout of a batch: prompts arrive left-padded (``prompt_mask`` marks their tokens), so every
-completion starts in the same column. RoPE depends only on relative positions, so a left-padded
-prompt with its pads masked out is computed as the same prompt alone would be.
+Layout of a batch: prompts arrive left-padded (``prompt_mask`` marks their tokens), and completions come back
+in one block after them. Inside, each prompt is moved to the start of its row (right padding) and decoded in
+its own row of the static KV cache (model/kv_cache.py) from position 0, exactly as the prompt alone would be:
+one write per token, no copy of the cache. Tokens are picked by the one sampler (model/sampling.py).
 """
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from minimind_ray.model.kv_cache import KVCache
+from minimind_ray.model.sampling import sample_tokens
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,11 @@ class RolloutEngine:
         """Sample one completion for each row of ``prompt_ids`` (N, P), left-padded: from each row's ``seeds``
         (row_seeds) when given, else from ``generator``, else from the engine's own random source."""
         raise NotImplementedError
+
+    def generate_many(self, requests: List[Tuple[Tensor, Tensor, SamplingParams, Tensor]]) -> List[Rollout]:
+        """The rollouts of several requests ``(prompt_ids, prompt_mask, params, seeds)`` (a step's micro-batches),
+        each as :meth:`generate` gives it; an engine may run them together. Here: one after another."""
+        return [self.generate(ids, mask, params, seeds=seeds) for ids, mask, params, seeds in requests]
 
 
 def token_logprobs(logits: Tensor, tokens: Tensor) -> Tensor:
@@ -92,35 +101,8 @@ def counter_uniform(seeds: Tensor, t: int) -> Tensor:
     return (((bits >> 11) & ((1 << 53) - 1)).double() + 0.5) * 2.0 ** -53
 
 
-def sample_tokens(logits: Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0,
-                  generator: torch.Generator = None, uniforms: Optional[Tensor] = None) -> Tensor:
-    """One token per row of ``logits`` (N, V): temperature, then top-k, then the top-p nucleus (the
-    token that crosses ``top_p`` is kept, as in minimind_ray/generate.py); draws from ``generator``
-    (None = the global RNG, which checkpoints save and restore), or by inverse CDF from ``uniforms`` (N,)
-    when given (counter_uniform: one number per row, so a row's token depends on its logits and its own
-    seed alone). ``temperature == 0`` is greedy (argmax, no draw)."""
-    if temperature == 0:
-        return logits.argmax(dim=-1)
-    logits = logits / temperature
-    if 0 < top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        drop = torch.cumsum(F.softmax(sorted_logits, dim=-1), dim=-1) > top_p
-        drop[:, 1:] = drop[:, :-1].clone()
-        drop[:, 0] = False
-        logits = logits.masked_fill(drop.scatter(1, order, drop), float("-inf"))
-    probs = F.softmax(logits, dim=-1)
-    if uniforms is None:
-        return torch.multinomial(probs, 1, generator=generator).squeeze(1)
-    cdf = probs.double().cumsum(dim=-1)  # (N, V)
-    pick = torch.searchsorted(cdf, (uniforms.to(cdf.device) * cdf[:, -1])[:, None]).squeeze(1)
-    return pick.clamp_max(logits.shape[-1] - 1)
-
-
 class TorchRollout(RolloutEngine):
-    """Batched sampling in this process with the model's KV cache: one forward over the prompts, then
+    """Batched sampling in this process with a static KV cache: one forward over the prompts, then
     one forward of one token per row until every row has sent its EOS or ``max_new_tokens`` is reached.
     The model runs in eval mode without gradients (its mode is restored); no collectives, so each rank
     samples on its own. The grpo objective passes each row's seed (:func:`row_seeds`): a completion is then
@@ -139,6 +121,41 @@ class TorchRollout(RolloutEngine):
                  generator: Optional[torch.Generator] = None, seeds: Optional[Tensor] = None) -> Rollout:
         return sample_completions(self.model, prompt_ids, prompt_mask, params, self.autocast, generator, seeds)
 
+    def generate_many(self, requests: List[Tuple[Tensor, Tensor, SamplingParams, Tensor]]) -> List[Rollout]:
+        """All the requests' rows in one batch (:func:`merge_requests`): a decode step's forward reads the weights
+        once for every row of the step instead of once per micro-batch."""
+        merged = merge_requests(requests, self.model.cfg.max_position_embeddings)
+        if merged is None:
+            return super().generate_many(requests)
+        ids, mask, params, seeds = merged
+        return split_rollout(self.generate(ids, mask, params, seeds=seeds), [r[0].shape[0] for r in requests])
+
+
+def merge_requests(requests: List[Tuple[Tensor, Tensor, SamplingParams, Tensor]], max_positions: int):
+    """Several rollout requests as one: their rows left-padded to one width, each with its own seed (so a row
+    samples what it would in its own request, up to float rounding); None when they cannot be one (one request,
+    other params, no seeds, or a width that would cut the token budget)."""
+    params = requests[0][2] if requests else None
+    width = max((ids.shape[1] for ids, *_ in requests), default=0)
+    if (len(requests) < 2 or any(p != params or s is None for _, _, p, s in requests)
+            or width + params.max_new_tokens > max_positions):
+        return None
+    ids = torch.cat([F.pad(i, (width - i.shape[1], 0), value=params.pad_id) for i, *_ in requests])
+    mask = torch.cat([F.pad(m, (width - m.shape[1], 0), value=0) for _, m, *_ in requests])
+    return ids, mask, params, torch.cat([s for *_, s in requests])
+
+
+def split_rollout(roll: Rollout, sizes: List[int]) -> List[Rollout]:
+    """A merged request's rollout back into one per request (``sizes`` rows each), each as long as its own
+    longest completion, as the request alone would have come back."""
+    out, lo = [], 0
+    for n in sizes:
+        part = [t[lo:lo + n] for t in (roll.completion_ids, roll.completion_mask, roll.logprobs)]
+        R = max(int(part[1].sum(dim=1).max()), 1)
+        out.append(Rollout(*(t[:, :R] for t in part), truncated=roll.truncated[lo:lo + n]))
+        lo += n
+    return out
+
 
 @torch.no_grad()
 def sample_completions(model, prompt_ids: Tensor, prompt_mask: Tensor, params: SamplingParams, autocast=None,
@@ -149,16 +166,16 @@ def sample_completions(model, prompt_ids: Tensor, prompt_mask: Tensor, params: S
     if budget < 1:
         raise ValueError(f"prompts of {p_len} tokens leave no room under max_position_embeddings="
                          f"{model.cfg.max_position_embeddings}")
+    ids, lengths = right_aligned(prompt_ids, prompt_mask)
     was_training = model.training
     model.eval()
     try:
         with (autocast or contextlib.nullcontext)():
-            attention = prompt_mask.long()
-            out = model(prompt_ids, use_cache=True, attention_mask=attention)
+            cache = KVCache.for_model(model, slots=n, max_len=p_len + budget, capacity=p_len + budget)
+            logits = _prefill(model, cache, ids, lengths)  # (N, V)
             alive = torch.ones(n, dtype=torch.bool, device=prompt_ids.device)
             tokens, logps, masks = [], [], []
             for t in range(budget):
-                logits = out.logits[:, -1].float()  # (N, V)
                 nxt = sample_tokens(logits, params.temperature, params.top_p, params.top_k, generator,
                                     None if seeds is None else counter_uniform(seeds, t))
                 logp = token_logprobs(logits, nxt)
@@ -169,10 +186,40 @@ def sample_completions(model, prompt_ids: Tensor, prompt_mask: Tensor, params: S
                 alive = alive & nxt.ne(params.eos_id)
                 if t == budget - 1 or not bool(alive.any()):
                     break
-                attention = torch.cat([attention, masks[-1].long()[:, None]], dim=1)
-                out = model(nxt[:, None], past_key_values=out.past_key_values, use_cache=True,
-                            attention_mask=attention)
+                logits = model(nxt[:, None], kv_cache=cache).logits[:, -1].float()  # a finished row: pads, unread
     finally:
         model.train(was_training)
     return Rollout(completion_ids=torch.stack(tokens, 1), completion_mask=torch.stack(masks, 1),
                    logprobs=torch.stack(logps, 1).float(), truncated=alive)
+
+
+def right_aligned(prompt_ids: Tensor, prompt_mask: Tensor):
+    """Left-padded prompts (N, P) -> the same prompts from column 0, right-padded, and each one's length (host
+    ints): what a row of the KV cache starts from. A mask that is not a left padding is refused."""
+    n, p_len = prompt_ids.shape
+    lengths = prompt_mask.long().sum(dim=1)  # (N,)
+    cols = torch.arange(p_len, device=prompt_ids.device)
+    if not torch.equal(prompt_mask.bool(), cols[None, :] >= (p_len - lengths)[:, None]):
+        raise ValueError("prompt_mask: prompts must be left-padded (each row's tokens at its end, in one run)")
+    ids = prompt_ids.gather(1, (cols[None, :] + (p_len - lengths)[:, None]) % p_len)  # (N, P): rolled left
+    return ids, lengths.tolist()
+
+
+def _prefill(model, cache: KVCache, ids: Tensor, lengths) -> Tensor:
+    """Right-aligned prompts (N, P) into cache rows 0..N-1 -> the logits after each prompt (N, V), float32. A
+    prompt repeated in the batch (a GRPO group: one prompt, G completions) is computed once, in its first row,
+    and copied into the others' rows."""
+    keyed = torch.cat([ids, torch.tensor(lengths, device=ids.device)[:, None]], dim=1)
+    _, inverse = torch.unique(keyed, dim=0, return_inverse=True)  # (N,): rows with one id are one prompt
+    inverse = inverse.tolist()
+    first = {}
+    for row, u in enumerate(inverse):
+        first.setdefault(u, row)
+    owners = sorted(first.values())  # each distinct prompt's first row
+    fresh = [lengths[r] for r in owners]
+    out = model(ids[owners], kv_cache=cache, slots=owners, input_lengths=fresh,
+                logits_at=torch.tensor(fresh, device=ids.device) - 1).logits[:, -1].float()  # (U, V)
+    for u, row in first.items():
+        cache.fork(row, [r for r, v in enumerate(inverse) if v == u and r != row])
+    where = {row: i for i, row in enumerate(owners)}
+    return out[[where[first[u]] for u in inverse]]

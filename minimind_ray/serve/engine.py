@@ -3,18 +3,17 @@
 Requests join and leave the running batch between decode steps, so a short reply never waits
 for a long one and a new request starts after one prefill, not after the current batch ends.
 
-The batch keeps one KV cache, per layer (B, S, nkv, hs), in the model's own format. Rows are
-**left-padded** to a common length S: row i's real tokens fill the last ``S - pad[i]``
-positions and an attention mask hides the pads. The model gives every row the same query
-position S, so row i's cached keys must sit at positions ``pad[i] + j``; a joining prompt,
-prefilled alone at positions 0..P-1, has its keys turned by RoPE to where they land
-(:func:`model_io.shift_keys`), and when rows leave, the padding every remaining row shares
-is cut off and the keys are turned back. Attention depends only on position differences,
-so every row computes what it would alone, up to float rounding.
+The batch keeps one static KV cache (model/kv_cache.py) of ``max_batch`` slots, each row in its
+own slot from position 0 with its own length. A joining request takes the lowest free slot; the
+prompts of every request that joins between two steps are prefilled together, in one forward
+(right-padded); a request's ``n`` rows share that prefill (the first row's slot is copied into
+the others'). A decode step runs the slots from the lowest to the highest one in use, one token
+each; a free slot in between runs a pad that changes nothing. A row that finishes or is aborted
+gives its slot back. Nothing in the cache moves when rows come and go.
 
-A request alone in the batch with no padding runs exactly the calls of
-``minimind_ray.model.minimind.generate`` (prefill of the whole prompt, then one token at a
-time with no mask), so temperature 0 gives the same tokens as ``minimind-ray generate``.
+A request alone runs exactly the calls of ``minimind_ray.generate.generate_tokens`` (prefill of
+the whole prompt, then one token at a time with no mask), so temperature 0 gives the same tokens
+as ``minimind-ray generate``; in a batch, every row computes what it would alone, up to float rounding.
 
 Requests talk to the thread through :class:`GenRequest`: ``on_event`` receives ``("token", id)``
 (``("token", id, (logprob, top))`` when the request asks for log-probs; ``("prompt_logprobs", [...])``
@@ -37,7 +36,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.nn.functional as F
 
-from minimind_ray.serve.model_io import sample_filter, shift_keys
+from minimind_ray.serve.model_io import KVCache, sample_tokens
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +64,7 @@ class GenRequest:
 @dataclass
 class _Row:
     req: GenRequest
-    pad: int  # left pads in the batch cache
+    slot: int  # its row of the KV cache
     last: int  # the newest token, not yet fed to the model
     generated: int  # tokens sampled so far
     generator: Optional[torch.Generator]
@@ -100,10 +99,10 @@ class Engine:
         self._cond = threading.Condition()
         self._waiting: collections.deque = collections.deque()  # groups: lists of requests with one prompt
         self._n_waiting = 0  # rows in _waiting
-        self._n_joining = 0  # rows taken from _waiting, being prefilled
+        self._n_joining = 0  # rows taken from _waiting, being prefilled: not in _rows until all of them are
         self._dropped: List[GenRequest] = []  # aborted while waiting, taken out by submit: counted by the loop
-        self._rows: List[_Row] = []
-        self._past = None  # per layer (k, v), each (B, S, nkv, hs); None when no row is running
+        self._rows: Dict[int, _Row] = {}  # slot -> row
+        self._cache = KVCache.for_model(model, slots=max_batch, max_len=self.context)
         self._closed = False
         self._outbox: List[tuple] = []  # (request, event) of the current step, delivered together
         self.error: Optional[str] = None  # set if the loop itself died
@@ -131,8 +130,10 @@ class Engine:
             self._cond.notify()
 
     def rows(self) -> int:
-        """Rows this engine holds: running, waiting, and joining right now."""
-        return len(self._rows) + self._n_waiting + self._n_joining
+        """Rows this engine holds: running, waiting, and joining right now (each counted once: the joining
+        ones enter ``_rows`` and leave ``_n_joining`` under the lock, together)."""
+        with self._cond:
+            return len(self._rows) + self._n_waiting + self._n_joining
 
     def load(self) -> dict:
         return {"running": len(self._rows), "waiting": self._n_waiting, **self.stats.as_dict()}
@@ -165,12 +166,12 @@ class Engine:
             raise
 
     def _next_batch(self) -> bool:
-        """Wait for work; move waiting requests into the batch (prefill each). False when closed."""
+        """Wait for work; move waiting requests into the batch (prefilled together). False when closed."""
         with self._cond:
             while not self._closed and not self._waiting and not self._rows:
                 self._cond.wait()
             if self._closed:
-                pending = [r for g in self._waiting for r in g] + [r.req for r in self._rows]
+                pending = [r for g in self._waiting for r in g] + [r.req for r in self._rows.values()]
                 self._waiting.clear()
                 self._n_waiting = 0
                 for req in pending:
@@ -185,9 +186,10 @@ class Engine:
                 room -= len(group)
                 self._n_waiting -= len(group)
             self._n_joining = sum(len(g) for g in joining)
-        for group in joining:
-            self._admit(group)
-        self._n_joining = 0
+        joined = self._admit(joining)
+        with self._cond:  # in one move, so that rows() never counts a row twice (or not at all)
+            self._rows.update((row.slot, row) for row in joined)
+            self._n_joining = 0
         self._flush()  # first tokens out now, not after the next decode step
         return True
 
@@ -195,116 +197,102 @@ class Engine:
         self._drop_aborted()
         if not self._rows:
             return
-        rows = self._rows
-        ids = torch.tensor([[r.last] for r in rows], dtype=torch.long, device=self.device)  # (B, 1)
-        mask = None
-        if any(r.pad for r in rows):
-            S = self._past[0][0].shape[1] + 1
-            pads = torch.tensor([r.pad for r in rows], device=self.device)
-            mask = torch.arange(S, device=self.device)[None, :] >= pads[:, None]  # (B, S): True = real token
-        out = self.model(ids, past_key_values=self._past, use_cache=True, attention_mask=mask)
-        self._past = out.past_key_values
-        logits = out.logits[:, -1].float()  # (B, V)
+        lo, hi = min(self._rows), max(self._rows) + 1  # slots lo..hi-1: one view of the cache, no gather
+        rows = [self._rows.get(s) for s in range(lo, hi)]  # None: a free slot between two rows
+        ids = torch.tensor([[r.last if r else 0] for r in rows], dtype=torch.long, device=self.device)  # (B, 1)
+        fed = None if all(rows) else [int(r is not None) for r in rows]  # a free slot's pad does not advance it
+        out = self.model(ids, kv_cache=self._cache, slots=range(lo, hi), input_lengths=fed)
+        running = [i for i, r in enumerate(rows) if r is not None]
+        logits = out.logits[running, -1].float()  # (B running, V)
+        rows = [rows[i] for i in running]
         self.stats.decode_steps += 1
         self.stats.decode_rows += len(rows)
-        done = [i for i, (row, picked) in enumerate(zip(rows, self._pick(logits, rows))) if self._emit(row, *picked)]
+        done = [row.slot for row, picked in zip(rows, self._pick(logits, rows)) if self._emit(row, *picked)]
         if done:
             self._remove(done)
 
     # ------------------------------------------------------------------ rows in and out
 
-    def _admit(self, group: List[GenRequest]) -> None:
-        """Prefill the group's prompt alone (exactly generate's first call), emit each request's first
-        token, and add one row per request to the batch."""
-        for req in group:
-            if req.abort_reason:
-                self._count_abort(req)
-        group = [r for r in group if not r.abort_reason]
-        if not group:
-            return
-        prompt = group[0].prompt_ids
-        if len(prompt) >= self.context:  # no room for a token (generate yields none either)
-            for req in group:
+    def _admit(self, groups: List[List[GenRequest]]) -> List[_Row]:
+        """Prefill the prompts of ``groups`` (one per group) in one forward, each in its own slot, emit each
+        request's first token, and return the rows that go on decoding."""
+        for req in (r for g in groups for r in g if r.abort_reason):
+            self._count_abort(req)
+        groups = [g for g in ([r for r in g if not r.abort_reason] for g in groups) if g]
+        for group in [g for g in groups if len(g[0].prompt_ids) >= self.context]:
+            for req in group:  # no room for a token (generate yields none either)
                 self.stats.requests_finished += 1
                 self._send(req, ("end", "length"))
-            return
+        groups = [g for g in groups if len(g[0].prompt_ids) < self.context]
+        if not groups:
+            return []
+        slots = [self._cache.alloc(len(g)) for g in groups]  # the batch had room for every row: _next_batch
+        prompts = [g[0].prompt_ids for g in groups]
+        every = any(r.prompt_logprobs is not None for g in groups for r in g)  # logits at every prompt position
         try:
-            ids = torch.tensor([prompt], dtype=torch.long, device=self.device)
-            out = self.model(ids, use_cache=True)
-        except Exception as e:  # noqa: BLE001 - this request fails, the batch goes on
+            out = self._prefill(prompts, [s[0] for s in slots], every)
+        except Exception as e:  # noqa: BLE001 - these requests fail, the batch goes on
             log.exception("prefill failed")
-            for req in group:
-                self._send(req, ("error", f"prefill failed: {type(e).__name__}: {e}"))
-            return
-        self.stats.prefills += 1
-        self.stats.prompt_tokens += len(prompt)
-        k = max((r.prompt_logprobs for r in group if r.prompt_logprobs is not None), default=None)
-        if k is not None:
-            scored = _prompt_logprobs(out.logits[0].float(), prompt, k)
-            for req in group:
-                if req.prompt_logprobs is not None:
-                    self._send(req, ("prompt_logprobs", scored))
-        last = out.logits[:, -1].float()
-        for req in group:
-            if req.max_new_tokens <= 0:  # the prompt's log-probs were all it asked for (echo, max_tokens 0)
-                self.stats.requests_finished += 1
-                self._send(req, ("end", "length"))
-                continue
-            gen = None
-            if req.seed is not None:
-                gen = torch.Generator(device=self.device).manual_seed(req.seed)
-            row = _Row(req, 0, -1, 0, gen)
-            if not self._emit(row, *self._pick(last, [row])[0]):
-                self._join(row, out.past_key_values)
+            for group, taken in zip(groups, slots):
+                self._cache.release(taken)
+                for req in group:
+                    self._send(req, ("error", f"prefill failed: {type(e).__name__}: {e}"))
+            return []
+        joined = []
+        for i, (group, taken, prompt) in enumerate(zip(groups, slots, prompts)):
+            self.stats.prefills += 1
+            self.stats.prompt_tokens += len(prompt)
+            self._cache.fork(taken[0], taken[1:])  # n rows of one prompt: one prefill
+            k = max((r.prompt_logprobs for r in group if r.prompt_logprobs is not None), default=None)
+            if k is not None:
+                scored = _prompt_logprobs(out[i, :len(prompt)].float(), prompt, k)
+                for req in group:
+                    if req.prompt_logprobs is not None:
+                        self._send(req, ("prompt_logprobs", scored))
+            last = out[i:i + 1, len(prompt) - 1 if every else 0].float()  # (1, V): after the prompt's last token
+            for req, slot in zip(group, taken):
+                gen = None
+                if req.seed is not None:
+                    gen = torch.Generator(device=self.device).manual_seed(req.seed)
+                row = _Row(req, slot, -1, 0, gen)
+                if req.max_new_tokens <= 0:  # the prompt's log-probs were all it asked for (echo, max_tokens 0)
+                    self.stats.requests_finished += 1
+                    self._send(req, ("end", "length"))
+                elif not self._emit(row, *self._pick(last, [row])[0]):
+                    joined.append(row)
+                    continue
+                self._cache.release([slot])
+        return joined
 
-    def _join(self, row: _Row, cache) -> None:
-        P = cache[0][0].shape[1]
-        if self._past is None:
-            self._past, self._rows = cache, [row]
-            return
-        S = self._past[0][0].shape[1]
-        if P > S:  # the newcomer is longer: everyone else moves right by P - S
-            grow = P - S
-            self._past = [(_pad_left(shift_keys(self.model, k, grow), grow), _pad_left(v, grow))
-                          for k, v in self._past]
-            for r in self._rows:
-                r.pad += grow
-            S = P
-        row.pad = S - P
-        cache = [(_pad_left(shift_keys(self.model, k, row.pad), row.pad), _pad_left(v, row.pad)) for k, v in cache]
-        self._past = [(torch.cat([k0, k1]), torch.cat([v0, v1])) for (k0, v0), (k1, v1) in zip(self._past, cache)]
-        self._rows.append(row)
+    def _prefill(self, prompts: List[List[int]], slots: List[int], every_position: bool) -> torch.Tensor:
+        """One forward of the right-padded prompts into their slots -> logits (G, P, V), or (G, 1, V) at each
+        prompt's last token unless ``every_position`` (a request wants its prompt's log-probs)."""
+        width = max(len(p) for p in prompts)
+        ids = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, :len(p)] = torch.tensor(p, dtype=torch.long)
+        lengths = [len(p) for p in prompts]
+        last = None if every_position else torch.tensor(lengths, device=self.device) - 1
+        return self.model(ids.to(self.device), kv_cache=self._cache, slots=slots, input_lengths=lengths,
+                          logits_at=last).logits
 
-    def _remove(self, indices: List[int]) -> None:
-        gone = set(indices)
-        keep = [i for i in range(len(self._rows)) if i not in gone]
-        self._rows = [self._rows[i] for i in keep]
-        if not self._rows:
-            self._past = None
-            return
-        idx = torch.tensor(keep, device=self.device)
-        cut = min(r.pad for r in self._rows)  # padding every remaining row shares: drop it
-        past = []
-        for k, v in self._past:
-            k, v = k.index_select(0, idx), v.index_select(0, idx)
-            if cut:
-                k, v = shift_keys(self.model, k[:, cut:], -cut), v[:, cut:]
-            past.append((k, v))
-        self._past = past
-        for r in self._rows:
-            r.pad -= cut
+    def _remove(self, slots: List[int]) -> None:
+        for s in slots:
+            del self._rows[s]
+        self._cache.release(slots)
 
     def _drop_aborted(self) -> None:
-        gone = [i for i, r in enumerate(self._rows) if r.req.abort_reason]
-        for i in gone:
-            self._count_abort(self._rows[i].req)
+        gone = [s for s, r in self._rows.items() if r.req.abort_reason]
+        for s in gone:
+            self._count_abort(self._rows[s].req)
         if gone:
             self._remove(gone)
 
     def _fail_all(self, message: str) -> None:
-        for r in self._rows:
+        for r in self._rows.values():
             self._send(r.req, ("error", message))
-        self._rows, self._past = [], None
+        self._cache.release(list(self._rows))
+        self._rows = {}
 
     def _count_abort(self, req: GenRequest) -> None:
         reason = req.abort_reason or "unknown"
@@ -343,9 +331,8 @@ class Engine:
             req = row.req
             if req.temperature == 0:
                 token = greedy[i]
-            else:
-                filtered = sample_filter(logits[i] / req.temperature, req.top_k, req.top_p)
-                token = int(torch.multinomial(F.softmax(filtered, dim=-1), 1, generator=row.generator))
+            else:  # each row its own parameters and generator: the one sampler, row by row
+                token = int(sample_tokens(logits[i:i + 1], req.temperature, req.top_p, req.top_k, row.generator))
             if req.logprobs is None:
                 out.append((token,))
                 continue
@@ -393,10 +380,3 @@ def _prompt_logprobs(logits: torch.Tensor, prompt: List[int], k: int) -> List[tu
 def _deliver(events: List[tuple]) -> None:
     for req, event in events:
         req.on_event(event)
-
-
-def _pad_left(x: torch.Tensor, n: int) -> torch.Tensor:
-    """(B, S, ...) -> (B, n + S, ...) with n zero positions in front."""
-    if n == 0:
-        return x
-    return torch.cat([x.new_zeros((x.shape[0], n, *x.shape[2:])), x], dim=1)

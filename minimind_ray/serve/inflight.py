@@ -23,11 +23,26 @@ class Inbox:
     def __init__(self):
         self.items: List[tuple] = []
         self.waiter: Optional[asyncio.Future] = None
+        self.ending: Optional[asyncio.Future] = None  # set by a choice's last event ("end" or "error")
 
     def put(self, index: int, event: tuple) -> None:
         self.items.append((index, event, time.monotonic()))
         if self.waiter is not None and not self.waiter.done():
             self.waiter.set_result(None)
+        if event[0] in ("end", "error") and self.ending is not None and not self.ending.done():
+            self.ending.set_result(None)
+
+    def has_end(self) -> bool:
+        return any(event[0] in ("end", "error") for _, event, _ in self.items)
+
+    async def gather(self, seconds: float) -> None:
+        """Let events gather for up to ``seconds``; a choice's last event cuts the wait short (a client waits
+        for its end before it sends its next request)."""
+        if self.has_end():
+            return
+        self.ending = asyncio.get_running_loop().create_future()
+        await asyncio.wait({self.ending}, timeout=seconds)
+        self.ending = None
 
     async def take(self) -> List[tuple]:
         """Everything that has arrived, waiting for at least one event."""
@@ -80,15 +95,17 @@ class InFlight:
 
     async def ticks(self, interval: Optional[Callable[[], float]] = None) -> AsyncIterator[List[Tuple[Choice, list]]]:
         """After each batch of events: ``[(choice, deltas), ...]`` for the choices that changed, at most
-        one batch per ``interval()`` seconds (the first at once; None: as events come). Ends when every
-        choice is done or the deadline passed (then every unfinished choice has ``error == "timeout"``)."""
+        one batch per ``interval()`` seconds (the first at once, and a choice's end at once; None: as events
+        come). Ends when every choice is done or the deadline passed (then every unfinished choice has
+        ``error == "timeout"``)."""
         last = None
         while not self.finished():
             items = await self.inbox.take()
-            if last is not None and interval is not None and not self.timed_out:
+            ends = any(event[0] in ("end", "error") for _, event, _ in items)
+            if last is not None and interval is not None and not self.timed_out and not ends:
                 wait = last + interval() - time.monotonic()  # let tokens gather until the interval is up
                 if wait > 0:
-                    await asyncio.sleep(wait)
+                    await self.inbox.gather(wait)  # or until a choice ends: its last chunk goes at once
                     items += self.inbox.items
                     self.inbox.items = []
             last = time.monotonic()

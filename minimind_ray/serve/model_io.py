@@ -28,9 +28,11 @@ from minimind_ray.config import from_dict, run_config_of
 from minimind_ray.model.config import LoRAConfig
 from minimind_ray.tracking.config import TrackingConfig
 from minimind_ray.fsio import is_uri
-from minimind_ray.generate import StreamDecoder, generate_tokens, render_prompt, sample_filter  # noqa: F401
+from minimind_ray.generate import StreamDecoder, generate_tokens, render_prompt  # noqa: F401
+from minimind_ray.model.kv_cache import KVCache  # noqa: F401
 from minimind_ray.model.lora import apply_lora, load_lora, merge_lora
-from minimind_ray.model.minimind import apply_rope, build_model
+from minimind_ray.model.minimind import build_model
+from minimind_ray.model.sampling import sample_tokens  # noqa: F401
 from minimind_ray.serve.options import is_mlflow_uri
 from minimind_ray.store.pth import read_pth
 from minimind_ray.store.weights import (LoadedWeights, apply_weights, build_inference_model, load_weights,
@@ -38,8 +40,8 @@ from minimind_ray.store.weights import (LoadedWeights, apply_weights, build_infe
 from minimind_ray.tokenizer import Tokenizer, load_tokenizer, resolve_tokenizer
 from minimind_ray.tracking.runs import resolve_tracking_uri
 
-# Re-exported for the rest of the package: StreamDecoder (app), sample_filter (engine), generate_tokens and
-# render_prompt (bench).
+# Re-exported for the rest of the package: StreamDecoder (app), KVCache and sample_tokens (engine),
+# generate_tokens and render_prompt (bench).
 
 
 def render_chat(tokenizer: Tokenizer, messages: list, think: Optional[bool] = None,
@@ -249,21 +251,3 @@ def _build_from_download(source: str, uri: str, run_id: str, model_path: str, ds
     tok_dir = fetch("tokenizer")
     tok = load_tokenizer(str(tok_dir)) if tok_dir is not None and (tok_dir / "tokenizer.json").exists() else None
     return model.eval(), tok
-
-
-# --------------------------------------------------------------------------- KV-cache position shifts
-
-
-def shift_keys(model, k: torch.Tensor, offset: int) -> torch.Tensor:
-    """Cached keys (B, S, nkv, hs), rotated by RoPE at positions p, re-rotated to p + ``offset``.
-
-    RoPE turns each pair of dims by an angle proportional to the position, so turning a key
-    further by ``offset`` positions equals having computed it there (up to float rounding);
-    attention depends only on the difference of query and key positions. The model's
-    tables are pure rotations (MiniMind's YaRN uses attention_factor 1), so cos/sin at
-    ``|offset|`` with the sign of sin flipped for negative offsets is the turn."""
-    if offset == 0:
-        return k
-    m = model.model
-    cos, sin = m.freqs_cos[abs(offset)][None], m.freqs_sin[abs(offset)][None]  # (1, hs)
-    return apply_rope(k, cos, sin if offset > 0 else -sin)

@@ -322,7 +322,7 @@ def rope_scaling_spec(kind: Optional[str], factor: Optional[float] = None,
         if factor is not None or original_max_position_embeddings is not None:
             raise ValueError("--factor/--original-max-position-embeddings only apply to --rope-scaling yarn")
         return {"type": "none"}
-    from minimind_ray.model.minimind import YARN
+    from minimind_ray.model.rope import YARN
 
     spec = {"type": "yarn", **YARN}
     if factor is not None:
@@ -343,7 +343,8 @@ def set_rope_scaling(model, spec: dict):
     them the same way when ``inference_rope_scaling`` is set). ``model.cfg.inference_rope_scaling`` follows,
     and ``model.rope_scaling`` keeps the numbers used (None = plain RoPE). As in MiniMind, YaRN changes
     nothing unless the table (max_position_embeddings) is longer than the original context."""
-    from minimind_ray.model.minimind import rope_tables, unwrap_model
+    from minimind_ray.model.minimind import unwrap_model
+    from minimind_ray.model.rope import rope_tables
 
     if not isinstance(spec, dict) or "type" not in spec:  # e.g. a Serve config file's rope_scaling
         raise ValueError(f"rope_scaling: {spec!r} is not a mapping with a 'type' (yarn or none)")

@@ -753,6 +753,28 @@ def test_a_flood_gets_200_429_or_504_and_leaves_the_server_bounded_and_answering
     assert status == 200 and json.loads(text)["choices"][0]["finish_reason"] in ("stop", "length")
 
 
+def test_exactly_max_batch_plus_max_queued_concurrent_streams_get_200_and_one_more_a_429(served):
+    """The guarded replica holds max_batch + max_queued = 2 + 2 rows. Four concurrent streamed chats (endless
+    replies, ended by the 3 s timeout's error event) are all admitted with a 200 while one more sent during them
+    gets the 429. 48 streams against 16 + 32 once got two 429s: rows joining the batch were counted twice while
+    they were admitted (tests/unit/test_kv_cache.py checks the count at every forward)."""
+    base = served["base"]
+    before = health(base + "/guarded")
+    endless = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": CAP, "ignore_eos": True,
+               "temperature": 0}
+    n = GUARD["max_batch"] + GUARD["max_queued"]
+    with ThreadPoolExecutor(n) as pool:
+        held = [pool.submit(one_request, base, endless, True) for _ in range(n)]
+        wait_for(lambda: (lambda e: e["running"] + e["waiting"] == n)(health(base + "/guarded")["engine"]), 30)
+        extra = one_request(base, endless, True)
+        held = [f.result() for f in held]
+    assert [r[0] for r in held] == [200] * n and extra[0] == 429, ([r[0] for r in held], extra[:3])
+    assert all(text.endswith("data: [DONE]\n\n") for _, _, text, _, _ in held)
+    aborted = before["engine"]["requests_aborted"].get("timeout", 0)
+    wait_for(lambda: (lambda e: e["running"] == e["waiting"] == 0 and e["requests_aborted"].get("timeout", 0)
+                      >= aborted + n)(health(base + "/guarded")["engine"]))
+
+
 # --------------------------------------------------------------------------- the chat page in a browser
 
 

@@ -180,15 +180,30 @@ class Scripted(torch.nn.Module):
         reply = self.replies[min(len(starts) - 1, len(self.replies) - 1)]
         return reply[min(len(row) - starts[-1] - k, len(reply) - 1)]
 
-    def forward(self, ids, past_key_values=None, use_cache=False, attention_mask=None):
-        out = self.inner(ids, past_key_values=past_key_values, use_cache=use_cache, attention_mask=attention_mask)
-        if past_key_values is None:
-            self.rows = [r[m.bool()].tolist() for r, m in zip(ids, attention_mask)]
-        else:
-            self.rows = [r + [int(t)] for r, t in zip(self.rows, ids[:, -1])]
-        for i, row in enumerate(self.rows):
+    def forward(self, ids, kv_cache=None, input_lengths=None, slots=None, **kw):
+        out = self.inner(ids, kv_cache=kv_cache, input_lengths=input_lengths, slots=slots, **kw)
+        if input_lengths is not None:  # the prefill: right-padded prompts into cache rows `slots`
+            prompts = [r[:n].tolist() for r, n in zip(ids, input_lengths)]
+            self.by_slot = dict(zip(range(len(ids)) if slots is None else slots, prompts))
+            self._follow_forks(kv_cache)
+            rows = prompts
+        else:  # one token per cache row 0..B-1; a prompt the batch repeats was prefilled once, then forked
+            if self.rows is None:
+                self.rows = [self.by_slot[s] for s in range(len(ids))]
+            self.rows = rows = [r + [int(t)] for r, t in zip(self.rows, ids[:, -1])]
+        for i, row in enumerate(rows):
             out.logits[i, -1, self._next(row)] += self.bias
         return out
+
+    def _follow_forks(self, cache):
+        """A forked cache row holds the prompt of the row it was copied from."""
+        self.rows, fork = None, cache.fork
+
+        def forked(src, dsts):
+            self.by_slot.update({d: self.by_slot[src] for d in dsts})
+            fork(src, dsts)
+
+        cache.fork = forked
 
 
 def scripted_engine(state, tok, replies, bias):

@@ -14,7 +14,8 @@ from minimind_ray.config import ModelConfig
 from minimind_ray.model.config import LoRAConfig
 from minimind_ray.export_gguf import export_gguf, read_gguf_tensors, token_strings
 from minimind_ray.model.lora import apply_lora
-from minimind_ray.model.minimind import build_model, rope_tables
+from minimind_ray.model.minimind import build_model
+from minimind_ray.model.rope import rope_tables
 from minimind_ray.model.presets import preset_values
 from minimind_ray.store.pth import save_pth
 from tests.conftest import minimind_tokenizer_dir

@@ -12,7 +12,8 @@ import torch
 from minimind_ray.config import load_config
 from minimind_ray.model.minimind import build_model
 from minimind_ray.rl.grpo import eos_mask, group_advantages, group_std, k3_kl, per_token_loss, sequence_mean
-from minimind_ray.rl.rollout import SamplingParams, TorchRollout, sample_tokens, token_logprobs
+from minimind_ray.model.sampling import sample_tokens
+from minimind_ray.rl.rollout import SamplingParams, TorchRollout, token_logprobs
 from minimind_ray.tokenizer import load_tokenizer
 from tests.conftest import minimind_tokenizer_dir
 
@@ -157,6 +158,30 @@ def test_rollout_logprobs_are_the_policys_and_rows_stop_at_eos(tiny):
         assert (row[n:] == 0).all()  # pads after the end
         assert bool(cut) == (row[n - 1].item() != 2)  # cut at max_new_tokens exactly when there is no EOS
         assert 2 not in row[:n - 1].tolist()
+
+
+def test_a_steps_micro_batches_sampled_as_one_batch_equal_each_sampled_alone(tiny):
+    """TorchRollout.generate_many (a GRPO or PPO step's micro-batches): rows of several requests, of other prompt
+    widths, in one batch, cut back per request; each rollout as long as its own longest completion."""
+    from minimind_ray.rl.rollout import row_seeds
+
+    policy = EosLeaning(tiny, bias=8.5).eval()  # EOS about one token in three
+    eng = TorchRollout()
+    eng.update_policy(policy, 1)
+    params = SamplingParams(max_new_tokens=12, temperature=1.0, eos_id=2, pad_id=0)
+    requests = []
+    for i, prompts in enumerate(([[1, 300, 301, 302], [1, 400]] * 3, [[1, 500, 501, 502, 503, 504, 505]] * 2)):
+        ids, mask = _left_pad(prompts)
+        requests.append((ids, mask, params, row_seeds(7, 1, torch.arange(i * 10, i * 10 + len(prompts)), 1)))
+    together = eng.generate_many(requests)
+    for (ids, mask, _, seeds), got in zip(requests, together):
+        alone = eng.generate(ids, mask, params, seeds=seeds)
+        assert got.completion_ids.tolist() == alone.completion_ids.tolist()
+        assert got.completion_mask.tolist() == alone.completion_mask.tolist()
+        assert got.truncated.tolist() == alone.truncated.tolist()
+        torch.testing.assert_close(got.logprobs, alone.logprobs, atol=1e-5, rtol=0)
+    widths = [r.completion_ids.shape[1] for r in together]
+    assert min(widths) < max(widths), widths  # cut back to each request's own longest completion
 
 
 def test_sample_tokens_top_k_and_top_p_keep_only_the_head():

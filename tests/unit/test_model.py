@@ -153,19 +153,18 @@ def test_causal_masking(preset):
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny3-moe", "tiny-moe"])
 def test_cached_forward_equals_full_forward(preset):
-    """Prefill 9 tokens, then a chunk of 4 (causal with an offset), then 1 at a time."""
+    """Prefill 9 tokens, then a chunk of 4 (causal with an offset), then 1 at a time, in a static KV cache."""
+    from minimind_ray.model.kv_cache import KVCache
+
     m = build_model(cfg_of(preset), seed=0).eval()
     x = torch.randint(0, 6400, (2, 16))
+    cache = KVCache.for_model(m, slots=2)
     with torch.no_grad():
         full = m(x).logits
-        out = m(x[:, :9], use_cache=True)
-        parts = [out.logits]
-        out = m(x[:, 9:13], past_key_values=out.past_key_values, use_cache=True)
-        parts.append(out.logits)
+        parts = [m(x[:, :9], kv_cache=cache).logits, m(x[:, 9:13], kv_cache=cache).logits]
         for t in range(13, 16):
-            out = m(x[:, t:t + 1], past_key_values=out.past_key_values, use_cache=True)
-            parts.append(out.logits)
-    assert out.past_key_values[0][0].shape == (2, 16, m.cfg.num_key_value_heads, m.cfg.head_dim)
+            parts.append(m(x[:, t:t + 1], kv_cache=cache).logits)
+    assert cache.lengths == [16, 16] and cache.k.shape[:2] == (m.cfg.num_hidden_layers, 2)
     torch.testing.assert_close(torch.cat(parts, dim=1), full, atol=1e-5, rtol=1e-5)
 
 

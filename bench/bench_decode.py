@@ -1,0 +1,147 @@
+"""Decode cost per token against its position, before and after the static KV cache (not a test).
+
+For each position p (64, 512, 2048) and batch (1, 16): a freshly initialised model of --preset (minimind2-small,
+26M) prefills prompts of p tokens, then decodes --steps more tokens, each step timed between two tokens'
+arrivals in CPU seconds of the thread that runs the model (``time.thread_time``: on a shared machine wall time
+mostly measures the other processes); a point's figure is batch / the median step, tokens per CPU second:
+
+  batch 1    ``generate_tokens`` (the ``minimind-ray generate`` loop), one prompt
+  batch 16   the serving engine (``serve/engine.py``) with 16 requests of p-token prompts, timed once all 16 run
+
+Both functions exist before and after, so the same worker code runs on both versions: "before" is the commit
+before issue 35 (``--before``, default b090f53: the cache grown with ``torch.cat`` per token, ``repeat_kv``),
+exported with ``git archive``; "after" is this checkout. Rounds alternate between the two (``--rounds``), each in
+a fresh process with --threads torch threads; the table gives each point's best round (the machine is shared:
+the best is the least disturbed) and the load average.
+
+Usage:  .venv/bin/python bench/bench_decode.py [--positions 64,512,2048] [--batches 1,16] [--steps 16]
+                                               [--rounds 2] [--threads 1] [--before REV] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+
+def _batch1(model, p: int, steps: int) -> float:
+    import torch
+
+    from minimind_ray.generate import generate_tokens
+
+    prompt = torch.randint(3, 6400, (1, p), generator=torch.Generator().manual_seed(p))
+    stamps = [time.thread_time() for _ in generate_tokens(model, prompt, steps + 1, temperature=0.0,
+                                                          eos_token_id=None)]
+    return 1 / statistics.median(b - a for a, b in zip(stamps, stamps[1:]))  # the first came with the prefill
+
+
+def _batched(model, p: int, steps: int, batch: int) -> float:
+    import torch
+
+    from minimind_ray.serve.engine import Engine, GenRequest
+
+    engine = Engine(model, eos_id=2, max_batch=batch, context=p + steps + 2)
+    g = torch.Generator().manual_seed(p)
+    firsts, stamps, done = [], [], threading.Event()
+
+    def on_event(i, event):
+        if event[0] == "token":
+            if i == 0:  # on the engine thread, which runs the model
+                stamps.append(time.thread_time())
+            firsts.append(i) if len(firsts) < batch and i not in firsts else None
+        elif i == 0:
+            done.set()
+
+    joined_at = None
+    try:
+        with engine._cond:  # the loop takes this lock to pick up work: all rows are queued before it looks
+            for i in range(batch):
+                engine.submit(GenRequest(prompt_ids=torch.randint(3, 6400, (p,), generator=g).tolist(),
+                                         max_new_tokens=steps + batch + 1, stop_at_eos=False,
+                                         on_event=lambda e, i=i: on_event(i, e)))
+        while len(firsts) < batch:  # every row has had its prefill: from the next token of row 0 on, all decode
+            time.sleep(0.001)
+        joined_at = len(stamps)
+        assert done.wait(3600)
+    finally:
+        engine.close()
+    timed = stamps[joined_at:joined_at + steps + 1]
+    return batch / statistics.median(b - a for a, b in zip(timed, timed[1:]))
+
+
+def worker(args) -> dict:
+    sys.path.insert(0, args.src)
+    import torch
+
+    from minimind_ray.config import ModelConfig
+    from minimind_ray.model.minimind import build_model
+    from minimind_ray.model.presets import preset_values
+
+    torch.set_num_threads(args.threads)
+    model = build_model(ModelConfig(**preset_values(args.preset)), seed=0).eval()
+    _batch1(model, 16, 4)  # warm-up
+    out = {}
+    for b in [int(x) for x in args.batches.split(",")]:
+        for p in [int(x) for x in args.positions.split(",")]:
+            out[f"{b}@{p}"] = _batch1(model, p, args.steps) if b == 1 else _batched(model, p, args.steps, b)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="minimind2-small")
+    ap.add_argument("--positions", default="64,512,2048")
+    ap.add_argument("--batches", default="1,16")
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--before", default=None, help="the commit to compare with (default: before_after.BASE_REV)")
+    ap.add_argument("--json", help="also write the figures here")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--src", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        print(json.dumps(worker(args)))
+        return 0
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from before_after import BASE_REV, REPO, export_tree, run_worker
+
+    rev = args.before or BASE_REV
+    trees = {"before": export_tree(rev), "after": REPO}
+    passed = ["--preset", args.preset, "--positions", args.positions, "--batches", args.batches, "--steps",
+              str(args.steps), "--threads", str(args.threads)]
+    loads, best = [os.getloadavg()[0]], {"before": {}, "after": {}}
+    for r in range(args.rounds):
+        for side, tree in trees.items():
+            got = run_worker(Path(__file__).resolve(), tree, passed, args.threads)
+            for k, v in got.items():
+                best[side][k] = max(best[side].get(k, 0.0), v)
+            print(f"round {r + 1} {side}: " + ", ".join(f"{k} {v:.1f}" for k, v in got.items()), flush=True)
+        loads.append(os.getloadavg()[0])
+    positions = [int(x) for x in args.positions.split(",")]
+    print(f"\n{args.preset}, tokens per CPU second = batch / the median of {args.steps} decode steps' CPU time, "
+          f"{args.threads} torch thread(s), best of {args.rounds} rounds; before = {rev}, after = this checkout; "
+          f"load average (1 min) "
+          + " -> ".join(f"{x:.1f}" for x in loads))
+    print("\n| batch | position | before tok/CPU s | after tok/CPU s | after / before | cost per token vs position "
+          f"{positions[0]}: before | after |")
+    print("|---|---|---|---|---|---|---|")
+    for b in [int(x) for x in args.batches.split(",")]:
+        for p in positions:
+            k, k0 = f"{b}@{p}", f"{b}@{positions[0]}"
+            bb, aa = best["before"][k], best["after"][k]
+            print(f"| {b} | {p} | {bb:.1f} | {aa:.1f} | {aa / bb:.2f}x | {best['before'][k0] / bb:.2f}x | "
+                  f"{best['after'][k0] / aa:.2f}x |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rev": rev, "loads": loads, **best}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

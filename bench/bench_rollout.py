@@ -1,0 +1,156 @@
+"""GRPO rollout time per step, before and after the static KV cache (not a test), and whether the samples are
+the same.
+
+What one training worker generates in one GRPO step, with the in-worker sampler (``rl/rollout.py``
+``TorchRollout``), each completion from its own seed (``row_seeds``), as the step asks for it: before, one
+``generate`` per micro-batch; after, ``generate_many`` of the step's micro-batches (policy_step.py), which runs
+them as one batch:
+
+  demo             the demo recipe (demo_grpo.yaml): 16 sorting prompts x 8 completions, max_gen_len 10,
+                   temperature 1, one micro-batch per worker and step
+  minimind2-small  grpo_26m.yaml's shape with max_gen_len 256: 4 micro-batches of 2 prompts x 6 completions,
+                   temperature 0.8
+
+The prompts are the demo's sorting prompts through the chat template of the demo tokenizer (``builtin``); the
+models are freshly initialised (time does not depend on what the weights learned; such a model seldom ends a
+completion early, so every row runs to max_gen_len, the longest case). "before" is the commit before issue 35
+(``--before``), exported with ``git archive``, "after" this checkout; rounds alternate, each in a fresh process,
+and the table gives each side's best round, the load average, and whether both sides sampled the same tokens.
+Time is the CPU seconds of the process (one torch thread: its work; on a shared machine wall time mostly measures
+the other processes), with the wall seconds of the same step beside it.
+
+Usage:  .venv/bin/python bench/bench_rollout.py [--cases demo,minimind2-small] [--steps 3] [--rounds 2]
+                                                [--threads 1] [--before REV]
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+CASES = {  # preset, prompts per micro-batch, completions per prompt, micro-batches per step, max_gen_len, temperature
+    "demo": ("demo", 16, 8, 1, 10, 1.0),
+    "minimind2-small": ("minimind2-small", 2, 6, 4, 256, 0.8),
+}
+
+
+def prompt_ids(n: int, cache_dir: str):
+    """``n`` demo sorting prompts, chat-templated and encoded with the demo tokenizer."""
+    import random
+
+    from minimind_ray.data.demo import SORT_LENGTHS, sort_prompt
+    from minimind_ray.tokenizer import resolve_tokenizer
+
+    tok = resolve_tokenizer("builtin", cache_dir)
+    rng = random.Random(0)
+    out = []
+    for _ in range(n):
+        digits = [rng.randrange(10) for _ in range(rng.choice(SORT_LENGTHS))]
+        text = tok.apply_chat_template([{"role": "user", "content": sort_prompt(digits)}], add_generation_prompt=True)
+        out.append(tok.encode(text))
+    return out, tok.eos_id, tok.pad_id
+
+
+def worker(args) -> dict:
+    sys.path.insert(0, args.src)
+    import torch
+
+    from minimind_ray.config import ModelConfig
+    from minimind_ray.model.minimind import build_model
+    from minimind_ray.model.presets import preset_values
+    from minimind_ray.rl.rollout import SamplingParams, TorchRollout, row_seeds
+
+    torch.set_num_threads(args.threads)
+    shared = json.loads(Path(args.prompts).read_text())
+    out = {}
+    for name in args.cases.split(","):
+        preset, per_mb, group, mbs, gen_len, temperature = CASES[name]
+        model = build_model(ModelConfig(**preset_values(preset)), seed=0).eval()
+        engine = TorchRollout()
+        engine.update_policy(model, 0)
+        params = SamplingParams(max_new_tokens=gen_len, temperature=temperature, eos_id=shared["eos"],
+                                pad_id=shared["pad"])
+        digest, seconds = hashlib.sha256(), []
+        for step in range(args.steps + 1):  # step 0 warms up
+            requests = []
+            for mb in range(mbs):
+                first = ((step * mbs + mb) * per_mb) % (len(shared["prompts"]) - per_mb)
+                rows = [p for p in shared["prompts"][first:first + per_mb] for _ in range(group)]
+                width = max(len(r) for r in rows)
+                ids = torch.full((len(rows), width), shared["pad"], dtype=torch.long)
+                mask = torch.zeros((len(rows), width), dtype=torch.long)
+                for i, r in enumerate(rows):
+                    ids[i, width - len(r):], mask[i, width - len(r):] = torch.tensor(r), 1
+                requests.append((ids, mask, params, row_seeds(1234, step, torch.arange(first, first + per_mb), group)))
+            t0, c0 = time.perf_counter(), time.process_time()
+            if hasattr(engine, "generate_many"):
+                rolls = engine.generate_many(requests)
+            else:  # the version before issue 35: one micro-batch at a time
+                rolls = [engine.generate(ids, mask, p, seeds=seeds) for ids, mask, p, seeds in requests]
+            if step:
+                seconds.append((time.process_time() - c0, time.perf_counter() - t0))
+            for roll in rolls:
+                digest.update(json.dumps([roll.completion_ids.tolist(), roll.completion_mask.tolist()]).encode())
+        cpu, wall = min(seconds)
+        out[name] = {"s_per_step": cpu, "wall_s": wall, "samples": digest.hexdigest()[:16]}
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cases", default="demo,minimind2-small")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per round (the best counts)")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--before", default=None, help="the commit to compare with (default: before_after.BASE_REV)")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--src", help=argparse.SUPPRESS)
+    ap.add_argument("--prompts", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        print(json.dumps(worker(args)))
+        return 0
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from before_after import BASE_REV, REPO, export_tree, run_worker
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench-rollout-"))
+    prompts, eos, pad = prompt_ids(200, str(tmp / "cache"))
+    (tmp / "prompts.json").write_text(json.dumps({"prompts": prompts, "eos": eos, "pad": pad}))
+    rev = args.before or BASE_REV
+    trees = {"before": export_tree(rev), "after": REPO}
+    passed = ["--cases", args.cases, "--steps", str(args.steps), "--threads", str(args.threads), "--prompts",
+              str(tmp / "prompts.json")]
+    loads, best = [os.getloadavg()[0]], {"before": {}, "after": {}}
+    for r in range(args.rounds):
+        for side, tree in trees.items():
+            got = run_worker(Path(__file__).resolve(), tree, passed, args.threads)
+            for k, v in got.items():
+                if k not in best[side] or v["s_per_step"] < best[side][k]["s_per_step"]:
+                    best[side][k] = v
+            print(f"round {r + 1} {side}: " + ", ".join(f"{k} {v['s_per_step']:.2f} CPU s" for k, v in got.items()),
+                  flush=True)
+        loads.append(os.getloadavg()[0])
+    print(f"\nrollout CPU seconds (wall) per GRPO step of one worker, best of {args.rounds} rounds x {args.steps} "
+          f"steps, {args.threads} torch thread(s); before = {rev}, after = this checkout; load average (1 min) "
+          + " -> ".join(f"{x:.1f}" for x in loads))
+    print("\n| case | completions x tokens per step | before CPU s (wall) | after CPU s (wall) | lower by | "
+          "same samples |")
+    print("|---|---|---|---|---|---|")
+    for name in args.cases.split(","):
+        _, per_mb, group, mbs, gen_len, _ = CASES[name]
+        b, a = best["before"][name], best["after"][name]
+        print(f"| {name} | {per_mb * group * mbs} x {gen_len} | {b['s_per_step']:.2f} ({b['wall_s']:.2f}) | "
+              f"{a['s_per_step']:.2f} ({a['wall_s']:.2f}) | "
+              f"{1 - a['s_per_step'] / b['s_per_step']:.0%} | {'yes' if a['samples'] == b['samples'] else 'NO'} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

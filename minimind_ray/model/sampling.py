@@ -1,0 +1,45 @@
+"""The one token sampler: temperature, then top-k, then the top-p nucleus, then a draw.
+
+``generate``/``chat``, the serving engine, RL rollouts and the ``gen``/``toolcall`` evaluations all pick their
+tokens here, so a seed means the same draw everywhere. MiniMind's order: the logits are divided by the
+temperature, tokens outside the k most likely and outside the smallest set whose probability passes ``top_p``
+(the token that crosses it is kept) are dropped, and the rest are renormalised.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def filter_logits(logits: Tensor, top_k: int = 0, top_p: float = 1.0) -> Tensor:
+    """``logits`` (N, V) with every token outside the top ``top_k`` (0 = all) and outside the ``top_p`` nucleus
+    (1.0 = all) set to -inf."""
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (N, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        drop = torch.cumsum(F.softmax(sorted_logits, dim=-1), dim=-1) > top_p  # (N, V) in sorted order
+        drop[:, 1:] = drop[:, :-1].clone()  # keep the token that crosses top_p
+        drop[:, 0] = False
+        logits = logits.masked_fill(drop.scatter(1, order, drop), float("-inf"))
+    return logits
+
+
+def sample_tokens(logits: Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0,
+                  generator: Optional[torch.Generator] = None, uniforms: Optional[Tensor] = None) -> Tensor:
+    """One token per row of ``logits`` (N, V) -> (N,). ``temperature == 0`` is greedy (argmax, no draw).
+    Draws from ``generator`` (None = the global RNG, which training checkpoints save and restore), or, when
+    ``uniforms`` (N,) are given, by inverse CDF from one number per row (rl.rollout.counter_uniform: a row's
+    token then depends on its logits and its own seed alone)."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    probs = F.softmax(filter_logits(logits / temperature, top_k, top_p), dim=-1)  # (N, V)
+    if uniforms is None:
+        return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+    cdf = probs.double().cumsum(dim=-1)  # (N, V)
+    pick = torch.searchsorted(cdf, (uniforms.to(cdf.device) * cdf[:, -1])[:, None]).squeeze(1)
+    return pick.clamp_max(logits.shape[-1] - 1)
