@@ -14,19 +14,27 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
-from minimind_ray.config_checks import int_at_least as _int_at_least
+from minimind_ray.config_checks import ConfigError, int_at_least as _int_at_least
+from minimind_ray.console import quiet_environment, set_verbose
+from minimind_ray.evals.verb import __doc__ as eval_doc, add_arguments as add_eval_arguments, run_from_args
+from minimind_ray.memory_errors import OutOfMemory
+from minimind_ray.model.config import LoRAConfig
+from minimind_ray.pipeline.config import load_pipeline
+from minimind_ray.raytrain.restarts import RestartsSpent
+from minimind_ray.raytrain.sweep_config import load_sweep
 from minimind_ray.stages import STAGES
+from minimind_ray.tokenizer_fetch import MIRROR_ENV, PINNED, TokenizerFetchError, fetch_to
 
 
 def _fields_epilog() -> str:
-    from minimind_ray.config import field_help
+    from minimind_ray.config import field_help  # lazy: pyarrow, only when this runs
 
     rows = [f"  {name}={default!r}\n      {help}" for name, default, help in field_help()]
     return "config fields (override as key=value):\n" + "\n".join(rows)
 
 
 def _load(args, stage: Optional[str] = None):
-    from minimind_ray.config import load_config
+    from minimind_ray.config import load_config  # lazy: pyarrow, only when this runs
 
     overrides = list(args.overrides)
     if stage:
@@ -37,7 +45,7 @@ def _load(args, stage: Optional[str] = None):
 
 
 def cmd_train(args) -> int:
-    from minimind_ray.raytrain.driver import RunFinished, run
+    from minimind_ray.raytrain.driver import RunFinished, run  # lazy: pyarrow, only when this runs
 
     cfg = _load(args, args.verb)
     try:
@@ -50,7 +58,7 @@ def cmd_train(args) -> int:
 
 
 def print_run_summary(res) -> None:
-    from minimind_ray.fsio import redact
+    from minimind_ray.fsio import redact  # lazy: pyarrow, only when this runs
 
     lines = ["\n==== results ====", f"run name:        {res.name}", f"run directory:   {res.run_dir}",
              f"last checkpoint: {res.checkpoint_dir}", *(f"export ({k}): {v}" for k, v in res.exports.items())]
@@ -60,7 +68,7 @@ def print_run_summary(res) -> None:
         lines.append(f"MLflow run id:   {res.mlflow_run_id}  (tracking URI {res.tracking_uri})")
         if res.tracking_uri and res.tracking_uri.startswith("sqlite:///"):
             lines.append(f"MLflow UI:       make ui   (or: mlflow ui --backend-store-uri {res.tracking_uri} --host 127.0.0.1)")
-        from minimind_ray.tracking.runs import run_page_url
+        from minimind_ray.tracking.runs import run_page_url  # lazy: pyarrow, only when this runs
 
         page = run_page_url(res.tracking_uri, res.mlflow_run_id)
         if page:  # the 'Model training' view: MLflow 3's UI opens in its GenAI view unless told
@@ -69,8 +77,7 @@ def print_run_summary(res) -> None:
 
 
 def cmd_sweep(args) -> int:
-    from minimind_ray.raytrain.sweep import print_sweep, run_sweep
-    from minimind_ray.raytrain.sweep_config import load_sweep
+    from minimind_ray.raytrain.sweep import print_sweep, run_sweep  # lazy: pyarrow, only when this runs
 
     sweep = load_sweep(args.config, args.overrides)
     out = run_sweep(sweep, Path(args.config).read_text())
@@ -79,8 +86,7 @@ def cmd_sweep(args) -> int:
 
 
 def cmd_pipeline(args) -> int:
-    from minimind_ray.pipeline.config import load_pipeline
-    from minimind_ray.pipeline.run import print_pipeline, run_pipeline
+    from minimind_ray.pipeline.run import print_pipeline, run_pipeline  # lazy: pyarrow, only when this runs
 
     pipe = load_pipeline(args.config)
     out = run_pipeline(pipe, list(args.overrides), Path(args.config).read_text())
@@ -89,9 +95,9 @@ def cmd_pipeline(args) -> int:
 
 
 def cmd_prepare(args) -> int:
-    from minimind_ray.data.prepare import ensure_prepared
+    from minimind_ray.data.prepare import ensure_prepared  # lazy: numpy, pyarrow, only when this runs
     from minimind_ray.tokenizer import resolve_tokenizer
-    from minimind_ray.raytrain.driver import connect_ray
+    from minimind_ray.raytrain.driver import connect_ray  # lazy: pyarrow, only when this runs
 
     cfg = _load(args)
     if args.out:
@@ -101,7 +107,7 @@ def cmd_prepare(args) -> int:
     out = ensure_prepared(cfg.data, tok)
     manifest = json.loads((Path(out) / "manifest.json").read_text())
     print(f"prepared: {out}")
-    from minimind_ray.data.manifest import skipped_records
+    from minimind_ray.data.manifest import skipped_records  # lazy: pyarrow, only when this runs
 
     print(f"skipped {skipped_records(out)}")
     print(json.dumps({k: manifest.get(k) for k in ("format", "counts", "skipped")}, indent=1, ensure_ascii=False))
@@ -109,13 +115,13 @@ def cmd_prepare(args) -> int:
 
 
 def _tokenizer_for(args, lw):
-    from minimind_ray.generate import tokenizer_for_weights
+    from minimind_ray.generate import tokenizer_for_weights  # lazy: torch, only when this runs
 
     return tokenizer_for_weights(lw, args.tokenizer)
 
 
 def _sampling(args):
-    from minimind_ray.generate import SamplingConfig
+    from minimind_ray.generate import SamplingConfig  # lazy: torch, only when this runs
 
     return SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                           top_k=args.top_k, repetition_penalty=args.repetition_penalty, seed=args.seed)
@@ -144,13 +150,13 @@ def add_rope_scaling_arguments(sp) -> None:
 
 def rope_scaling_of(args):
     """``--rope-scaling`` and its numbers as build_inference_model's ``rope_scaling`` (None = the weights' own)."""
-    from minimind_ray.store.weights import rope_scaling_spec
+    from minimind_ray.store.weights import rope_scaling_spec  # lazy: pyarrow, torch, only when this runs
 
     return rope_scaling_spec(args.rope_scaling, args.factor, args.original_max_position_embeddings)
 
 
 def cmd_generate(args) -> int:
-    from minimind_ray.generate import generate_text
+    from minimind_ray.generate import generate_text  # lazy: torch, only when this runs
     from minimind_ray.store.weights import build_inference_model
 
     dev = _device(args)
@@ -165,7 +171,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_chat(args) -> int:
-    from minimind_ray.generate import chat_loop
+    from minimind_ray.generate import chat_loop  # lazy: torch, only when this runs
     from minimind_ray.store.weights import build_inference_model
 
     dev = _device(args)
@@ -175,13 +181,11 @@ def cmd_chat(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from minimind_ray.evals.verb import run_from_args
-
     return run_from_args(args)
 
 
 def cmd_export(args) -> int:
-    from minimind_ray.export import export_from_source
+    from minimind_ray.export import export_from_source  # lazy: pyarrow, torch, only when this runs
 
     formats = [f.strip() for f in args.format.split(",")]
     paths = export_from_source(args.source, args.out, formats=formats, preset=args.preset,
@@ -192,10 +196,9 @@ def cmd_export(args) -> int:
 
 
 def cmd_merge_lora(args) -> int:
-    from minimind_ray.model.config import LoRAConfig
-    from minimind_ray.model.lora import apply_lora, load_lora, merge_lora
+    from minimind_ray.model.lora import apply_lora, load_lora, merge_lora  # lazy: pyarrow, torch, only when this runs
     from minimind_ray.store.pth import read_pth, save_pth
-    from minimind_ray.store.weights import build_inference_model
+    from minimind_ray.store.weights import build_inference_model  # lazy: pyarrow, torch, only when this runs
 
     model, _ = build_inference_model(args.base, args.preset, merge_lora=False)
     sd = read_pth(args.lora)
@@ -211,7 +214,7 @@ def cmd_merge_lora(args) -> int:
 
 
 def cmd_train_tokenizer(args) -> int:
-    from minimind_ray.tokenizer import train_tokenizer
+    from minimind_ray.tokenizer import train_tokenizer  # lazy: pyarrow, tokenizers, only when this runs
 
     tok = train_tokenizer(args.data, args.out, vocab_size=args.vocab_size)
     print(f"tokenizer: {args.out} (vocab {tok.vocab_size}, hash {tok.hash()[:12]})")
@@ -290,8 +293,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_rope_scaling_arguments(sp)
     sp.set_defaults(fn=cmd_chat)
 
-    from minimind_ray.evals.verb import __doc__ as eval_doc, add_arguments as add_eval_arguments
-
     sp = sub.add_parser("eval", help="benchmark scores (ceval, cmmlu, mc, gen, toolcall, your own task class) or "
                                      "the loss of any weights (docs/evaluation.md)", description=eval_doc,
                         formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -325,15 +326,13 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--vocab-size", type=int, default=6400)
     sp.set_defaults(fn=cmd_train_tokenizer)
 
-    from minimind_ray.tokenizer_fetch import MIRROR_ENV, PINNED
-
     sp = sub.add_parser("fetch-tokenizer", help=f"download MiniMind's tokenizer NAME (pinned commit, sha256-checked) "
                                                 f"into OUT/NAME: a mirror for {MIRROR_ENV} on offline clusters")
     sp.add_argument("name", choices=sorted(PINNED))
     sp.add_argument("--out", required=True, help="local directory or URI; the files land in OUT/NAME/")
     sp.set_defaults(fn=cmd_fetch_tokenizer)
 
-    from minimind_ray.serve.launch import add_arguments as add_serve_arguments
+    from minimind_ray.serve.launch import add_arguments as add_serve_arguments  # lazy: pyarrow, only when this runs
 
     sp = sub.add_parser("serve", help="serve WEIGHTS on Ray Serve: an OpenAI-compatible API and a chat page "
                                       "(docs/serving.md)")
@@ -350,15 +349,13 @@ VERBOSE_HELP = ("show Ray's and MLflow's own lines too (Ray Data's progress, Ray
 
 
 def cmd_serve(args) -> int:
-    from minimind_ray.serve.launch import serve_from_args
+    from minimind_ray.serve.launch import serve_from_args  # lazy: pyarrow, only when this runs
 
     args.rope_scaling = rope_scaling_of(args)  # a dict (ServeOptions.rope_scaling) that travels to the replicas
     return serve_from_args(args)
 
 
 def cmd_fetch_tokenizer(args) -> int:
-    from minimind_ray.tokenizer_fetch import MIRROR_ENV, fetch_to
-
     target = fetch_to(args.name, args.out)
     print(f"{args.name}: {target} (sha256-checked)")
     print(f"use it with {MIRROR_ENV}={args.out} and data.tokenizer={args.name}, or with data.tokenizer={target}")
@@ -372,23 +369,15 @@ def user_errors() -> tuple:
     argument, path or URI raises; a run out of memory (OutOfMemory: the settings to change, the memory
     seen), and a worker group that could not be restarted within cluster.max_failures (RestartsSpent). Each
     message names the input, so :func:`main` prints it as one line with exit code 2. Anything else is a bug and keeps its traceback."""
-    from minimind_ray.config_checks import ConfigError
-    from minimind_ray.data.manifest import DataError
-    from minimind_ray.memory_errors import OutOfMemory
-    from minimind_ray.raytrain.restarts import RestartsSpent
-    from minimind_ray.store.checkpoint import CheckpointError
+    from minimind_ray.data.manifest import DataError  # lazy: pyarrow, only when this runs
+    from minimind_ray.store.checkpoint import CheckpointError  # lazy: pyarrow, torch, only when this runs
     from minimind_ray.store.pth import WeightsError
-    from minimind_ray.tokenizer_fetch import TokenizerFetchError
 
     return (ConfigError, DataError, CheckpointError, WeightsError, TokenizerFetchError, OutOfMemory, RestartsSpent,
             ValueError, OSError)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    from minimind_ray.config_checks import ConfigError
-
-    from minimind_ray.console import quiet_environment, set_verbose
-
     args = build_parser().parse_args(argv)
     set_verbose(args.verbose)
     quiet_environment()  # before Ray or MLflow is imported

@@ -27,12 +27,15 @@ import torch
 from torch import nn
 
 from minimind_ray.config import run_config_of
+from minimind_ray.fsio import atomic_write, torch_save_atomic, write_text_atomic
 from minimind_ray.model.config import ModelConfig
-from minimind_ray.fsio import atomic_write, write_text_atomic
+from minimind_ray.model.lora import merge_lora, save_lora
 from minimind_ray.model.minimind import clean_state_dict, unwrap_model
 from minimind_ray.model.rope import YARN
+from minimind_ray.stages import get_stage
+from minimind_ray.store.checkpoint import open_checkpoint
 from minimind_ray.store.pth import save_pth
-from minimind_ray.store.weights import SAFETENSORS_CONFIG_KEY, model_config_json
+from minimind_ray.store.weights import SAFETENSORS_CONFIG_KEY, build_inference_model, model_config_json
 
 # The files of an HF tokenizer folder that travel with the model (the first two are required).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
@@ -60,8 +63,6 @@ def export_minimind_pth(model: nn.Module, out_dir, stage: str = "pretrain") -> s
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(str(out_dir), f"{stage}_{cfg.hidden_size}{'_moe' if cfg.use_moe else ''}.pth")
     if _has_lora(raw):
-        from minimind_ray.model.lora import save_lora
-
         save_lora(raw, path)
     else:
         save_pth(raw, path)
@@ -199,12 +200,10 @@ def _export_model(model: nn.Module, out_dir: Path, stage: str, formats, tokenize
                   lora: str = "merge") -> Dict[str, str]:
     """Write the requested formats of one in-memory model. LoRA: adapters alone (``lora='separate'``,
     MiniMind's lora_*.pth) or folded into the base weights first (``'merge'``)."""
-    from minimind_ray.model.lora import merge_lora
-
     if "hf" in formats and tokenizer_dir is None:
         raise ValueError("the HF export needs a tokenizer folder: pass --tokenizer (or drop 'hf' from --format)")
     if "gguf" in formats:  # refused before anything is written: the file would have no model or no tokenizer
-        from minimind_ray.export_gguf import gguf_architecture
+        from minimind_ray.export_gguf import gguf_architecture  # lazy: numpy, only when this runs
 
         if tokenizer_dir is None:
             raise ValueError("the GGUF export carries the tokenizer: pass --tokenizer (or drop 'gguf' from --format)")
@@ -231,7 +230,7 @@ def _export_model(model: nn.Module, out_dir: Path, stage: str, formats, tokenize
         except NotImplementedError as e:
             paths["hf_skipped"] = str(e)
     if "gguf" in formats:
-        from minimind_ray.export_gguf import export_gguf
+        from minimind_ray.export_gguf import export_gguf  # lazy: numpy, only when this runs
 
         cfg = unwrap_model(model).cfg
         paths["gguf"] = export_gguf(model, tokenizer_dir, out_dir / f"{stage}_{cfg.hidden_size}"
@@ -242,9 +241,6 @@ def _export_model(model: nn.Module, out_dir: Path, stage: str, formats, tokenize
 def export_run_checkpoint(cfg, ckpt_dir: str, out_dir: Path) -> Dict[str, str]:
     """What the driver writes after training: MiniMind .pth + safetensors (+ LoRA weights) of the
     final checkpoint (a local path or URI), named as MiniMind's trainers name them (``full_sft`` for SFT)."""
-    from minimind_ray.stages import get_stage
-    from minimind_ray.store.weights import build_inference_model
-
     model, _ = build_inference_model(str(ckpt_dir), merge_lora=False)
     stage = get_stage(cfg.train.stage).export_prefix
     paths = _export_model(model, Path(out_dir), stage, ("minimind", "safetensors"), None)
@@ -256,13 +252,9 @@ def export_parts(cfg, ckpt_dir: str, out_dir: Path, model_cfg: ModelConfig) -> D
     """The models a stage trains beside the policy, as MiniMind-named fp16 ``.pth`` files (PPO:
     ``ppo_critic_<hidden>[_moe].pth``, the state dict of MiniMind's ``CriticModel``: ``model.*``, ``lm_head``,
     ``value_head``; MiniMind itself keeps it as ``critic_model`` inside its ``ppo_actor_<hidden>_resume.pth``)."""
-    from minimind_ray.stages import get_stage
-    from minimind_ray.store.checkpoint import open_checkpoint
-
     parts = get_stage(cfg.train.stage).parts
     if not parts:
         return {}
-    from minimind_ray.fsio import torch_save_atomic
 
     stored, paths = open_checkpoint(str(ckpt_dir)), {}
     suffix = f"{model_cfg.hidden_size}{'_moe' if model_cfg.use_moe else ''}"
@@ -277,8 +269,6 @@ def export_from_source(source: str, out, formats=("minimind", "hf"), preset: Opt
                        tokenizer: Optional[str] = None, lora: str = "merge") -> Dict[str, str]:
     """Export any weights (``.pth``, ``.safetensors``, HF export folder, checkpoint dir, Ray Train run dir or
     storage URI) with no training code running. The tokenizer defaults to the run's own (an HF folder's own)."""
-    from minimind_ray.store.weights import build_inference_model
-
     formats = tuple(formats)
     unknown = [f for f in formats if f not in FORMATS]
     if unknown or not formats:  # before any reading: a typo must not export nothing and succeed
@@ -288,11 +278,9 @@ def export_from_source(source: str, out, formats=("minimind", "hf"), preset: Opt
     stage = "pretrain"
     run_cfg = run_config_of(lw.run_config)
     if run_cfg is not None:
-        from minimind_ray.stages import get_stage
-
         stage = get_stage(run_cfg.train.stage).export_prefix
         if tok_dir is None:
-            from minimind_ray.tokenizer import resolve_tokenizer
+            from minimind_ray.tokenizer import resolve_tokenizer  # lazy: tokenizers, only when this runs
 
             tok_dir = resolve_tokenizer(run_cfg.data.tokenizer, run_cfg.data.cache_dir, run_cfg.model.generation).path
     return _export_model(model, Path(out), stage, formats, tok_dir, lora=lora)

@@ -67,7 +67,7 @@ def tokenizer_for_weights(lw, spec: Optional[str] = None):
     """The tokenizer of loaded weights (a store.weights.LoadedWeights): ``spec`` when given (a name, auto = MiniMind's
     tokenizer of the weights' generation, or a directory), else the run's (its data.tokenizer), else an HF export
     folder's own; a ValueError naming what to pass when the weights record none."""
-    from minimind_ray.tokenizer import resolve_tokenizer
+    from minimind_ray.tokenizer import resolve_tokenizer  # lazy: pyarrow, tokenizers, only when this runs
 
     data = lw.run_config["data"] if lw.run_config else None  # the run's recorded config (a plain dict)
     if spec:

@@ -30,6 +30,8 @@ from typing import Iterator, List, Optional
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from minimind_ray.data.demo import write_demo_corpus
+from minimind_ray.data.sources import iter_records, resolve_sources
 from minimind_ray.fsio import atomic_write, write_json_atomic
 from minimind_ray.tokenizer_fetch import PINNED, fetch_tokenizer
 
@@ -257,8 +259,6 @@ def _corpus_texts(files: List[str]) -> Iterator[str]:
     """Texts of every record, streamed file by file: pretrain ``text``, the message contents
     of ``conversations`` / ``chosen`` / ``rejected``. Unparseable lines are skipped here;
     ``prepare`` is where bad records are counted."""
-    from minimind_ray.data.sources import iter_records, resolve_sources
-
     def texts_of(rec):
         if not isinstance(rec, dict):
             return
@@ -362,7 +362,6 @@ def resolve_tokenizer(spec: str, cache_dir: str, generation: Optional[str] = Non
     out = os.path.join(os.path.abspath(cache_dir), "tokenizer-builtin")
     if os.path.exists(os.path.join(out, "tokenizer_config.json")):
         return load_tokenizer(out)
-    from minimind_ray.data.demo import write_demo_corpus
 
     demo = write_demo_corpus(os.path.join(os.path.abspath(cache_dir), "demo"))
     return train_tokenizer([demo["pretrain"], demo["sft"], demo["dpo"]], out)

@@ -84,7 +84,7 @@ def _pin(name: str) -> PinnedTokenizer:
 def source_url(name: str, file: str, mirror: Optional[str]) -> str:
     """Where ``file`` of tokenizer ``name`` is read from: the mirror's ``<name>/<file>`` or GitHub."""
     if mirror:
-        from minimind_ray import fsio
+        from minimind_ray import fsio  # lazy: pyarrow, only when this runs
 
         return fsio.join(mirror, f"{name}/{file}")
     return RAW_URL.format(commit=_pin(name).commit, file=file)
@@ -104,7 +104,7 @@ def _read(name: str, url: str, mirror: Optional[str]) -> bytes:
         if url.startswith(("http://", "https://")):
             with urllib.request.urlopen(url, timeout=HTTP_TIMEOUT_S) as r:
                 return r.read()
-        from minimind_ray import fsio
+        from minimind_ray import fsio  # lazy: pyarrow, only when this runs
 
         fs, path = fsio.filesystem(url)
         with fs.open_input_stream(path) as f:
@@ -193,7 +193,7 @@ def fetch_to(name: str, out: str, mirror: Optional[str] = None, cache_dir: Optio
     there is kept when it is the same one, and refused (never overwritten) when it differs."""
     import pyarrow.fs as pafs
 
-    from minimind_ray import fsio
+    from minimind_ray import fsio  # lazy: pyarrow, only when this runs
 
     pin = _pin(name)
     src = fetch_tokenizer(name, cache_dir=cache_dir, mirror=mirror)

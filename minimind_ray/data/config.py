@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import List, Tuple
 
 from minimind_ray.config_checks import ConfigError, config_field as _f, need
+from minimind_ray.data.demo import DEMO_FILES
 from minimind_ray.fsio import is_uri
 
 # Record formats of the data pipeline (minimind_ray/data/formats.py says what each holds).
@@ -56,8 +57,6 @@ def validate_data(d: DataConfig) -> None:
         if p == "demo" or is_uri(p) or any(ch in p for ch in "*?["):
             continue
         if p.startswith("demo:"):
-            from minimind_ray.data.demo import DEMO_FILES  # lazy: the demo module holds the built-in corpus's text
-
             need(p[len("demo:"):] in DEMO_FILES, "data.train_path",
                  f"{p}: no such demo file; one of {', '.join('demo:' + n for n in DEMO_FILES)}")
             continue

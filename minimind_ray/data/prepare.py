@@ -49,13 +49,15 @@ import pyarrow.parquet as pq
 
 from minimind_ray.console import QuietFilter, quiet_handlers, verbose
 from minimind_ray.data import formats
+from minimind_ray.data.demo import resolve_demo_path
+from minimind_ray.data.sources import SourceFile, content_digests, plan_ranges, resolve_sources
+from minimind_ray.fsio import filesystem, is_uri, join
+from minimind_ray.memory_errors import MONITOR_MARK, read_oom
 from minimind_ray.data.manifest import (  # noqa: F401  (read_manifest, is_prepared, verify_shards: re-exported)
     MANIFEST, PREPARED_VERSION, DataError, check_manifest, is_prepared, read_manifest, row_settings, verify_shards,
     write_manifest)
 from minimind_ray.data.shard import (  # noqa: F401  (SAMPLE_ID_STRIDE, process_chunk: re-exported)
     MAX_SAMPLES, SAMPLE_ID_STRIDE, Chunk, process_chunk)
-from minimind_ray.data.sources import SourceFile, content_digests, plan_ranges, resolve_sources
-from minimind_ray.fsio import filesystem, is_uri, join
 
 log = logging.getLogger(__name__)
 _TASKS_PER_CPU = 2  # packing small chunks stops at this many tasks per CPU: enough to even out unequal tasks
@@ -231,8 +233,6 @@ class _NoOutOfMemoryTraceback(logging.Filter):
     file, ray-data.log, keeps them)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        from minimind_ray.memory_errors import MONITOR_MARK
-
         if record.exc_info and MONITOR_MARK in str(record.exc_info[1]):
             if record.getMessage().startswith("Full stack trace"):
                 return False  # a record that is nothing but the traceback
@@ -244,8 +244,6 @@ def _raise_if_out_of_memory(error: BaseException, data_cfg, n_chunks: int) -> No
     """A prepare task that Ray's memory monitor killed more often than ``RAY_task_oom_retries`` (set by
     ``raytrain/driver.py:connect_ray``; Ray's own default retries without end) fails the job: say so in
     one line, with the memory seen and the settings that size a task."""
-    from minimind_ray.memory_errors import read_oom
-
     seen = next((s for s in (read_oom(str(x)) for x in (error, getattr(error, "cause", None)) if x is not None)
                  if s is not None), None)
     if seen is None:
@@ -354,8 +352,6 @@ def ensure_prepared(data_cfg, tokenizer) -> str:
         return path
     cache = data_cfg.cache_dir if is_uri(data_cfg.cache_dir) else os.path.abspath(data_cfg.cache_dir)
     if any(p == "demo" or p.startswith("demo:") for p in paths):
-        from minimind_ray.data.demo import resolve_demo_path
-
         paths = [resolve_demo_path(p, data_cfg.format, cache) for p in paths]
     files, missing = resolve_sources(paths)
     digests = content_digests(files)

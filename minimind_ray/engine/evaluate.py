@@ -83,7 +83,7 @@ def eval_metrics(sums: EvalSums) -> Dict[str, float]:
 def evaluate_state(state) -> Dict[str, float]:
     """Eval loss of a TrainState's model on its eval split: each rank takes its share, sums are all-reduced.
     Leaves the model in eval mode; the caller puts it back to train mode."""
-    from minimind_ray.data.stream import TrainStream
+    from minimind_ray.data.stream import TrainStream  # lazy: numpy, omegaconf, pyarrow, yaml, only when this runs
 
     cfg = state.cfg
     mb = cfg.train.micro_batch_size

@@ -24,9 +24,10 @@ from minimind_ray.cluster_config import worker_threads
 from minimind_ray.engine.metrics import CommTimer
 from minimind_ray.engine.parallel import (checkpoint_blocks, load_sharded_state, load_whole_state, shard_model,
                                           sharded_state)
+from minimind_ray.engine.step import autocast_for, bf16_compute, lr_lambda
+from minimind_ray.model.minimind import build_model
 from minimind_ray.stages import build_objective
 from minimind_ray.stages.objective import Objective
-from minimind_ray.engine.step import autocast_for, bf16_compute, lr_lambda
 
 
 class RNGState:
@@ -114,9 +115,8 @@ class TrainState:
         on its own; dropout and sampling then draw from ``seed + rank``."""
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        from minimind_ray.data.stream import PreparedDataset, TrainStream
-        from minimind_ray.model.minimind import build_model
-        from minimind_ray.store.weights import load_model_weights
+        from minimind_ray.data.stream import PreparedDataset, TrainStream  # lazy: numpy, pyarrow, only when this runs
+        from minimind_ray.store.weights import load_model_weights  # lazy: pyarrow, only when this runs
 
         device = device or torch.device("cpu")
         torch.set_num_threads(worker_threads(cfg))
@@ -181,7 +181,7 @@ class TrainState:
         return sd
 
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
-        from minimind_ray.store.pth import load_pth
+        from minimind_ray.store.pth import load_pth  # lazy: pyarrow, only when this runs
 
         if sd.get("by_name"):  # a sharded checkpoint's form (filled with this rank's slices, or whole tensors)
             load_sharded_state(self.model, self.optimizer, sd)
@@ -198,7 +198,7 @@ class TrainState:
         self.objective.load_state_dict(sd.get("objective") or {})  # older checkpoints: none
         for name, part in self.parts.items():
             if not {"model", "optimizer", "scheduler"} <= set((sd.get("parts") or {}).get(name, {})):
-                from minimind_ray.store.checkpoint import CheckpointError
+                from minimind_ray.store.checkpoint import CheckpointError  # lazy: pyarrow, only when this runs
 
                 raise CheckpointError(f"the checkpoint holds no {name!r} (a model stage {self.cfg.train.stage!r} "
                                       f"trains beside the policy); it was not written by this stage")
@@ -211,8 +211,9 @@ class TrainState:
         """Write this rank's part of a checkpoint into a local staging directory (``reported``: the metrics the
         caller hands over with it, kept in meta.json). Every rank calls it (under FSDP each writes its shards, a
         collective)."""
+        # lazy: pyarrow, only when this runs
         from minimind_ray.store.checkpoint import CheckpointMeta, write_rank_files, write_shared_files
-        from minimind_ray.store.sharded import write_sharded
+        from minimind_ray.store.sharded import write_sharded  # lazy: pyarrow, only when this runs
 
         write_rank_files(ckpt_dir, self.rank, self.rng.state_dict())
         sharded_files = write_sharded(ckpt_dir, sharded_state(self.model, self.optimizer)) if self.sharded else None

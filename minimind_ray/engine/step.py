@@ -47,7 +47,7 @@ def check_precision(precision: str, device_type: str, bf16_supported: bool, devi
     On older GPUs (V100, T4) ``train.precision=bf16`` is refused rather than emulated slowly; ``auto``
     falls back to fp32 there. There is no fp16 + loss-scaling mode."""
     if precision == "bf16" and device_type == "cuda" and not bf16_supported:
-        from minimind_ray.config_checks import ConfigError
+        from minimind_ray.config_checks import ConfigError  # lazy: omegaconf, yaml, only when this runs
 
         raise ConfigError(f"train.precision: bf16 needs a GPU with bf16 (compute capability 8.0 or newer); "
                           f"{device_name or 'this GPU'} has none: use train.precision=fp32 (or auto)")

@@ -11,6 +11,7 @@ from typing import Dict, List
 from minimind_ray.data.formats import BadRecord
 from minimind_ray.evals.kinds import GenerationTask, fmt, mean_stderr, pass_at_k
 from minimind_ray.evals.tasks import GenItem, check_text, jsonl_contexts
+from minimind_ray.rl.rewards import is_correct
 
 
 def gen_record(rec: dict) -> dict:
@@ -27,8 +28,6 @@ def gen_record(rec: dict) -> dict:
 
 
 def aggregate_gen(items: List[GenItem], greedy: List[str], sampled: List[List[str]], task) -> dict:
-    from minimind_ray.rl.rewards import is_correct
-
     k = task.k or task.samples
     details, g_hits, p1, pk = [], [], [], []
     for it, g, s in zip(items, greedy, sampled):

@@ -21,6 +21,8 @@ from typing import Dict, Optional, Tuple
 from minimind_ray.engine.evaluate import eval_metrics, eval_sums
 from minimind_ray.evals.config import EvalTaskConfig
 from minimind_ray.evals.registry import EvalTask
+from minimind_ray.stages.objective import Objective
+from minimind_ray.tokenizer_fetch import TokenizerFetchError
 
 log = logging.getLogger(__name__)
 # what the verb prints: as before the registry, and eval_bpb when the bytes of the tokens are known
@@ -29,9 +31,8 @@ SUMMARY_KEYS = ("eval_loss", "eval_ppl", "eval_bpb", "eval_units")
 
 def _weights_tokenizer_hash(lw, tokenizer: Optional[str]) -> Tuple[Optional[str], str]:
     """(hash of the tokenizer the weights were trained with, how to name it), or (None, why it is unknown)."""
-    from minimind_ray.data.manifest import DataError, read_manifest
+    from minimind_ray.data.manifest import DataError, read_manifest  # lazy: pyarrow, only when this runs
     from minimind_ray.tokenizer import load_tokenizer, resolve_tokenizer
-    from minimind_ray.tokenizer_fetch import TokenizerFetchError
 
     data = lw.run_config["data"] if lw.run_config else None  # the run's recorded config (a plain dict)
     if tokenizer:
@@ -78,9 +79,8 @@ class Loss(EvalTask):
         return "loss"
 
     def evaluate(self, target) -> dict:
-        from minimind_ray.data.manifest import DataError, check_tokenizer
+        from minimind_ray.data.manifest import DataError, check_tokenizer  # lazy: pyarrow, only when this runs
         from minimind_ray.data.stream import PreparedDataset, TrainStream
-        from minimind_ray.stages.objective import Objective
 
         weights, data = target.weights, self.cfg.data or None
         model, lw = target.model, target.loaded
@@ -136,7 +136,7 @@ def evaluate_weights(weights: str, data: Optional[str] = None, preset: Optional[
     """Evaluate ``weights`` on ``data`` (a prepared dir, all of it), or on the eval split of the run they
     came from: the ``loss`` task through the registry. ``tokenizer``: the weights' tokenizer, when they do not
     record it (a bare .pth)."""
-    from minimind_ray.evals.run import evaluate_task
+    from minimind_ray.evals.run import evaluate_task  # lazy: numpy, pyarrow, only when this runs
 
     if micro_batch_size < 1 or batches < 0:
         raise ValueError(f"eval: micro_batch_size must be >= 1 (got {micro_batch_size}) and batches >= 0 "

@@ -15,6 +15,7 @@ import logging
 import os
 from typing import List, Optional
 
+from minimind_ray.console import after_ray_start, ray_init_options
 from minimind_ray.evals.config import EvalTaskConfig
 from minimind_ray.evals.registry import plugin_names, task_for
 from minimind_ray.plugins import module_paths
@@ -41,8 +42,6 @@ def _connect(workers: int, task: EvalTaskConfig):
     import ray
 
     if not ray.is_initialized():
-        from minimind_ray.console import after_ray_start, ray_init_options
-
         env, quiet = runtime_env(task), ray_init_options()  # Ray's own lines to its log files unless --verbose
         if os.environ.get("RAY_ADDRESS"):
             after_ray_start(ray.init(runtime_env=env, **quiet))
@@ -59,7 +58,7 @@ def _score_share(weights: str, preset: Optional[str], task: dict, jobs: List[tup
                  threads: int, rope_scaling: Optional[dict]) -> List[tuple]:
     import torch
 
-    from minimind_ray.engine.step import autocast_for
+    from minimind_ray.engine.step import autocast_for  # lazy: torch, only when this runs
     from minimind_ray.store.weights import build_inference_model
 
     torch.set_num_threads(threads)

@@ -17,9 +17,14 @@ from typing import Dict, List, Optional
 
 import torch
 
+from minimind_ray.data.demo import resolve_demo_path
+from minimind_ray.engine.step import autocast_for
 from minimind_ray.evals.config import EvalTaskConfig, task_name, validate_task
-from minimind_ray.evals.kinds import aggregate_mc, pass_at_k  # noqa: F401  (their address before the registry)
+from minimind_ray.evals.parallel import score_on_ray
 from minimind_ray.evals.registry import EvalTask, task_for
+from minimind_ray.generate import tokenizer_for_weights
+from minimind_ray.store.weights import build_inference_model, load_weights
+from minimind_ray.evals.kinds import aggregate_mc, pass_at_k  # noqa: F401  (their address before the registry)
 from minimind_ray.evals.toolcall import aggregate_toolcall, judge_tool_call  # noqa: F401  (likewise)
 
 
@@ -27,8 +32,6 @@ def resolve_data(task: EvalTaskConfig, cache_dir: str = "data_cache") -> EvalTas
     """The task with ``demo:<name>`` paths made real files of the built-in corpus."""
     import dataclasses
     import os
-
-    from minimind_ray.data.demo import resolve_demo_path
 
     def real(p):
         return resolve_demo_path(p, "", os.path.abspath(cache_dir)) if p and p.startswith("demo:") else p
@@ -59,8 +62,6 @@ class Target:
     @property
     def model(self):
         if self._model is None:
-            from minimind_ray.store.weights import build_inference_model
-
             t0 = time.perf_counter()
             self._model, self._loaded = build_inference_model(self.weights, self.preset, device=self.device,
                                                               rope_scaling=self.rope_scaling)
@@ -73,7 +74,6 @@ class Target:
         if self._loaded is None and self._model is None:
             self.model  # noqa: B018 - builds the model, and records what its weights hold
         elif self._loaded is None:  # a model given without its record: read it again
-            from minimind_ray.store.weights import load_weights
 
             t0 = time.perf_counter()
             self._loaded = load_weights(self.weights, self.preset)
@@ -83,8 +83,6 @@ class Target:
     @property
     def tokenizer(self):
         if self._tok is None:
-            from minimind_ray.generate import tokenizer_for_weights
-
             loaded = self.loaded
             t0 = time.perf_counter()
             self._tok = tokenizer_for_weights(loaded, self.tokenizer_spec)
@@ -94,8 +92,6 @@ class Target:
     def score_items(self, kind: EvalTask) -> dict:
         """The kind's questions scored in batches; the summary with the bad rows met (and, with ``log_samples``,
         one record per question under ``samples``)."""
-        from minimind_ray.engine.step import autocast_for
-
         model, tok = self.model, self.tokenizer
         items, bad = kind.load_items(tok)
         encoded = kind.encode(items, tok)
@@ -103,8 +99,6 @@ class Target:
                                [getattr(it, "subject", "") for it in items])
         jobs = [[encoded[i] for i in b] for b in batches]
         if self.workers:
-            from minimind_ray.evals.parallel import score_on_ray
-
             results = score_on_ray(self.weights, self.preset, kind.cfg, jobs, tok.eos_id, tok.pad_id, self.workers,
                                    rope_scaling=self.rope_scaling)
         else:

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from minimind_ray.model.kv_cache import KVCache
+from minimind_ray.rl.rollout import SamplingParams, TorchRollout
 
 Encoded = Tuple[List[int], List[List[int]]]  # (context ids, each choice's continuation ids)
 
@@ -155,8 +156,6 @@ def generate_batch(model, prompts: List[List[int]], *, max_new_tokens: int, samp
                    autocast=None) -> Tuple[List[List[int]], List[List[List[int]]]]:
     """(the greedy completion of each prompt, ``samples`` sampled completions of each), as token ids without
     their EOS. The sampled ones draw from a generator seeded with ``seed``."""
-    from minimind_ray.rl.rollout import SamplingParams, TorchRollout
-
     engine = TorchRollout(autocast)
     engine.update_policy(model, 0)
     ids, mask = _left_pad(prompts, pad_id, device)

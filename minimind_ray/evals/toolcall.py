@@ -14,13 +14,13 @@ from typing import Dict, List
 from minimind_ray.config_checks import need
 from minimind_ray.data.formats import BadRecord
 from minimind_ray.data.manifest import DataError
+from minimind_ray.evals.config import task_name
 from minimind_ray.evals.kinds import GenerationTask, fmt, mean_stderr, pass_at_k
 from minimind_ray.evals.tasks import BadRows, ToolCallItem, check_text, jsonl_records
+from minimind_ray.rl.tools import check_arguments, parse_tool_calls, tool_schemas
 
 
 def toolcall_record(rec: dict) -> dict:
-    from minimind_ray.rl.tools import tool_schemas
-
     prompt, messages, tools = rec.get("prompt"), rec.get("messages"), rec.get("tools")
     if prompt is None and messages is None:
         raise BadRecord("missing_field", "field 'prompt' (or 'messages') missing")
@@ -62,8 +62,6 @@ def judge_tool_call(item: ToolCallItem, reply: str) -> dict:
     """What the reply's first call gets right: ``called``, ``name`` (the expected tool, or no call when none is
     expected), ``valid`` (its arguments suit the tool's schema, rl/tools.py:check_arguments), ``match`` (they equal
     the expected arguments, when given), and ``exact``: all of these."""
-    from minimind_ray.rl.tools import check_arguments, parse_tool_calls, tool_schemas
-
     calls, bad = parse_tool_calls(reply)
     first = calls[0] if calls else None
     if item.tool is None:
@@ -126,8 +124,6 @@ class ToolCall(GenerationTask):
 
     def load_items(self, tokenizer):
         import os
-
-        from minimind_ray.evals.config import task_name
 
         cfg = self.cfg
         if not os.path.isfile(cfg.data):

@@ -19,9 +19,9 @@ import argparse
 import json
 import sys
 
-from minimind_ray.config_checks import int_at_least
-from minimind_ray.evals.config import EvalTaskConfig
-from minimind_ray.evals.registry import task_for, task_kinds
+from minimind_ray.config_checks import ConfigError, int_at_least, read_yaml
+from minimind_ray.evals.config import EvalTaskConfig, validate_task
+from minimind_ray.evals.registry import summary_line, task_for, task_kinds
 
 # flag -> EvalTaskConfig field, for the flags that override a task YAML
 _FLAGS = {"task": "task", "data": "data", "shots": "shots", "chat_template": "chat_template", "limit": "limit",
@@ -81,9 +81,6 @@ def task_from_args(args) -> EvalTaskConfig:
     """The task of ``--config`` (errors name file:line) with the given flags on top, validated."""
     from omegaconf import OmegaConf
 
-    from minimind_ray.config_checks import ConfigError, read_yaml
-    from minimind_ray.evals.config import validate_task
-
     schema = OmegaConf.structured(EvalTaskConfig)
     layers = [schema]
     if args.config:
@@ -110,8 +107,6 @@ def format_table(res: dict) -> str:
 
 def loss_task(args) -> EvalTaskConfig:
     """``eval WEIGHTS [--data DIR]`` without --config: the loss task with the verb's own flags, as before."""
-    from minimind_ray.evals.config import validate_task
-
     task = EvalTaskConfig(task="loss", data=args.data or "", batch_size=args.micro_batch_size,
                           limit=args.batches or None)
     validate_task(task)
@@ -124,8 +119,6 @@ def samples_path(out: str) -> str:
 
 
 def print_kinds() -> None:
-    from minimind_ray.evals.registry import summary_line
-
     for kind in task_kinds():
         print(f"{kind:<10} {summary_line(kind) or ''}")
     print(f"{'yours':<10} --task package.module:Class, a subclass of minimind_ray.evals.registry.EvalTask "
@@ -144,7 +137,7 @@ def run_from_args(args) -> int:
     task = loss_task(args) if args.task in (None, "loss") and not args.config else task_from_args(args)
     if args.log_samples and task.task == "loss":
         raise ValueError("eval: --log-samples: the loss task has no per-question records")
-    from minimind_ray.evals.run import evaluate_task
+    from minimind_ray.evals.run import evaluate_task  # lazy: numpy, pyarrow, torch, only when this runs
     from minimind_ray.store.weights import rope_scaling_spec
 
     rope = rope_scaling_spec(getattr(args, "rope_scaling", None), getattr(args, "factor", None),
@@ -153,7 +146,7 @@ def run_from_args(args) -> int:
                         workers=args.workers, rope_scaling=rope, log_samples=args.log_samples)
     print(format_table(res))
     if args.out:
-        from minimind_ray.fsio import write_text_atomic
+        from minimind_ray.fsio import write_text_atomic  # lazy: pyarrow, only when this runs
 
         records = res.pop("samples_log", None)
         brief = {k: v for k, v in res.items() if k != "details"}

@@ -25,6 +25,11 @@ from typing import Any, Dict, List, Optional
 from minimind_ray.config import ConfigError, RunConfig, load_config
 from minimind_ray.fsio import filesystem, is_uri, join, redact, write_text_atomic
 from minimind_ray.pipeline.config import PipelineConfig, StageConfig, is_training, kind_of, stage_digest
+from minimind_ray.raytrain.driver import RunFinished, connect_ray, run, storage_root
+from minimind_ray.raytrain.lineage import TAG_DATA, TAG_MANIFEST, manifest_sha256
+from minimind_ray.serve.launch import add_arguments, serve_from_args
+from minimind_ray.tracking.parents import child_tags, end_run, record, register_version, start_parent
+from minimind_ray.tracking.runs import resolve_tracking_uri
 
 STATE = "pipeline.json"
 TAG_PIPELINE, TAG_STAGE = "minimind.pipeline", "minimind.pipeline.stage"
@@ -59,8 +64,6 @@ class _Context:
         return self.results[self.last_trained if stage.model == "previous" else stage.model]
 
     def tags(self, stage: StageConfig) -> Dict[str, str]:
-        from minimind_ray.tracking.parents import child_tags
-
         return child_tags(self.parent, "pipeline", **{TAG_PIPELINE: self.pipe.name, TAG_STAGE: stage.name})
 
 
@@ -82,10 +85,6 @@ def _first_config(pipe: PipelineConfig, cli: List[str]) -> RunConfig:
 
 
 def run_pipeline(pipe: PipelineConfig, cli: Optional[List[str]] = None, text: str = "") -> PipelineResult:
-    from minimind_ray.raytrain.driver import storage_root
-    from minimind_ray.tracking.parents import end_run, start_parent
-    from minimind_ray.tracking.runs import resolve_tracking_uri
-
     t0 = time.monotonic()
     cli = list(cli or [])
     first = _first_config(pipe, cli)
@@ -155,8 +154,7 @@ def _run_stage(ctx: _Context, stage: StageConfig) -> Dict[str, Any]:
 
 
 def _train(ctx: _Context, stage: StageConfig) -> Dict[str, Any]:
-    from minimind_ray.raytrain.driver import RunFinished, run
-    from minimind_ray.store.checkpoint import newest_complete
+    from minimind_ray.store.checkpoint import newest_complete  # lazy: torch, only when this runs
 
     extra = [f"train.stage={kind_of(stage)}", f"name={ctx.pipe.name}-{stage.name}", "resume=auto"]
     source = None
@@ -170,7 +168,6 @@ def _train(ctx: _Context, stage: StageConfig) -> Dict[str, Any]:
     try:
         res = run(cfg, tags=ctx.tags(stage))
     except RunFinished:  # trained to its end before, but killed before the pipeline wrote that down
-        from minimind_ray.raytrain.driver import storage_root
 
         run_dir = join(storage_root(cfg), cfg.name)
         latest = newest_complete(run_dir)
@@ -189,18 +186,14 @@ def _stage_run(ctx: _Context, stage: StageConfig, tags: Dict[str, str]) -> Optio
     """The MLflow run of a stage that trains nothing (prepare, eval): a child, reopened on a rerun."""
     if not (ctx.uri and ctx.parent):
         return None
-    from minimind_ray.tracking.parents import start_parent
 
     return start_parent(ctx.uri, ctx.experiment, f"pipeline-{kind_of(stage)}", f"{ctx.pipe.name}-{stage.name}",
                         ctx.storage, {}, "", tags={**ctx.tags(stage), **tags})
 
 
 def _prepare(ctx: _Context, stage: StageConfig) -> Dict[str, Any]:
-    from minimind_ray.data.prepare import ensure_prepared
-    from minimind_ray.raytrain.driver import connect_ray
-    from minimind_ray.raytrain.lineage import TAG_DATA, TAG_MANIFEST, manifest_sha256
-    from minimind_ray.tokenizer import resolve_tokenizer
-    from minimind_ray.tracking.parents import end_run, record
+    from minimind_ray.data.prepare import ensure_prepared  # lazy: numpy, only when this runs
+    from minimind_ray.tokenizer import resolve_tokenizer  # lazy: tokenizers, only when this runs
 
     cfg = ctx.recipe(stage, [])
     tok = resolve_tokenizer(cfg.data.tokenizer, cfg.data.cache_dir, cfg.model.generation)
@@ -217,8 +210,7 @@ def _prepare(ctx: _Context, stage: StageConfig) -> Dict[str, Any]:
 
 
 def _eval(ctx: _Context, stage: StageConfig) -> Dict[str, Any]:
-    from minimind_ray.evals.run import evaluate_task, metric_items
-    from minimind_ray.tracking.parents import end_run, record
+    from minimind_ray.evals.run import evaluate_task, metric_items  # lazy: numpy, torch, only when this runs
 
     model = ctx.model(stage)
     scores: Dict[str, float] = {}
@@ -239,8 +231,6 @@ def _eval(ctx: _Context, stage: StageConfig) -> Dict[str, Any]:
 
 
 def _register(ctx: _Context, stage: StageConfig) -> Dict[str, Any]:
-    from minimind_ray.tracking.parents import register_version
-
     model = ctx.model(stage)
     name = stage.registered_model or f"minimind-{ctx.pipe.name}"
     if not (ctx.uri and model.get("mlflow_run_id")):
@@ -255,8 +245,6 @@ def _register(ctx: _Context, stage: StageConfig) -> Dict[str, Any]:
 
 def _serve(ctx: _Context, stage: StageConfig) -> Dict[str, Any]:
     import argparse
-
-    from minimind_ray.serve.launch import add_arguments, serve_from_args
 
     model = ctx.model(stage)
     p = argparse.ArgumentParser(prog="serve stage")

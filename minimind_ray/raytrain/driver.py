@@ -25,11 +25,18 @@ from typing import Any, Dict, Optional, Tuple
 from minimind_ray.cluster_config import worker_threads
 from minimind_ray.config import ConfigError, RunConfig, from_dict, run_identity
 from minimind_ray.console import after_ray_start, ray_init_options
-from minimind_ray.fsio import is_uri, join, redact
+from minimind_ray.fsio import filesystem, is_uri, join, redact
+from minimind_ray.raytrain.lineage import lineage_tags, skipped
+from minimind_ray.raytrain.oom import explain as explain_oom, warn_if_short
+from minimind_ray.raytrain.progress import ProgressPrinter, make_progress_sink
 from minimind_ray.raytrain.resources import ClusterTooSmall, check_resources, worker_resources
+from minimind_ray.raytrain.restarts import fit as fit_with_restarts
 from minimind_ray.raytrain.runtime_env import shipped_modules, side_cpus, worker_pythonpath
 from minimind_ray.raytrain.spec import WorkerSpec
+from minimind_ray.raytrain.validation import validation_config
 from minimind_ray.stages import get_stage
+from minimind_ray.tracking.artifacts import log_final_artifacts
+from minimind_ray.tracking.runs import finish_run, resolve_tracking_uri, start_run
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PREPARE_OOM_RETRIES = 2  # a prepare task killed for memory more often than this fails the command (data/prepare.py)
@@ -130,7 +137,7 @@ def train_env(cfg: RunConfig):
     ENV_VARS_TO_PROPAGATE), so they apply however the run reaches Ray: a local Ray, cluster.address, or a submitted
     job, whose runtime env this driver cannot extend (a ray.init env would conflict). A value exported by the user
     wins. Yields what applies."""
-    from minimind_ray.raytrain.start_guard import START_GUARD
+    from minimind_ray.raytrain.start_guard import START_GUARD  # lazy: ray, only when this runs
 
     wanted = {
         # the controller polls the workers at this interval, and a checkpoint's report waits for that poll (2 s by
@@ -173,7 +180,7 @@ def decide_run(cfg: RunConfig, storage: str) -> Tuple[str, str]:
     The name is ``cfg.name``, or the run's identity (:func:`minimind_ray.config.run_identity`), so the
     same command finds the same run. Ray Train resumes a run whose name it finds in storage; this decides
     beforehand whether that is what the user asked for, and says so."""
-    from minimind_ray.store.checkpoint import newest_complete
+    from minimind_ray.store.checkpoint import newest_complete  # lazy: torch, only when this runs
 
     name = cfg.name or run_identity(cfg)
     run_dir = f"{storage.rstrip('/')}/{name}"
@@ -221,8 +228,6 @@ def _has_run_state(run_dir: str) -> bool:
     """Has Ray Train left anything of this run in storage (so that starting it again resumes it)?"""
     import pyarrow.fs as pafs
 
-    from minimind_ray.fsio import filesystem
-
     fs, root = filesystem(run_dir)
     return fs.get_file_info(root).type == pafs.FileType.Directory
 
@@ -244,10 +249,8 @@ def _finish(spec: WorkerSpec, result, tokenizer) -> RunResult:
 
     import pyarrow.fs as pafs
 
-    from minimind_ray.export import export_run_checkpoint
-    from minimind_ray.fsio import filesystem
-    from minimind_ray.store.checkpoint import prune_untracked
-    from minimind_ray.tracking.artifacts import log_final_artifacts
+    from minimind_ray.export import export_run_checkpoint  # lazy: torch, only when this runs
+    from minimind_ray.store.checkpoint import prune_untracked  # lazy: torch, only when this runs
 
     cfg, run_dir, name, run_id = spec.cfg, spec.run_dir, spec.cfg.name, spec.mlflow_run_id
     remote = is_uri(run_dir)
@@ -304,18 +307,12 @@ def run(cfg: RunConfig, *, tags: Optional[Dict[str, str]] = None, callbacks=(), 
     from ray.train.v2.api.config import LoggingConfig
     from ray.train.torch import TorchTrainer
 
-    from minimind_ray.data.prepare import ensure_prepared
+    from minimind_ray.data.prepare import ensure_prepared  # lazy: numpy, only when this runs
     from minimind_ray.raytrain.faults import (LaunchFault, StartFaults, failure_callback, lost_report_callbacks,
                                              not_placed, start_fault_callbacks, torch_config)
-    from minimind_ray.raytrain.restarts import fit as fit_with_restarts
-    from minimind_ray.raytrain.lineage import lineage_tags, skipped
-    from minimind_ray.raytrain.oom import explain as explain_oom, warn_if_short
-    from minimind_ray.raytrain.progress import ProgressPrinter, make_progress_sink
-    from minimind_ray.raytrain.validation import validation_config
-    from minimind_ray.raytrain.worker import train_loop_per_worker
+    from minimind_ray.raytrain.worker import train_loop_per_worker  # lazy: torch, only when this runs
     from minimind_ray.store.checkpoint import mark_latest
-    from minimind_ray.tokenizer import resolve_tokenizer
-    from minimind_ray.tracking.runs import finish_run, resolve_tracking_uri, start_run
+    from minimind_ray.tokenizer import resolve_tokenizer  # lazy: tokenizers, only when this runs
 
     print(redact(f"[minimind-ray] {plan}"), flush=True)
     run_dir = f"{storage.rstrip('/')}/{name}"

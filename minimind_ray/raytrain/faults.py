@@ -33,6 +33,8 @@ import torch
 from minimind_ray.config import RunConfig  # the Ray layer is above the config: it runs what a RunConfig says
 from minimind_ray.fault_schedule import FaultSpec, fault_schedule, start_faults
 from minimind_ray.fsio import filesystem, join, write_bytes_atomic
+from minimind_ray.raytrain.oom import stop_on_out_of_memory
+from minimind_ray.store.checkpoint import newest_complete
 
 MARKERS = ".faults"
 
@@ -118,6 +120,7 @@ def lost_report_callbacks(cfg: RunConfig) -> list:
         @contextlib.contextmanager
         def on_checkpoint_transfer(self):
             yield  # this rank's files are in storage now; its report is not yet queued for the controller
+            # lazy: raytrain.faults imports this module
             from minimind_ray.raytrain import faults  # this process's module (this class is pickled by value)
 
             faults.lose_the_report()
@@ -128,8 +131,6 @@ def lost_report_callbacks(cfg: RunConfig) -> list:
 def lose_the_report() -> None:
     """Wait until the checkpoint is complete in storage (every rank's files: the restart can restore it), then die
     before this rank's report is queued, so Ray Train never registers the checkpoint."""
-    from minimind_ray.store.checkpoint import newest_complete
-
     if not _armed_reports:
         return
     f, run_dir = _armed_reports.pop()
@@ -236,8 +237,6 @@ def failure_callback(sink, run_dir: Optional[str]):
     and records when, for the chaos benchmark. A worker out of memory ends the run instead of a restart
     (raytrain/oom.py: the same micro-batch would run out again)."""
     from ray.train import UserCallback
-
-    from minimind_ray.raytrain.oom import stop_on_out_of_memory
 
     class FailureNotice(UserCallback):
         def after_exception(self, run_context, worker_exceptions):

@@ -7,6 +7,7 @@ import hashlib
 from pathlib import Path
 from typing import Dict, Optional
 
+from minimind_ray.data.manifest import DataError, skipped_records
 from minimind_ray.fsio import filesystem, is_uri, join, redact
 from minimind_ray.stages import get_stage
 
@@ -34,7 +35,7 @@ def source_run_id(weights: Optional[str]) -> Optional[str]:
     of a run's ``export/`` directory), or None (a MiniMind .pth from elsewhere, an untracked run)."""
     if not weights:
         return None
-    from minimind_ray.store.checkpoint import CheckpointError
+    from minimind_ray.store.checkpoint import CheckpointError  # lazy: torch, only when this runs
     from minimind_ray.store.weights import resolve_checkpoint
 
     candidates = [weights]
@@ -52,8 +53,6 @@ def source_run_id(weights: Optional[str]) -> Optional[str]:
 
 def skipped(prepared_dir: str) -> Optional[str]:
     """The prepared data's skipped records (data/manifest.py:skipped_records), redacted; None if unreadable."""
-    from minimind_ray.data.manifest import DataError, skipped_records
-
     try:
         return redact(skipped_records(prepared_dir))
     except (OSError, ValueError, DataError):

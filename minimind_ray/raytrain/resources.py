@@ -6,6 +6,8 @@ import time
 from typing import Dict
 
 from minimind_ray.config import ConfigError, RunConfig
+from minimind_ray.raytrain.runtime_env import beside_workers
+from minimind_ray.rl.rollout_config import actor_resources
 
 
 class ClusterTooSmall(ConfigError):
@@ -28,9 +30,6 @@ def check_resources(cfg: RunConfig, use_gpu: bool) -> None:
     Ray Train V2 would otherwise wait for resources forever, and a rollout actor Ray cannot place waits forever
     too; this turns a request the cluster cannot hold (4 GPU workers on a CPU cluster) into an error in seconds."""
     import ray
-
-    from minimind_ray.raytrain.runtime_env import beside_workers
-    from minimind_ray.rl.rollout_config import actor_resources
 
     need_workers = cfg.cluster.min_workers or cfg.cluster.num_workers
     per = worker_resources(cfg, use_gpu)

@@ -68,6 +68,7 @@ def fit(make_trainer: Callable[[int], object], max_failures: int, run_dir: str, 
     ``failures_left`` is what the run has left of ``cluster.max_failures``: worker failures of earlier fits
     (the controller's ``detected-*`` records, raytrain/faults.py) and start failures both spend it. A start that
     timed out above ``min_workers`` (an elastic run going on smaller, cluster.min_workers) spends nothing."""
+    # lazy: omegaconf, pyarrow, torch, yaml, only when this runs
     from minimind_ray.raytrain.faults import worker_failures_since
 
     spent = free = 0

@@ -26,8 +26,14 @@ from typing import Any, Dict, List, Optional
 
 from minimind_ray.config import ConfigError, RunConfig, load_config, to_yaml
 from minimind_ray.console import verbose
-from minimind_ray.fsio import is_uri, join, redact, write_text_atomic
+from minimind_ray.fsio import filesystem, is_uri, join, redact, write_text_atomic
+from minimind_ray.raytrain import driver
+from minimind_ray.raytrain.driver import connect_ray, storage_root
+from minimind_ray.raytrain.runtime_env import side_cpus
 from minimind_ray.raytrain.sweep_config import SweepConfig, check_against_recipe, reported_metric, trial_overrides
+from minimind_ray.tracking import parents
+from minimind_ray.tracking.parents import child_tags, children, end_run, start_parent
+from minimind_ray.tracking.runs import resolve_tracking_uri
 
 TRIAL_RECORD = "sweep_trial.json"  # <run_dir>/sweep_trial.json: a finished trial's score, read if Tune lost it
 TAG_SWEEP, TAG_TRIAL, TAG_PARAMS = "minimind.sweep", "minimind.sweep.trial_id", "minimind.sweep.params"
@@ -56,8 +62,6 @@ def base_config(sweep: SweepConfig) -> RunConfig:
 def trial_resources(sweep: SweepConfig, base: RunConfig) -> Dict[str, float]:
     """What one trial holds at once: its own process (and the side tasks it may own: the evaluation task, GRPO's
     rollout actors) plus its TorchTrainer's workers (at the largest worker count the space can draw)."""
-    from minimind_ray.raytrain.runtime_env import side_cpus
-
     def largest(key, default):
         spec = sweep.space.get(key)
         return max(next(iter(spec.values()))) if spec else default
@@ -100,8 +104,6 @@ def _score_report(metric: str):
 
 
 def _read_json(path: str) -> Optional[dict]:
-    from minimind_ray.fsio import filesystem
-
     try:
         fs, p = filesystem(path)
         with fs.open_input_stream(p) as f:
@@ -114,9 +116,6 @@ def _trial(params: Dict[str, Any], ctx: Dict[str, Any]) -> None:
     """One trial, in Tune's trial process: the recipe with this trial's values, trained by the ordinary driver."""
     from ray import tune
 
-    from minimind_ray.raytrain.driver import RunFinished, run
-    from minimind_ray.tracking.parents import child_tags
-
     trial_id = tune.get_context().get_trial_id()
     name = f"{ctx['sweep']}-{trial_id}"
     cfg = load_config(ctx["recipe"], [*ctx["overrides"], *trial_overrides(params), f"name={name}", "resume=auto"])
@@ -125,8 +124,8 @@ def _trial(params: Dict[str, Any], ctx: Dict[str, Any]) -> None:
     tags = child_tags(ctx["parent_id"], "sweep", **{TAG_SWEEP: ctx["sweep"], TAG_TRIAL: trial_id,
                                                       TAG_PARAMS: json.dumps(params, sort_keys=True, default=str)})
     try:
-        res = run(cfg, tags=tags, callbacks=[_score_report(key)] if key else [], report_every_eval=bool(key))
-    except RunFinished:  # trained to its end by an earlier attempt that Tune did not record: not trained again
+        res = driver.run(cfg, tags=tags, callbacks=[_score_report(key)] if key else [], report_every_eval=bool(key))
+    except driver.RunFinished:  # trained to its end by an earlier attempt that Tune did not record: not trained again
         final = _read_json(record)
         if final is None:
             raise
@@ -144,7 +143,7 @@ def _tuner(sweep: SweepConfig, base: RunConfig, ctx: Dict[str, Any], storage: st
     from ray.tune.schedulers import FIFOScheduler
     from ray.tune.search import BasicVariantGenerator
 
-    from minimind_ray.raytrain.asha import ResumableASHA
+    from minimind_ray.raytrain.asha import ResumableASHA  # lazy: ray, only when this runs
 
     key = ctx["metric_key"] or sweep.metric
     trainable = tune.with_resources(tune.with_parameters(_trial, ctx=ctx), {"CPU": need["trial"]})
@@ -186,11 +185,8 @@ def _same_sweep(storage: str, sweep: SweepConfig, text: str) -> None:
 
 def run_sweep(sweep: SweepConfig, text: str = "") -> SweepResult:
     """Run (or resume) the sweep to its end; the trials, the best one and its recipe."""
-    from minimind_ray.data.prepare import ensure_prepared
-    from minimind_ray.raytrain.driver import connect_ray, storage_root
-    from minimind_ray.tokenizer import resolve_tokenizer
-    from minimind_ray.tracking.parents import start_parent
-    from minimind_ray.tracking.runs import resolve_tracking_uri
+    from minimind_ray.data.prepare import ensure_prepared  # lazy: numpy, only when this runs
+    from minimind_ray.tokenizer import resolve_tokenizer  # lazy: tokenizers, only when this runs
 
     t0 = time.monotonic()
     base = base_config(sweep)
@@ -287,8 +283,6 @@ def print_sweep(out: SweepResult, sweep: SweepConfig) -> None:
 def record_sweep(uri: str, parent: str, sweep: SweepConfig, out: SweepResult, timeout_s: float = 10.0) -> None:
     """The end in MLflow: each trial's run closed as what happened to it (a trial ASHA stopped is left RUNNING by
     its killed process: KILLED, tagged stopped early), then the best trial's values, score and run on the parent."""
-    from minimind_ray.tracking.parents import children, end_run, record
-
     by_trial = {}
     try:
         for run in children(uri, parent, timeout_s=timeout_s):
@@ -315,5 +309,5 @@ def record_sweep(uri: str, parent: str, sweep: SweepConfig, out: SweepResult, ti
                      "best.score": repr(b["score"]), **{f"best.params.{k}": json.dumps(v) for k, v in b["params"].items()}})
         metrics[f"best/{sweep.metric.replace('/', '_')}"] = b["score"]
         texts["best.yaml"] = Path(out.best_recipe).read_text() if out.best_recipe and not is_uri(out.best_recipe) else ""
-    record(uri, parent, tags=tags, metrics=metrics, texts=texts, timeout_s=timeout_s)
+    parents.record(uri, parent, tags=tags, metrics=metrics, texts=texts, timeout_s=timeout_s)
     end_run(uri, parent, "FINISHED" if out.best is not None else "FAILED", timeout_s=timeout_s)

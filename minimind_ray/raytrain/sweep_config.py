@@ -9,8 +9,9 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import OmegaConf
 
-from minimind_ray.config_checks import (ConfigError, check_bounds, config_field as _f, conform, need, omegaconf_message,
-                                        read_yaml)
+from minimind_ray.config_checks import (ConfigError, check_bounds, config_field as _f, conform, need,
+                                        omegaconf_message, read_yaml)
+from minimind_ray.evals.config import task_name
 
 SPACE_KINDS = ("choice", "grid", "uniform", "loguniform", "randint")
 # Fields a trial may not change: what names and stores the trial (the sweep decides), what is tracked where, and
@@ -110,7 +111,7 @@ def reported_metric(sweep: SweepConfig) -> Optional[str]:
 
 def check_against_recipe(sweep: SweepConfig, base) -> None:
     """What the sweep asks of its base recipe (a loaded RunConfig): every space key a field, the metric produced."""
-    from minimind_ray.config import field_help
+    from minimind_ray.config import field_help  # lazy: pyarrow, only when this runs
 
     fields = {name for name, _, _ in field_help()}
     for key in sweep.space:
@@ -123,8 +124,6 @@ def check_against_recipe(sweep: SweepConfig, base) -> None:
             need(base.train.eval_interval > 0, "metric", "ASHA compares trials at each evaluation: set "
                                                          "train.eval_interval > 0 (in optimizer steps)")
     else:
-        from minimind_ray.evals.config import task_name
-
         names = {task_name(t) for t in base.eval.tasks}
         parts = sweep.metric.split("/")
         need(len(parts) == 3 and parts[0] == "eval" and parts[1] in names, "metric",

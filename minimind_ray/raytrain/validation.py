@@ -45,7 +45,7 @@ def validation_config(eval_cfg: EvalConfig, *, run_dir: str, tracking_uri: Optio
 
 
 def _marker(run_dir: str, step: int) -> str:
-    from minimind_ray.fsio import join
+    from minimind_ray.fsio import join  # lazy: pyarrow, only when this runs
 
     return join(join(run_dir, "eval"), f"step-{step}.json")
 
@@ -53,7 +53,7 @@ def _marker(run_dir: str, step: int) -> str:
 def _read_marker(path: str) -> Optional[dict]:
     import pyarrow.fs as pafs
 
-    from minimind_ray.fsio import filesystem
+    from minimind_ray.fsio import filesystem  # lazy: pyarrow, only when this runs
 
     fs, p = filesystem(path)
     if fs.get_file_info(p).type != pafs.FileType.File:
@@ -63,7 +63,7 @@ def _read_marker(path: str) -> Optional[dict]:
 
 
 def _write_marker(path: str, record: dict) -> None:
-    from minimind_ray.fsio import filesystem, is_uri, write_json_atomic
+    from minimind_ray.fsio import filesystem, is_uri, write_json_atomic  # lazy: pyarrow, only when this runs
 
     if is_uri(path):
         fs, p = filesystem(path)
@@ -79,9 +79,9 @@ def _write_marker(path: str, record: dict) -> None:
 
 def run_tasks(ckpt_dir: str, tasks: List[EvalTaskConfig], cache_dir: str, device: str):
     """({metric: value}, {task name: error}) of every task on the checkpoint's model, loaded once."""
-    from minimind_ray.evals.run import evaluate_task, metric_items
+    from minimind_ray.evals.run import evaluate_task, metric_items  # lazy: numpy, pyarrow, torch, only when this runs
     from minimind_ray.generate import tokenizer_for_weights
-    from minimind_ray.store.weights import build_inference_model
+    from minimind_ray.store.weights import build_inference_model  # lazy: pyarrow, torch, only when this runs
 
     model, lw = build_inference_model(ckpt_dir, device=device)
     tok = tokenizer_for_weights(lw)
@@ -102,7 +102,7 @@ def validate_checkpoint(checkpoint, *, run_dir: str, tracking_uri: Optional[str]
     import ray
     import torch
 
-    from minimind_ray.store.checkpoint import open_checkpoint
+    from minimind_ray.store.checkpoint import open_checkpoint  # lazy: pyarrow, torch, only when this runs
 
     torch.set_num_threads(threads)
     stored = open_checkpoint(checkpoint.path, checkpoint.filesystem)
@@ -129,7 +129,7 @@ def validate_checkpoint(checkpoint, *, run_dir: str, tracking_uri: Optional[str]
 
 
 def _log(uri: str, run_id: str, step: int, scores: Dict[str, float], errors: Dict[str, str], timeout_s: float) -> None:
-    from minimind_ray.tracking.logger import RunLogger
+    from minimind_ray.tracking.logger import RunLogger  # lazy: pyarrow, only when this runs
     from minimind_ray.tracking.runs import set_tags
 
     logger = RunLogger(uri, run_id, timeout_s=timeout_s)

@@ -13,13 +13,15 @@ import torch.distributed as dist
 from minimind_ray.console import own_lines
 from minimind_ray.engine.loop import Hooks, run
 from minimind_ray.engine.state import TrainState
-from minimind_ray.store.config import validation_due
 from minimind_ray.fsio import filesystem
 from minimind_ray.raytrain.faults import FaultInjector, SampleLog
+from minimind_ray.raytrain.oom import quiet_out_of_memory_tracebacks
 from minimind_ray.raytrain.preemption import PreemptionCheck
 from minimind_ray.raytrain.spec import WorkerSpec
 from minimind_ray.stages import get_stage
 from minimind_ray.store.checkpoint import StoredCheckpoint, choose_restore, open_checkpoint
+from minimind_ray.store.config import validation_due
+from minimind_ray.tracking.logger import RunLogger
 from minimind_ray.tracking.names import metric_name
 
 
@@ -62,8 +64,6 @@ class RayHooks(Hooks):
         self.samples = SampleLog(cfg.train.sample_log_dir, rank, state.world, attempt=state.step)
         self.logger = None
         if rank == 0 and run_id and cfg.tracking.enabled:
-            from minimind_ray.tracking.logger import RunLogger
-
             self.logger = RunLogger(spec.tracking_uri, run_id, timeout_s=cfg.tracking.timeout_s,
                                     system_metrics=cfg.tracking.system_metrics)
         self.preemption = PreemptionCheck(cfg, spec.run_dir, rank, state.total_steps)
@@ -145,8 +145,6 @@ class RayHooks(Hooks):
 
 def train_loop_per_worker(spec: WorkerSpec) -> None:
     import ray.train
-
-    from minimind_ray.raytrain.oom import quiet_out_of_memory_tracebacks
 
     quiet_out_of_memory_tracebacks()  # an OOM is said in one line by the driver (raytrain/oom.py)
     own_lines()  # our log warnings as [minimind-ray] lines, which a quiet driver still shows (console.py)

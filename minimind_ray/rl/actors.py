@@ -35,7 +35,7 @@ class RolloutActor:
     """One copy of the policy that generates on request (the Ray actor's class)."""
 
     def __init__(self, model_cfg: dict, threads: int):
-        from minimind_ray.model.config import ModelConfig
+        from minimind_ray.model.config import ModelConfig  # lazy: omegaconf, yaml, only when this runs
         from minimind_ray.model.minimind import build_model
 
         torch.set_num_threads(threads)

@@ -25,6 +25,9 @@ from typing import Dict, List, Tuple
 import torch
 from torch import Tensor
 
+from minimind_ray.rl.rollout import row_seeds
+from minimind_ray.rl.tools import parse_tool_calls, tool_schemas
+
 _SENTINEL = "\x00minimind-ray-reply\x00"
 
 
@@ -95,8 +98,6 @@ def first_turn_request(mb: Dict[str, Tensor], *, params, group_size: int, max_to
                        device):
     """(prompt ids, mask, sampling params, seeds) of every trajectory's first turn: what :func:`agent_rollout`
     generates first, and what a plan may send to a pool of rollout actors ahead of time (train.rollout.overlap)."""
-    from minimind_ray.rl.rollout import row_seeds
-
     prompts = _prompts(mb)
     rows = [i for i in range(len(prompts) * group_size) if len(prompts[i // group_size]) < max_total_len]
     room = max(max_total_len - len(prompts[i // group_size]) for i in rows)
@@ -117,9 +118,6 @@ def agent_rollout(mb: Dict[str, Tensor], *, engine, params, group_size: int, too
     ``input_ids``/``attention_mask`` (N, P + R), the left-padded prompt then the trajectory; ``completion_mask``
     (N, R), 1 on the policy's own tokens; ``old_logp`` (N, R) their behaviour log-probs; ``total_len`` (N,).
     ``first_turn``: the first turn's rollout of :func:`first_turn_request`, generated ahead (else generated here)."""
-    from minimind_ray.rl.rollout import row_seeds
-    from minimind_ray.rl.tools import parse_tool_calls, tool_schemas
-
     G = group_size
     prompts = _prompts(mb)
     trajs, history = [], []

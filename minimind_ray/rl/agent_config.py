@@ -7,7 +7,9 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from minimind_ray.config_checks import ConfigError, config_field as _f, need
-from minimind_ray.rl.rewards import RewardConfig
+from minimind_ray.rl.grpo_config import GRPOConfig, validate_grpo
+from minimind_ray.rl.rewards import RewardConfig, validate_reward_term
+from minimind_ray.rl.tools import BUILTIN_TOOLS, load_tool_function
 
 AGENT_REWARDS = ("tool_tags", "tool_calls", "reply_format", "gt_answer", "unfinished", "repetition", "reward_model")
 
@@ -52,10 +54,6 @@ class AgentConfig:
 
 def validate_agent(cfg) -> None:
     """The agent stage's checks (its stage record's validate), naming the field."""
-    from minimind_ray.rl.grpo_config import GRPOConfig, validate_grpo
-    from minimind_ray.rl.rewards import validate_reward_term
-    from minimind_ray.rl.tools import BUILTIN_TOOLS, load_tool_function
-
     a, g, d = cfg.train.agent, cfg.train.grpo, cfg.data
     validate_grpo(cfg)  # the policy loss, the group, the sampling
     need(g.dynamic_sampling == 0, "train.grpo.dynamic_sampling", "not available for the agent stage (0)")

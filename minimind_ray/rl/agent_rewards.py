@@ -25,7 +25,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from minimind_ray.rl.rewards import is_correct, load_callable, repetition_penalty, split_think
+from minimind_ray.rl.rewards import build_rewards, is_correct, load_callable, repetition_penalty, split_think
 from minimind_ray.rl.tools import check_arguments, parse_tool_calls, tool_schemas
 
 _MINIMIND_NUMBER = re.compile(r"(?<![\w.])[-+]?\d+(?:\.\d+)?(?![\w.])")
@@ -154,8 +154,6 @@ class AgentTerm:
 
 def _reward_model_term(spec, device, run_name, index):
     """A reward model scores a trajectory that called no tool, on its prompt and final reply (MiniMind's rule)."""
-    from minimind_ray.rl.rewards import build_rewards
-
     (term,) = build_rewards([spec], device, run_name=f"{run_name}-agent{index}" if run_name else None)
 
     def score(trajs) -> List[float]:

@@ -16,6 +16,7 @@ from typing import Dict, List
 import torch
 from torch import Tensor
 
+from minimind_ray.rl.agent import agent_rollout, first_turn_request
 from minimind_ray.rl.grpo_step import GRPOPlan
 
 Batch = Dict[str, Tensor]
@@ -27,7 +28,7 @@ class AgentPlan(GRPOPlan):
         self.a, self.toolbox = cfg.train.agent, toolbox
 
     def prepare(self, state, batches: List[Batch], step: int, *, rewards, reference) -> List[Batch]:
-        from minimind_ray.rl.grpo import group_advantages
+        from minimind_ray.rl.grpo import group_advantages  # lazy: omegaconf, yaml, only when this runs
 
         self.setup(state)
         g, t0 = self.g, time.perf_counter()
@@ -49,16 +50,14 @@ class AgentPlan(GRPOPlan):
         return out
 
     def _first_turn(self, state, mb: Batch, step: int):
-        from minimind_ray.rl.agent import first_turn_request
-
         return first_turn_request(mb, params=self.params(), group_size=self.g.num_generations,
                                   max_total_len=self.a.max_total_len, seed=self.cfg.train.seed, step=step,
                                   device=state.device)
 
     def _rollout(self, state, mb: Batch, step: int, rewards, reference, first_turn=None) -> Batch:
-        from minimind_ray.rl.agent import agent_rollout
+        # lazy: omegaconf, yaml, only when this runs
         from minimind_ray.rl.agent_rewards import answer_calls, final_answer, gt_found, score_trajectories
-        from minimind_ray.rl.grpo import completion_logprobs, group_std
+        from minimind_ray.rl.grpo import completion_logprobs, group_std  # lazy: omegaconf, yaml, only when this runs
 
         g, dev = self.g, state.device
         trajs, b = agent_rollout(mb, engine=self.engine, params=self.params(), group_size=g.num_generations,

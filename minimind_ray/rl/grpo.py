@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from minimind_ray.rl.rewards import RewardTerm, score
-from minimind_ray.rl.rollout import RolloutEngine, SamplingParams, token_logprobs
+from minimind_ray.rl.rollout import RolloutEngine, SamplingParams, row_seeds, token_logprobs
 
 ADV_EPS = 1e-4  # MiniMind's: (r - mean) / (std + 1e-4); a group of equal rewards gets advantage 0
 
@@ -145,6 +145,7 @@ def completion_logprobs(model, input_ids: Tensor, attention_mask: Tensor, comple
 def run_tokenizer(cfg, manifest: dict):
     """The tokenizer the prompts were prepared with, to turn completions into text for the rewards:
     the manifest's path when this machine has it, else ``data.tokenizer`` resolved here; checked by hash."""
+    # lazy: pyarrow, tokenizers, only when this runs
     from minimind_ray.tokenizer import load_tokenizer, resolve_tokenizer
 
     path = manifest.get("tokenizer_path")
@@ -196,8 +197,6 @@ def rollout_micro_batch(mb: Dict[str, Tensor], *, engine: RolloutEngine, params:
     ``advantages``); and ``metric_<name>`` scalars, sums over the completions that the engine's interval meter
     turns into means.
     """
-    from minimind_ray.rl.rollout import row_seeds
-
     G = group_size
     prompt_ids = mb["prompt_ids"].to(device).repeat_interleave(G, dim=0)
     prompt_mask = mb["prompt_mask"].to(device).repeat_interleave(G, dim=0)

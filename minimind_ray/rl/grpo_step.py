@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from minimind_ray.rl.plan import RolloutPlan
+from minimind_ray.rl.rollout import row_seeds
 
 Batch = Dict[str, Tensor]
 
@@ -54,8 +55,6 @@ class GRPOPlan(RolloutPlan):
 
     def _requests(self, state, batches: List[Batch], step: int) -> list:
         """Each micro-batch's rollout request: (prompt rows, their mask, params, each row's seed)."""
-        from minimind_ray.rl.rollout import row_seeds
-
         G, dev = self.g.num_generations, state.device
         return [(mb["prompt_ids"].to(dev).repeat_interleave(G, 0), mb["prompt_mask"].to(dev).repeat_interleave(G, 0),
                  self.params(), row_seeds(self.cfg.train.seed, step, mb["sample_ids"], G).to(dev)) for mb in batches]
@@ -64,6 +63,7 @@ class GRPOPlan(RolloutPlan):
         return [self.engine.submit(*request) for request in self._requests(state, batches, step)]
 
     def prepare(self, state, batches: List[Batch], step: int, *, rewards, reference) -> List[Batch]:
+        # lazy: omegaconf, yaml, only when this runs
         from minimind_ray.rl.grpo import group_advantages, rollout_micro_batch
 
         self.setup(state)

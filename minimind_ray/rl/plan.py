@@ -9,6 +9,9 @@ from typing import Dict, List
 import torch
 from torch import Tensor
 
+from minimind_ray.rl.actors import ActorRollout
+from minimind_ray.rl.rollout import SamplingParams, TorchRollout
+
 Batch = Dict[str, Tensor]
 
 
@@ -23,14 +26,10 @@ def rows(batch: Batch, lo: int, hi: int, keep_metrics: bool) -> Batch:
 
 def build_rollout(cfg, state):
     """The engine ``train.rollout.engine`` names: this worker's sampler, or a pool of Ray actors (rl/actors.py)."""
-    from minimind_ray.rl.rollout import TorchRollout  # lazy: rollout.py and actors.py are imported by the plans' users
-
     engine = cfg.train.rollout.engine
     if engine == "worker":
         return TorchRollout(state.autocast)
     if engine == "actors":
-        from minimind_ray.rl.actors import ActorRollout  # lazy: Ray, only for a pool of actors
-
         return ActorRollout(cfg, state.rank, state.world)
     raise ValueError(f"train.rollout.engine: unknown rollout engine {engine!r}; one of ('worker', 'actors')")
 
@@ -45,15 +44,13 @@ class RolloutPlan:
 
     def setup(self, state) -> None:
         """The engine and the tokenizer, once, on the first step (the engine needs the worker's state)."""
-        from minimind_ray.rl.grpo import run_tokenizer
+        from minimind_ray.rl.grpo import run_tokenizer  # lazy: omegaconf, yaml, only when this runs
 
         if self.engine is None:
             self.engine = build_rollout(self.cfg, state)
             self.tokenizer = run_tokenizer(self.cfg, state.dataset.manifest)
 
     def params(self):
-        from minimind_ray.rl.rollout import SamplingParams
-
         s = self.sampling
         return SamplingParams(s.max_gen_len, s.temperature, s.top_p, s.top_k, self.tokenizer.eos_id,
                               self.tokenizer.pad_id)
@@ -62,7 +59,7 @@ class RolloutPlan:
         """Whether step ``step + 1``'s rollouts are sent now, from the weights before this step's update: with
         ``train.rollout.overlap``, except before the last step and at a checkpoint step (a run restored there must
         generate what an uninterrupted one did, so nothing of step + 1 may come from before the checkpoint)."""
-        from minimind_ray.store.config import checkpoint_due
+        from minimind_ray.store.config import checkpoint_due  # lazy: omegaconf, yaml, only when this runs
 
         return (self.cfg.train.rollout.overlap and step < state.total_steps
                 and not checkpoint_due(self.cfg, step, state.total_steps))

@@ -20,6 +20,7 @@ from typing import Dict, Optional
 import torch
 from torch import Tensor, nn
 
+from minimind_ray.model.minimind import attention_mask_for, unwrap_model
 from minimind_ray.rl.grpo import k3_kl
 
 
@@ -33,7 +34,6 @@ class CriticModel(nn.Module):
 
     def __init__(self, policy: nn.Module, seed: int):
         super().__init__()
-        from minimind_ray.model.minimind import unwrap_model
 
         body = copy.deepcopy(unwrap_model(policy))  # keeps the tie of embed_tokens and lm_head inside the copy
         self.cfg = body.cfg
@@ -48,8 +48,6 @@ class CriticModel(nn.Module):
 
     def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None) -> Tensor:
         """The value estimate at every position (B, T), float32: the expected reward to come after the token there."""
-        from minimind_ray.model.minimind import attention_mask_for
-
         m, T = self.model, input_ids.shape[1]
         if T > m.freqs_cos.shape[0]:
             raise ValueError(f"sequence of {T} tokens exceeds max_position_embeddings={m.freqs_cos.shape[0]}")

@@ -19,8 +19,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from minimind_ray.rl.grpo import completion_logprobs, eos_mask, sequence_mean
+from minimind_ray.rl.grpo import completion_logprobs, eos_mask, score_rollouts, sequence_mean
 from minimind_ray.rl.plan import RolloutPlan
+from minimind_ray.rl.ppo import gae, ppo_token_losses, token_rewards, whiten
+from minimind_ray.rl.rollout import row_seeds
 
 Batch = Dict[str, Tensor]
 TERMS = ("policy_loss", "value_loss", "kl", "approx_kl", "clip_fraction")  # summed per update, in this order
@@ -36,9 +38,6 @@ class PPOPlan(RolloutPlan):
         self._updates, self._stopped = 0, False
 
     def prepare(self, state, batches: List[Batch], step: int, *, rewards, reference, critic) -> List[Batch]:
-        from minimind_ray.rl.grpo import score_rollouts
-        from minimind_ray.rl.ppo import gae, token_rewards, whiten
-
         self.setup(state)
         p, dev, t0 = self.p, state.device, time.perf_counter()
         ahead = [self.engine.collect(h) for h in self.pending.pop(step, [])]  # generated from the older weights
@@ -82,8 +81,6 @@ class PPOPlan(RolloutPlan):
         return out
 
     def _seeds(self, mb: Batch, step: int, dev):
-        from minimind_ray.rl.rollout import row_seeds
-
         return row_seeds(self.cfg.train.seed, step, mb["sample_ids"], 1).to(dev)  # one completion per prompt
 
     @staticmethod
@@ -105,8 +102,6 @@ class PPOPlan(RolloutPlan):
         return self.updates_over(batches, self.p.ppo_update_iters, self.p.mini_batches)
 
     def loss_sum(self, model, critic, batch: Batch):
-        from minimind_ray.rl.ppo import ppo_token_losses
-
         p, mask = self.p, batch["completion_mask"]
         R = mask.shape[1]
         logp, aux = completion_logprobs(model, batch["input_ids"], batch["attention_mask"], R)

@@ -176,7 +176,7 @@ def build_rewards(specs, device=None, run_name: Optional[str] = None) -> List[Re
     for i, spec in enumerate(specs):
         args = dict(spec.args or {})
         if spec.name == "reward_model":
-            from minimind_ray.rl.reward_model import load_reward_model
+            from minimind_ray.rl.reward_model import load_reward_model  # lazy: torch, only when this runs
 
             if run_name and args.get("placement") == "actor":
                 args.setdefault("actor_name", f"minimind-reward-{run_name}-{i}")

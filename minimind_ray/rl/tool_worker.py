@@ -14,12 +14,13 @@ import json
 import os
 import sys
 
+from minimind_ray.rl.tools import load_tool_function
+
 
 def main() -> None:
     channel = os.fdopen(os.dup(1), "wb", buffering=0)  # replies only; a tool's prints go to stderr
     os.dup2(2, 1)
     sys.stdout = sys.stderr
-    from minimind_ray.rl.tools import load_tool_function
 
     functions = {}
 

@@ -30,12 +30,13 @@ from ray import serve
 
 from minimind_ray.serve.engine import Engine, GenRequest
 from minimind_ray.serve.inflight import InFlight
+from minimind_ray.serve.metrics import ServeMetrics
+from minimind_ray.serve.model_io import StreamDecoder, TokenPieces, load_served_model, render_chat
 from minimind_ray.serve.options import API_KEY_ENV, RETRY_AFTER_S, ServeOptions, options_from_dict
 from minimind_ray.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, check_prompt_length,
                                          parse_chat, parse_completion)
-from minimind_ray.serve.replies import (SSE_DONE, Choice, ReplyText, ToolCallText, chat_body, chat_logprobs,
-                                        chat_message, chunk, completion_body, completion_logprobs, new_id, sse,
-                                        usage)
+from minimind_ray.serve.replies import (Choice, ReplyText, SSE_DONE, ToolCallText, chat_body, chat_logprobs,
+                                        chat_message, chunk, completion_body, completion_logprobs, new_id, sse, usage)
 
 log = logging.getLogger(__name__)
 PAGE = Path(__file__).with_name("static") / "index.html"
@@ -101,9 +102,6 @@ def _noop(event: tuple) -> None:
 class ChatServer:
     def __init__(self, options: dict):
         import torch
-
-        from minimind_ray.serve.metrics import ServeMetrics
-        from minimind_ray.serve.model_io import TokenPieces, load_served_model
 
         self.opts: ServeOptions = options_from_dict(options)
         torch.set_num_threads(self.opts.torch_threads())
@@ -234,8 +232,6 @@ class ChatServer:
 
     def _prepare_chat(self, req: ChatCompletionRequest, endpoint: str) -> InFlight:
         """The chat template (with the tools and the thinking switch), the length check, n rows."""
-        from minimind_ray.serve.model_io import StreamDecoder, render_chat
-
         mode, think = req.tool_mode(), req.think()
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if mode != "none" else None
         try:
@@ -260,8 +256,6 @@ class ChatServer:
 
     def _prepare_completion(self, req: CompletionRequest, endpoint: str) -> InFlight:
         """Each prompt as it is (text or token ids; no template), n rows per prompt."""
-        from minimind_ray.serve.model_io import StreamDecoder
-
         groups, choices, prompt_tokens = [], [], 0
         k = req.logprobs if req.echo else None
         for p, prompt in enumerate(req.prompts()):

@@ -146,7 +146,7 @@ def deploy(opts: ServeOptions, quiet: bool = False) -> str:
     ``quiet``: no per-request access log lines (benchmarks)."""
     from ray import serve
 
-    from minimind_ray.serve.app import build_app
+    from minimind_ray.serve.app import build_app  # lazy: fastapi, pydantic, ray, tokenizers, torch, only when this runs
 
     quiet_handlers("ray.serve")  # Serve's own driver lines (started, ready, deleting) to its logs, unless --verbose
     serve.start(http_options={"host": opts.host, "port": opts.port})
@@ -176,7 +176,7 @@ def _as_args(opts: ServeOptions) -> dict:
 
 
 def serve_from_args(args: argparse.Namespace) -> int:
-    from minimind_ray.serve.model_io import check_source, pin_tokenizer
+    from minimind_ray.serve.model_io import check_source, pin_tokenizer  # lazy: tokenizers, torch, only when this runs
 
     opts = options_from_args(args)
     check_source(opts.weights, opts.tracking_uri)  # a one-line error before Ray starts

@@ -5,6 +5,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from minimind_ray.config_checks import config_field as _f, need
+from minimind_ray.model.config import ModelConfig
+from minimind_ray.model.presets import preset_values
 from minimind_ray.stages.stage import MemoryTerms, Stage
 
 
@@ -32,9 +34,6 @@ def memory(cfg, policy, count) -> MemoryTerms:
     """The teacher, at its preset's size (the student's when none is given); its logits and the KL's log-softmaxes."""
     teacher = 1.0
     if cfg.train.distill.teacher_preset:
-        from minimind_ray.model.config import ModelConfig
-        from minimind_ray.model.presets import preset_values
-
         teacher = count(ModelConfig(**preset_values(cfg.train.distill.teacher_preset))) / count(policy)
     return MemoryTerms(frozen_models=teacher, extra_logit_bytes=16)
 

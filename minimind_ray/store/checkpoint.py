@@ -34,7 +34,8 @@ import pyarrow.fs as pafs
 import torch
 
 from minimind_ray.fsio import filesystem, is_uri, redact, redact_obj, torch_save_atomic, write_json_atomic
-from minimind_ray.store.sharded import METADATA as SHARDED_METADATA
+from minimind_ray.store import sharded as sharded_store
+from minimind_ray.store.sharded import METADATA as SHARDED_METADATA, read_whole_model
 
 COMPLETE = "COMPLETE.json"
 MODEL = "model.pth"
@@ -96,7 +97,7 @@ def write_shared_files(ckpt_dir, *, model_state: Optional[Dict[str, torch.Tensor
     """Rank 0 writes the shared state (and each part's weights, ``<name>.pth``), then the COMPLETE marker listing
     every file. A sharded checkpoint has no ``model_state`` here but every rank's ``sharded_files``
     (store/sharded.py:write_sharded, written before)."""
-    from minimind_ray.model.minimind import clean_state_dict
+    from minimind_ray.model.minimind import clean_state_dict  # lazy: omegaconf, yaml, only when this runs
 
     ckpt_dir = Path(ckpt_dir)
     parts = {f"{name}.pth": sd for name, sd in (part_states or {}).items()}
@@ -170,11 +171,9 @@ class StoredCheckpoint:
 
     def model_state(self) -> Dict[str, torch.Tensor]:
         """The whole weights under MiniMind's keys, whichever layout (a sharded one is read by this process alone)."""
-        from minimind_ray.model.minimind import clean_state_dict
+        from minimind_ray.model.minimind import clean_state_dict  # lazy: omegaconf, yaml, only when this runs
 
         if self.sharded:
-            from minimind_ray.store.sharded import read_whole_model
-
             try:
                 return clean_state_dict(read_whole_model(self.fs, self.path))
             except Exception as e:  # a shard that is not DCP's, metadata that names code
@@ -185,11 +184,9 @@ class StoredCheckpoint:
     def load_sharded(self, state: Dict[str, Any]) -> None:
         """Fill ``state`` (engine/parallel.py:sharded_state's shape: this rank's slices, or whole tensors) from a
         sharded checkpoint; every rank of a process group calls it together."""
-        from minimind_ray.store.sharded import load_sharded
-
         if not self.sharded:
             raise CheckpointError(f"{self.location}: holds model.pth, not sharded state")
-        load_sharded(self.fs, self.path, state)
+        sharded_store.load_sharded(self.fs, self.path, state)
 
     def train_state(self) -> Dict[str, Any]:
         return _torch_load(self.fs, f"{self.path}/{TRAIN_STATE}", f"{self.location}/{TRAIN_STATE}")

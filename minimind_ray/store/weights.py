@@ -33,13 +33,15 @@ from typing import Any, Dict, Optional, Tuple
 import pyarrow.fs as pafs
 import torch
 
-from minimind_ray.model.config import LoRAConfig, ModelConfig
 from minimind_ray.fsio import filesystem, is_uri, join
-from minimind_ray.model.minimind import clean_state_dict
+from minimind_ray.model.config import LoRAConfig, ModelConfig
+from minimind_ray.model.lora import apply_lora, merge_lora as merge
+from minimind_ray.model.minimind import build_model, clean_state_dict, unwrap_model
 from minimind_ray.model.presets import PRESETS, preset_values
+from minimind_ray.model.rope import YARN, rope_tables
 from minimind_ray.store.checkpoint import (CheckpointMeta, StoredCheckpoint, is_checkpoint, newest_complete,
                                            open_checkpoint)
-from minimind_ray.store.pth import WeightsError, check_float_tensors, one_line, read_pth
+from minimind_ray.store.pth import WeightsError, check_float_tensors, load_pth, one_line, read_pth
 
 log = logging.getLogger(__name__)
 
@@ -98,8 +100,6 @@ def preset_config(name: str) -> ModelConfig:
 
 def infer_model_config(sd: Dict[str, torch.Tensor], where: str = "the weights") -> ModelConfig:
     """The preset whose parameter shapes match this state dict exactly."""
-    from minimind_ray.model.minimind import build_model
-
     want = {k: tuple(v.shape) for k, v in sd.items()}
     for name in PRESETS:
         mc = ModelConfig(**preset_values(name))
@@ -254,8 +254,6 @@ def load_weights(source: str, preset: Optional[str] = None) -> LoadedWeights:
 def apply_weights(model, lw: LoadedWeights, merge_lora: bool = True):
     """Load ``lw`` into a model built from its config. LoRA adapters in the weights are attached
     (with the run's LoRA config, or the rank read off the tensors), then folded in unless ``merge_lora`` is False."""
-    from minimind_ray.model.lora import apply_lora, merge_lora as merge
-
     sd = {k: v.float() for k, v in lw.state_dict.items()}
     has_lora = any(".lora." in k for k in sd)
     if has_lora:
@@ -274,8 +272,6 @@ def load_model_weights(model: torch.nn.Module, source: str, strict: bool = True)
     """Weights from any source into an existing model (``train.init_from``, a DPO reference, a
     distillation teacher). LoRA adapters in the source are merged first when ``model`` has none.
     The model keeps its own config; recorded rope_theta/rms_norm_eps that differ are warned about."""
-    from minimind_ray.store.pth import load_pth
-
     lw = _load(str(source), assumed=model.cfg)
     diff = unshaped_differences(lw.model_cfg, model.cfg) if lw.recorded else {}
     if diff:
@@ -291,8 +287,6 @@ def build_inference_model(source: str, preset: Optional[str] = None, merge_lora:
                           device: str = "cpu", rope_scaling: Optional[dict] = None):
     """(model in eval mode, LoadedWeights). LoRA adapters in the weights are merged (or kept).
     ``rope_scaling`` (from :func:`rope_scaling_spec`): YaRN on or off at inference; None = as the weights record."""
-    from minimind_ray.model.minimind import build_model
-
     lw = load_weights(source, preset)
     model = apply_weights(build_model(lw.model_cfg), lw, merge_lora=merge_lora)
     if rope_scaling is not None:
@@ -322,7 +316,6 @@ def rope_scaling_spec(kind: Optional[str], factor: Optional[float] = None,
         if factor is not None or original_max_position_embeddings is not None:
             raise ValueError("--factor/--original-max-position-embeddings only apply to --rope-scaling yarn")
         return {"type": "none"}
-    from minimind_ray.model.rope import YARN
 
     spec = {"type": "yarn", **YARN}
     if factor is not None:
@@ -343,9 +336,6 @@ def set_rope_scaling(model, spec: dict):
     them the same way when ``inference_rope_scaling`` is set). ``model.cfg.inference_rope_scaling`` follows,
     and ``model.rope_scaling`` keeps the numbers used (None = plain RoPE). As in MiniMind, YaRN changes
     nothing unless the table (max_position_embeddings) is longer than the original context."""
-    from minimind_ray.model.minimind import unwrap_model
-    from minimind_ray.model.rope import rope_tables
-
     if not isinstance(spec, dict) or "type" not in spec:  # e.g. a Serve config file's rope_scaling
         raise ValueError(f"rope_scaling: {spec!r} is not a mapping with a 'type' (yarn or none)")
     spec = rope_scaling_spec(spec["type"], spec.get("factor"), spec.get("original_max_position_embeddings"))

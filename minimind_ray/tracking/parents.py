@@ -12,8 +12,9 @@ import logging
 from typing import Dict, List, Optional
 
 from minimind_ray.fsio import redact, redact_obj
-from minimind_ray.tracking.runs import (TAG_RESUMES, TAG_RUN_NAME, TAG_STORAGE, mlflow_client, experiment_id_of, log_tags,
-                                        short_message, short_http)
+from minimind_ray.tracking import artifacts
+from minimind_ray.tracking.runs import (TAG_RESUMES, TAG_RUN_NAME, TAG_STORAGE, experiment_id_of, finish_run, log_tags,
+                                        mlflow_client, short_http, short_message)
 
 log = logging.getLogger(__name__)
 
@@ -104,8 +105,6 @@ def children(uri: str, parent_id: str, timeout_s: float = 10.0) -> list:
 
 def end_run(uri: str, run_id: str, status: str, tags: Optional[Dict[str, str]] = None, timeout_s: float = 10.0) -> None:
     """Tag and end a run (FINISHED, FAILED, KILLED); never raises."""
-    from minimind_ray.tracking.runs import finish_run
-
     if tags:
         record(uri, run_id, tags=tags, timeout_s=timeout_s)
     finish_run(uri, run_id, status, timeout_s=timeout_s)
@@ -114,11 +113,9 @@ def end_run(uri: str, run_id: str, status: str, tags: Optional[Dict[str, str]] =
 def register_version(uri: str, name: str, run_id: str, tags: Dict[str, str], timeout_s: float = 30.0) -> str:
     """A registry version of the run's ``model/`` artifacts under ``name`` (the one of that run if it exists), tagged
     with where it came from (the run's own lineage tags, and ``tags``). Raises if the store refuses."""
-    from minimind_ray.tracking.artifacts import register_version
-
     with short_http(timeout_s):
         client = mlflow_client(uri)
-        version = register_version(client, name, run_id)
+        version = artifacts.register_version(client, name, run_id)
         run_tags = client.get_run(run_id).data.tags
         lineage = {k: v for k, v in run_tags.items() if k.startswith("minimind.data.") or k.startswith("minimind.init")}
         for k, v in {**lineage, "minimind.source.run_id": run_id, **tags}.items():

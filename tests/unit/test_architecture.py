@@ -193,3 +193,27 @@ def test_no_private_name_is_imported_from_another_module():
                 found += [f"{name} imports {node.module}.{a.name}" for a in node.names
                           if a.name.startswith("_") and not a.name.startswith("__")]
     assert not found, "private names imported across modules:\n" + "\n".join(found)
+
+
+def test_every_import_inside_a_function_says_why_it_is_there():
+    """An import of the project's own code belongs at the module's top, where a reader sees what the module depends
+    on. One that stays inside a function says why on its line or the line above (``# lazy: <reason>``: a heavy
+    dependency such as torch, pyarrow or Ray that the verb may never need, or a circle it would close)."""
+    found = []
+    for name, path in _modules().items():
+        lines = path.read_text().splitlines()
+        tree = ast.parse("\n".join(lines))
+        for fn in ast.walk(tree):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                internal = (isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith(
+                    "minimind_ray"))) or (isinstance(node, ast.Import) and any(
+                        a.name.startswith("minimind_ray") for a in node.names))
+                if not internal:
+                    continue
+                said = "\n".join(lines[node.lineno - 2:node.end_lineno])  # the line above and the import's own
+                if not re.search(r"# lazy: \S", said):
+                    found.append(f"{path.relative_to(REPO)}:{node.lineno}: {lines[node.lineno - 1].strip()}")
+    assert not found, ("imports inside functions without a '# lazy: <reason>' (move them to the top, or say why):\n"
+                       + "\n".join(sorted(set(found))))
