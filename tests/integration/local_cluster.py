@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
 import shutil
@@ -54,6 +55,39 @@ def _free_base(worker_nodes: int = 1) -> int:
         if _ports_free(block):
             return base
     missing(f"no free port block for a local cluster in {lo}-{hi} (50 tries; another cluster or service holds them)")
+
+
+def alive(pid: int) -> bool:
+    """Running (zombies, killed but not yet reaped by init, count as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
+def session_pids(sid: int) -> list:
+    """The live processes of session ``sid`` (start.sh starts each node in a session of its own)."""
+    out = subprocess.run(["ps", "-e", "-o", "pid=,sid=,stat=,comm="], capture_output=True, text=True).stdout
+    return [int(f[0]) for f in (line.split() for line in out.splitlines())
+            if len(f) >= 3 and int(f[1]) == sid and not f[2].startswith("Z")]
+
+
+def comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def ray_query(address: str, code: str, timeout: float = 90) -> dict:
+    """Run ``code`` in a fresh driver connected to ``address``; it must print one JSON line last."""
+    prog = ("import json, time, ray\n"
+            f"ray.init(address={address!r}, logging_level='ERROR', log_to_driver=False)\n" + code)
+    r = subprocess.run([sys.executable, "-c", prog], capture_output=True, text=True, timeout=timeout,
+                       cwd=tempfile.gettempdir())
+    assert r.returncode == 0, f"driver failed:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
+    return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 def _sh(script: str, *args: str, env: dict, timeout: float = 150) -> subprocess.CompletedProcess:

@@ -3,6 +3,8 @@ stopping exactly what it started): a head and worker nodes 1 and 2, one trainslo
 for the module (a 3-node start and stop cost ~35 CPU seconds on 2 cores); each test begins with two worker nodes.
 
 * A run sent with `ray job submit` loses a node mid-run (SIGKILL): elastic 2 -> 1 -> 2 workers, every sample once.
+* Last, the scripts themselves (cluster/local/*.sh): what start.sh printed and wrote, a node killed and started
+  again, and a stop that ends exactly what start.sh started, decoys named like Ray's processes untouched.
 * A spot notice drains a node (checkpoint on preemption, issue 23): the tiny run on 2 workers (a fixed size: it waits
   for a replacement); mid-run a stand-in of AWS's metadata service posts a spot notice for the node,
   cluster/spot/notice_watcher.py turns it into `ray drain-node --deadline-remaining-seconds`, Ray Train's
@@ -18,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -34,7 +37,8 @@ import torch
 from minimind_ray.store.checkpoint import MODEL, checkpoints_in, open_checkpoint
 
 from .helpers import CKPT_EVERY, GLOBAL_BATCH, STEPS, assert_exactly_once, sample_record
-from .local_cluster import RAY_BIN, REPO, _free_base, _sh, cluster_state, start_cluster
+from .local_cluster import (RAY_BIN, REPO, _free_base, _sh, alive, cluster_state, comm, ray_query, session_pids,
+                            start_cluster)
 
 pytestmark = pytest.mark.integration
 
@@ -42,8 +46,9 @@ pytestmark = pytest.mark.integration
 class NodeCluster:
     """The module's cluster: its state dir, environment and base port, and which worker nodes are up."""
 
-    def __init__(self, state: str, env: dict, base: int):
+    def __init__(self, state: str, env: dict, base: int, started: str):
         self.state, self.env, self.base = state, env, base
+        self.started = started  # what start.sh printed
         self.workers = [1, 2]  # worker node indices, in start order
         self.dashboard = f"http://127.0.0.1:{base + 1}"
 
@@ -71,7 +76,7 @@ def node_cluster(tiny_baseline):
         r = start_cluster("2", "--state-dir", state, "--port", str(base), "--head-cpus", "2", "--worker-cpus", "1",
                           env=env, timeout=300)
         assert r.returncode == 0, r.stderr[-3000:]
-        yield NodeCluster(state, env, base)
+        yield NodeCluster(state, env, base, r.stdout)
 
 
 @pytest.fixture
@@ -353,16 +358,99 @@ def test_user_plugins_reach_the_workers_of_every_rl_stage(two_worker_nodes, tmp_
                   "{name: add, parameters: {type: object, properties: {a: {type: number}, b: {type: number}}}}}}]"],
     }
     mirror = {"env_vars": {"MINIMIND_RAY_TOKENIZER_MIRROR": os.environ["MINIMIND_RAY_TOKENIZER_MIRROR"]}}
+    jobs = {}  # both jobs at once, as two users would send them (one training worker each: the cluster holds both)
     for stage, extra in runs.items():
         log = tmp_path / f"{stage}.log"
         with open(log, "w") as out:
-            r = subprocess.run(
+            jobs[stage] = (log, subprocess.Popen(
                 [str(RAY_BIN), "job", "submit", "--address", cluster.dashboard, "--working-dir", str(REPO),
                  "--runtime-env-json", json.dumps(mirror), "--",
                  "env", f"PYTHONPATH={plugins}", "python", "-m", f"pipelines.{stage}", f"name=plugins-{stage}",
                  *tiny, *extra],
-                cwd=REPO, env=cluster.env, stdout=out, stderr=subprocess.STDOUT, timeout=600)
-        assert r.returncode == 0 and "succeeded" in log.read_text().lower(), log.read_text()[-5000:]
+                cwd=REPO, env=cluster.env, stdout=out, stderr=subprocess.STDOUT))
+    try:
+        for stage, (log, job) in jobs.items():  # the job client follows the job's log to its end: its exit is the job's
+            assert job.wait(timeout=600) == 0 and "succeeded" in log.read_text().lower(), log.read_text()[-5000:]
+    finally:
+        for _, job in jobs.values():
+            if job.poll() is None:
+                job.kill()
     seen = {p.name.split("-")[0]: json.loads(p.read_text())["file"] for p in marks.glob("*.json")}
     assert set(seen) == {"ppo", "agent", "tool"}, sorted(p.name for p in marks.glob("*.json"))
     assert not any(f.startswith(str(plugins)) for f in seen.values()), seen  # Ray's copy, not the user's folder
+
+
+@pytest.fixture
+def decoys(tmp_path):
+    """Processes named like Ray's that are not ours: stop.sh must not touch them (a global `ray stop` would)."""
+    procs = []
+    for name in ("raylet", "gcs_server"):
+        exe = tmp_path / name
+        shutil.copy("/bin/sleep", exe)
+        procs.append(subprocess.Popen([str(exe), "300"]))
+    yield procs
+    for p in procs:
+        p.kill()
+        p.wait()
+
+
+NODES = ("nodes = [{'name': n['NodeName'], 'alive': n['Alive'], 'res': n['Resources']} for n in ray.nodes()]\n"
+         "print(json.dumps(nodes))\n")
+
+
+def _wait_gone(name: str) -> str:
+    """A driver's code: wait up to 60 s until node ``name`` is no longer alive; the live nodes and the wait."""
+    return ("t0 = time.time()\n"
+            "while True:\n"
+            "    alive = sorted(n['NodeName'] for n in ray.nodes() if n['Alive'])\n"
+            f"    if {name!r} not in alive or time.time() - t0 > 60: break\n"
+            "    time.sleep(0.25)\n"
+            "print(json.dumps({'alive': alive, 'waited': time.time() - t0,\n"
+            "                  'trainslot': ray.cluster_resources().get('trainslot', 0)}))\n")
+
+
+def test_the_scripts_start_kill_restart_and_stop_exactly_what_they_started(two_worker_nodes, decoys):
+    """cluster/local/*.sh on the module's cluster, last in the module (it stops the cluster): start.sh printed the
+    addresses and wrote cluster.env (valid shell); the job server answers on loopback; each worker node has its
+    trainslot and the head none; kill_node.sh ends one node's processes at once and Ray notices; start.sh --node
+    brings it back from cluster.env; stop.sh ends every process start.sh started, and no other."""
+    cluster = two_worker_nodes
+    state, env, base = cluster.state, cluster.env, cluster.base
+    address, dashboard = f"127.0.0.1:{base}", cluster.dashboard
+    assert f"Ray address:    {address}" in cluster.started and dashboard in cluster.started, cluster.started
+    with urllib.request.urlopen(f"{dashboard}/api/version", timeout=10) as resp:
+        assert json.load(resp)["ray_version"]
+    r = subprocess.run(["bash", "-c", 'source "$1/cluster.env" && echo "$RAY_ADDRESS $RAY_API_SERVER_ADDRESS '
+                        '$MMRAY_BASE_PORT $MMRAY_STATE"', "-", state], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.split() == [address, dashboard, str(base), state], (r.stdout, r.stderr)
+
+    names = ["h"] + [f"w{n}" for n in cluster.workers]
+    nodes = {n["name"]: n for n in ray_query(address, NODES) if n["alive"]}
+    assert set(nodes) == set(names), nodes
+    assert all(nodes[w]["res"].get("trainslot") == 1.0 for w in names[1:]) and "trainslot" not in nodes["h"]["res"]
+    leaders = {n: int((Path(state) / f"{n}.pid").read_text()) for n in names}
+    started = {n: session_pids(pid) for n, pid in leaders.items()}
+    assert {"gcs_server", "raylet"} <= {comm(p) for p in started["h"]}, started
+    assert all("raylet" in {comm(p) for p in started[w]} for w in names[1:]), started
+
+    lost = cluster.workers[-1]
+    cluster.kill(lost)  # kill_node.sh: that node's processes are gone at once, the others' are not
+    assert not [p for p in started[f"w{lost}"] if alive(p)]
+    assert all(alive(leaders[n]) for n in names if n != f"w{lost}")
+    after = ray_query(address, _wait_gone(f"w{lost}"))
+    assert f"w{lost}" not in after["alive"] and after["trainslot"] == len(names) - 2, after
+
+    cluster.start(lost)  # start.sh --node reads the cluster's settings back from cluster.env, as data
+    leaders["again"] = int((Path(state) / f"w{lost}.pid").read_text())
+    started["again"] = session_pids(leaders["again"])
+    back = {n["name"]: n for n in ray_query(address, NODES) if n["alive"]}
+    assert set(back) == set(names) and back[f"w{lost}"]["res"].get("trainslot") == 1.0, back
+
+    r = _sh("stop.sh", "--state-dir", state, env=env, timeout=90)
+    assert r.returncode == 0, f"stop.sh failed:\n{r.stdout}\n{r.stderr}"
+    left = [p for pids in started.values() for p in pids if alive(p)]
+    left += [p for pid in leaders.values() for p in session_pids(pid)]
+    assert not left, f"still running after stop.sh: {[(p, comm(p)) for p in left]}"
+    assert all(d.poll() is None for d in decoys), "stop.sh killed processes it did not start"
+    assert not list(Path(state).glob("*.pid")) and not (Path(state) / "cluster.env").exists()
+    cluster.workers.clear()  # nothing is left to stop

@@ -117,7 +117,9 @@ MINIMIND3_CHAIN = (("pretrain_minimind3", "pretrain_768.pth"), ("sft_minimind3",
                    ("grpo_minimind3", "grpo_768.pth"), ("distill_minimind3", "full_dist_768.pth"),
                    ("ppo_minimind3", "ppo_actor_768.pth"), ("agent_minimind3", "agent_768.pth"))
 # Runtime-only overrides (train.max_steps, micro_batch_size, the cluster), plus what a 64M/198M CPU step must
-# cut: one sequence per step instead of up to 1024, 64 tokens each.
+# cut: one sequence per step instead of up to 1024, 64 tokens each. The dense chain's models have 2 of their 8
+# layers (SHALLOW: every dense recipe alike, so each starts from the export before it); the MoE pretrain and SFT
+# keep theirs, as the distillation's teacher is built from its preset (minimind3-moe, 8 layers).
 CPU3 = ["cluster.use_gpu=false", "cluster.num_workers=1", "train.max_steps=2", "train.global_batch_size=1",
         "train.micro_batch_size=1", "data.max_seq_len=64", "train.log_interval=1", "tracking.enabled=false"]
 # GRPO: 8 new tokens per completion instead of 1024; the recipe's fourth reward term is MiniMind's
@@ -130,6 +132,7 @@ AGENT_CPU = ["train.grpo.max_gen_len=8", "train.agent.max_total_len=96",
              "train.agent.rewards=[{name: tool_tags}, {name: tool_calls}, {name: reply_format}, {name: gt_answer}, "
              "{name: unfinished}, {name: repetition}]"]
 CPU_RL = {"grpo": GRPO_CPU, "ppo_": PPO_CPU, "agent": AGENT_CPU}
+SHALLOW = ["model.num_hidden_layers=2"]
 
 
 def _write_minimind3_data(d: Path) -> None:
@@ -235,7 +238,7 @@ def test_every_minimind3_recipe_trains_from_a_user_directory(ray_session, tmp_pa
     monkeypatch.chdir(tmp_path)  # the recipes' relative data/ and out/ paths are the user's
     for recipe, export_as in MINIMIND3_CHAIN:
         rl = next((v for k, v in CPU_RL.items() if recipe.startswith(k)), ())
-        cfg, state, pth = _train_in_process(tmp_path, recipe, *rl)
+        cfg, state, pth = _train_in_process(tmp_path, recipe, *rl, *([] if recipe.endswith("_moe") else SHALLOW))
         assert state.step == 2 and cfg.data.tokenizer == "minimind3", recipe
         assert state.model.cfg.preset == ("minimind3-moe" if recipe.endswith("_moe") else "minimind3"), recipe
         assert pth.name == export_as, recipe  # MiniMind's name for what this stage writes
