@@ -125,7 +125,7 @@ def test_a_submitted_job_continues_after_losing_a_worker_node(two_worker_nodes, 
 
     cluster = two_worker_nodes
     env, base, lost = cluster.env, cluster.base, cluster.workers[-1]
-    steps, name = 40, "node-loss"
+    steps, name = 25, "node-loss"  # 15 steps after the scale-up: enough to see 2 workers train again
     samples, log = tmp_path / "samples" / name, tmp_path / "driver.log"
     # Rank 0 stalls up to 300 s at step 14, which the run reaches on 1 worker: room for the node to come
     # back and for the group to grow. A resize ends the stall early: the new group restores from the

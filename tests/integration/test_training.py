@@ -1,7 +1,8 @@
 """The training core on a real local Ray (Train V2, gloo, CPU), tiny preset.
 
 One uninterrupted 2-worker run is the baseline; every other run is compared with it:
-  * 1 worker at the same global batch: the same losses step for step (tolerance below);
+  * 1 worker at the same global batch (a resumed run's last 15 steps): the same losses step for step (tolerance
+    below), and bit for bit what the engine trains in this process with no Ray;
   * an injected exception, and a SIGKILL of a worker process: the same final weights, bit for bit;
   * a driver-level resume after a failed run, with a different worker count: the same data
     position and global batch, weights equal to a tight tolerance;
@@ -65,49 +66,54 @@ def test_baseline_runs_with_checkpoints_and_exactly_once(tiny_baseline):
 
 
 @pytest.fixture(scope="module")
-def one_worker(ray_session, shared):
-    return run_tiny(shared, "baseline-1w", "cluster.num_workers=1")
-
-
-def test_one_worker_matches_two_workers(baseline, one_worker, shared):
-    _, w2, losses2 = baseline
-    res = one_worker
-    assert_same_run_across_world_sizes(loss_history(shared, res.mlflow_run_id), losses2, final_weights(res), w2)
-
-
-def test_one_worker_equals_plain_single_process_training(one_worker):
-    """world_size=1 on Ray Train is plain PyTorch: the engine's own loop with no Ray and no process
-    group gives bit-identical weights (same data order, same ops, one thread like the worker)."""
-    from minimind_ray.engine.loop import run
-    from minimind_ray.engine.state import TrainState
-    from minimind_ray.store.checkpoint import open_checkpoint
-
-    meta = open_checkpoint(one_worker.checkpoint_dir).meta()
-    threads = torch.get_num_threads()
-    try:
-        state = TrainState.build(from_dict(meta.config), meta.prepared_dir)  # sets the worker's thread count
-        run(state)
-    finally:
-        torch.set_num_threads(threads)
-    w_ray = final_weights(one_worker)
-    plain = state.model.state_dict()
-    assert state.step == STEPS
-    assert all(torch.equal(w_ray[k], plain[k]) for k in w_ray)
-
-
-def test_driver_resume_with_a_different_worker_count(baseline, shared):
+def resumed_on_one_worker(baseline, shared):
+    """A 2-worker run that fails at step 6 (no retries), then the same command on 1 worker: it resumes from the
+    step-5 checkpoint. (The 1-worker side of the world-size checks: a 1-worker run from step 0 was a Ray Train run
+    more, ~25 CPU s, for what this one's 15 steps on 1 worker show.)"""
     from ray.train import TrainingFailedError
 
-    _, w_ref, losses_ref = baseline
     name = "resume-2w-to-1w"
     with pytest.raises(TrainingFailedError):
         run_tiny(shared, name, "train.fail_at_step=6", "cluster.max_failures=0")
-    res = run_tiny(shared, name, "cluster.num_workers=1")  # same name + storage: resumes
-    per_step, attempts = sample_record(shared, name)
+    return run_tiny(shared, name, "cluster.num_workers=1")  # same name + storage: resumes
+
+
+def test_driver_resume_with_a_different_worker_count(baseline, resumed_on_one_worker, shared):
+    """The same data position and global batch on 1 worker: each sample once, and the 2-worker run's losses and
+    weights to the cross-world-size tolerances."""
+    _, w_ref, losses_ref = baseline
+    res = resumed_on_one_worker
+    per_step, attempts = sample_record(shared, "resume-2w-to-1w")
     assert attempts == {0, CKPT_EVERY}
     assert_exactly_once(per_step)
     # each step once in the resumed MLflow run, with the uninterrupted run's values
     assert_same_run_across_world_sizes(loss_history(shared, res.mlflow_run_id), losses_ref, final_weights(res), w_ref)
+
+
+def test_one_worker_equals_plain_single_process_training(resumed_on_one_worker):
+    """world_size=1 on Ray Train is plain PyTorch: the engine's own loop with no Ray and no process group, restored
+    from the 1-worker run's oldest kept checkpoint, ends on bit-identical weights (same data order, same ops, one
+    thread like the worker)."""
+    from minimind_ray.engine.loop import run
+    from minimind_ray.engine.state import TrainState
+    from minimind_ray.store.checkpoint import checkpoints_in, open_checkpoint
+
+    res = resumed_on_one_worker
+    step, oldest = min(checkpoints_in(res.run_dir))
+    stored = open_checkpoint(oldest)
+    meta = stored.meta()
+    assert meta.config["cluster"]["num_workers"] == 1 and CKPT_EVERY < step < STEPS, (step, meta.config["cluster"])
+    threads = torch.get_num_threads()
+    try:
+        state = TrainState.build(from_dict(meta.config), meta.prepared_dir)  # sets the worker's thread count
+        state.restore(stored)
+        run(state)
+    finally:
+        torch.set_num_threads(threads)
+    w_ray = final_weights(res)
+    plain = state.model.state_dict()
+    assert state.step == STEPS
+    assert all(torch.equal(w_ray[k], plain[k]) for k in w_ray)
 
 
 def test_checkpoint_loads_into_a_bare_model_with_strict_keys(baseline):
