@@ -18,6 +18,7 @@ import json
 import math
 import os
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
@@ -28,7 +29,7 @@ from minimind_ray.console import after_ray_start, ray_init_options
 from minimind_ray.fsio import filesystem, is_uri, join, redact
 from minimind_ray.raytrain.lineage import lineage_tags, skipped
 from minimind_ray.raytrain.oom import explain as explain_oom, warn_if_short
-from minimind_ray.raytrain.progress import ProgressPrinter, make_progress_sink
+from minimind_ray.raytrain.progress import ProgressPrinter, progress_sink
 from minimind_ray.raytrain.resources import ClusterTooSmall, check_resources, worker_resources
 from minimind_ray.raytrain.restarts import fit as fit_with_restarts
 from minimind_ray.raytrain.runtime_env import shipped_modules, side_cpus, worker_pythonpath
@@ -351,10 +352,11 @@ def run(cfg: RunConfig, *, tags: Optional[Dict[str, str]] = None, callbacks=(), 
             print(redact(f"[{name}] WARNING: MLflow at {uri} unavailable ({type(e).__name__}: {e}); training untracked"),
                   flush=True)
 
-    sink = make_progress_sink()
+    progress_run = uuid.uuid4().hex  # this run's key in the process's ProgressSink
+    sink = progress_sink(progress_run)
     start_faults = StartFaults.of(cfg, run_dir)  # train.faults' start:<phase>:<rank> entries (raytrain/faults.py)
     spec = WorkerSpec(cfg=run_cfg, run_dir=run_dir, prepared_dir=prepared_dir, use_gpu=use_gpu, tracking_uri=uri,
-                      mlflow_run_id=run_id, progress_sink=sink, report_every_eval=report_every_eval,
+                      mlflow_run_id=run_id, progress_sink=sink, progress_run=progress_run, report_every_eval=report_every_eval,
                       launch_fault=LaunchFault(start_faults) if start_faults and start_faults.has("launch") else None)
     threads = worker_threads(cfg)
     plugin_modules = shipped_modules(cfg)  # the user's own modules: the workers' and the validation task's
@@ -378,7 +380,7 @@ def run(cfg: RunConfig, *, tags: Optional[Dict[str, str]] = None, callbacks=(), 
             # a start failure ends the fit at once: start_guard.fit counts it against cluster.max_failures and fits
             # the run again (Ray would retry it without a limit, into a placement group it leaked)
             failure_config=FailureConfig(max_failures=failures_left, controller_failure_limit=0),
-            callbacks=[failure_callback(sink, run_dir), *start_fault_callbacks(start_faults), *lost_report_callbacks(cfg),
+            callbacks=[failure_callback(sink, progress_run, run_dir), *start_fault_callbacks(start_faults), *lost_report_callbacks(cfg),
                        *callbacks],
             logging_config=LoggingConfig(log_level="WARNING"),  # progress comes from ProgressPrinter
             worker_runtime_env={"env_vars": {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
@@ -391,7 +393,7 @@ def run(cfg: RunConfig, *, tags: Optional[Dict[str, str]] = None, callbacks=(), 
         ),
     )
     stage = get_stage(cfg.train.stage)  # the console shows its headline metrics
-    printer = ProgressPrinter(sink, name, stage.headline, stage.rl)
+    printer = ProgressPrinter(sink, progress_run, name, stage.headline, stage.rl)
     printer.start()
     try:
         with train_env(cfg):

@@ -232,7 +232,7 @@ class LaunchFault:
         return _fire_at_launch, (self.faults,)
 
 
-def failure_callback(sink, run_dir: Optional[str]):
+def failure_callback(sink, progress_run: str, run_dir: Optional[str]):
     """A Ray Train callback (it runs in the controller): tells the driver's console that workers failed,
     and records when, for the chaos benchmark. A worker out of memory ends the run instead of a restart
     (raytrain/oom.py: the same micro-batch would run out again)."""
@@ -247,7 +247,7 @@ def failure_callback(sink, run_dir: Optional[str]):
             except Exception:
                 self._record(errors)
                 raise
-            sink.push.remote({"_error": errors})
+            sink.push.remote(progress_run, {"_error": errors})
             self._record(errors)
 
         def _record(self, errors):

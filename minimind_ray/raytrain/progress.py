@@ -1,4 +1,5 @@
-"""The driver's view of a run: rank 0 pushes interval metrics to a tiny actor, the driver prints them.
+"""The driver's view of a run: rank 0 pushes interval metrics to a tiny actor (one per driver process, shared by
+the runs it trains, each under its own token), the driver prints them.
 
 Progress does not go through ``ray.train.report``: that call is a barrier across workers polled
 by the controller (up to RAY_TRAIN_HEALTH_CHECK_INTERVAL_S, 2 s by default), so the worker reports
@@ -15,24 +16,54 @@ from typing import Any, Dict, Tuple
 from minimind_ray.fsio import redact
 
 
-def make_progress_sink():
-    """A tiny actor that rank 0 pushes metrics to (fire-and-forget) and the driver drains."""
+_SINK: Dict[str, Any] = {}  # this process's ProgressSink, by the Ray connection (job id) it was made in
+
+
+def progress_sink(run: str):
+    """This driver process's ProgressSink, opened for ``run`` (a token unique to one training run): rank 0 pushes the
+    run's interval metrics to it (fire-and-forget) and the driver drains them. One actor serves every run the process
+    trains (a pipeline's stages, a test session's runs): each new actor is a Ray worker process, ~2.5 CPU s to start,
+    a tenth of a tiny run's cost. Made again when the Ray connection changed or the actor died."""
     import ray
 
-    @ray.remote(num_cpus=0)
-    class ProgressSink:
-        def __init__(self):
-            self.items = []
+    job = ray.get_runtime_context().get_job_id()
+    sink = _SINK.get(job)
+    if sink is not None:
+        try:
+            ray.get(sink.open.remote(run), timeout=30)
+            return sink
+        except Exception:  # the actor died (its node was lost): a new one
+            pass
+    sink = ray.remote(num_cpus=0)(ProgressSink).remote()
+    ray.get(sink.open.remote(run), timeout=60)
+    _SINK.clear()
+    _SINK[job] = sink
+    return sink
 
-        def push(self, m):
-            self.items.append(m)
-            del self.items[:-1000]
 
-        def drain(self):
-            out, self.items = self.items, []
-            return out
+class ProgressSink:
+    """The actor (``progress_sink``): the interval metrics of the open runs, up to 1000 each. A push for a run that is
+    not open is dropped (a late one of a run that ended: it must not show under the next run's name)."""
 
-    return ProgressSink.remote()
+    def __init__(self):
+        self.items: Dict[str, list] = {}
+
+    def open(self, run: str) -> None:
+        self.items[run] = []
+
+    def close(self, run: str) -> None:
+        self.items.pop(run, None)
+
+    def push(self, run: str, m: Dict[str, Any]) -> None:
+        if run in self.items:
+            self.items[run].append(m)
+            del self.items[run][:-1000]
+
+    def drain(self, run: str) -> list:
+        out = self.items.get(run, [])
+        if run in self.items:
+            self.items[run] = []
+        return out
 
 
 def eta_seconds(m: Dict[str, Any]) -> float:
@@ -52,9 +83,9 @@ SHORT = {"reward_exact_answer": "exact", "reward_margin": "margin", "reward_accu
 class ProgressPrinter(threading.Thread):
     """Driver-side view of training: a tqdm bar on a terminal, plain lines in a job log."""
 
-    def __init__(self, sink, name: str, headline: Tuple[str, ...] = (), rl: bool = False):
+    def __init__(self, sink, run: str, name: str, headline: Tuple[str, ...] = (), rl: bool = False):
         super().__init__(daemon=True)
-        self.sink, self.name, self.stop = sink, name, threading.Event()
+        self.sink, self.run_token, self.name, self.stop = sink, run, name, threading.Event()
         self.headline, self.rl = tuple(headline), rl
         self.tty = sys.stderr.isatty()
         self.bar = None
@@ -67,7 +98,7 @@ class ProgressPrinter(threading.Thread):
         import ray
 
         try:
-            items = ray.get(self.sink.drain.remote(), timeout=10)
+            items = ray.get(self.sink.drain.remote(self.run_token), timeout=10)
         except Exception:
             return
         for m in items:
@@ -115,6 +146,10 @@ class ProgressPrinter(threading.Thread):
         self.stop.set()
         self.join(timeout=5)
         self.drain()
+        try:
+            self.sink.close.remote(self.run_token)  # its late pushes, if any, are dropped
+        except Exception:
+            pass
         if self.bar is not None:
             self.bar.close()
 

@@ -20,6 +20,7 @@ class WorkerSpec:
     use_gpu: bool
     tracking_uri: Optional[str] = None
     mlflow_run_id: Optional[str] = None  # None: untracked (a checkpoint's run id wins on a restore)
-    progress_sink: Any = None  # the ProgressSink actor rank 0 pushes interval metrics to
+    progress_sink: Any = None  # the driver process's ProgressSink actor: rank 0 pushes interval metrics to it
+    progress_run: str = ""  # this run's key there (raytrain/progress.py)
     report_every_eval: bool = False  # also ray.train.report each eval step's eval_loss (a sweep's trial: ASHA)
     launch_fault: Any = None  # a start fault that fires as a worker unpickles this (raytrain/faults.py:LaunchFault)

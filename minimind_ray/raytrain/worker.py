@@ -92,7 +92,7 @@ class RayHooks(Hooks):
         if self.preemption.asks:  # what asking Ray for a drain notice costs, in ms per ask (bench/bench_preemption.py)
             metrics["perf/preemption_ask_ms"] = 1000 * self.preemption.ask_seconds / self.preemption.asks
         if self.spec.progress_sink is not None:  # fire-and-forget: the driver's console view
-            self.spec.progress_sink.push.remote({**metrics, "checkpoint": is_checkpoint})
+            self.spec.progress_sink.push.remote(self.spec.progress_run, {**metrics, "checkpoint": is_checkpoint})
         if self.logger is not None:  # grouped names (tracking/names.py): train/, eval/, rl/, perf/, sys/
             group = get_stage(self.spec.cfg.train.stage).metric_group
             for s, loss in per_step_loss:

@@ -72,10 +72,16 @@ def resumed_on_one_worker(baseline, shared):
     more, ~25 CPU s, for what this one's 15 steps on 1 worker show.)"""
     from ray.train import TrainingFailedError
 
+    from minimind_ray.raytrain import progress
+
     name = "resume-2w-to-1w"
     with pytest.raises(TrainingFailedError):
         run_tiny(shared, name, "train.fail_at_step=6", "cluster.max_failures=0")
-    return run_tiny(shared, name, "cluster.num_workers=1")  # same name + storage: resumes
+    sinks = [h._actor_id for h in progress._SINK.values()]
+    res = run_tiny(shared, name, "cluster.num_workers=1")  # same name + storage: resumes
+    # the driver's console view: one ProgressSink actor serves both runs of this process (an actor is a process)
+    assert [h._actor_id for h in progress._SINK.values()] == sinks and len(sinks) == 1
+    return res
 
 
 def test_driver_resume_with_a_different_worker_count(baseline, resumed_on_one_worker, shared):

@@ -11,7 +11,7 @@ def _m(step, step_time_s=0.5, total=30):
 
 
 def test_eta_from_the_workers_step_time_even_in_a_burst(capsys):
-    printer = ProgressPrinter(sink=None, name="run")
+    printer = ProgressPrinter(sink=None, run="", name="run")
     for step in (2, 4, 6):  # three messages delivered at once
         printer.show(_m(step))
     lines = capsys.readouterr().out.strip().splitlines()
@@ -47,5 +47,26 @@ def test_each_stage_shows_its_records_headline_metrics():
     assert lines["distill"] == "ep 0 loss 2.0000 kl 0.1250 tok/s 1,000 eval 1.5000"
     assert lines["ppo"] == lines["agent"] == "ep 0 reward 0.5000 kl 0.1250 tok/s 1,000 eval 1.5000"
     assert lines["pretrain"] == lines["sft"] == "ep 0 loss 2.0000 tok/s 1,000 eval 1.5000"
-    printer = ProgressPrinter(sink=None, name="dpo-run", headline=STAGES["dpo"].headline)
+    printer = ProgressPrinter(sink=None, run="", name="dpo-run", headline=STAGES["dpo"].headline)
     assert printer.line(m).startswith("[dpo-run] step 5/30 ep 0 loss 2.0000 margin 0.7500 acc 0.6250 ")
+
+
+def test_the_progress_sink_keeps_each_open_run_apart_and_drops_late_pushes():
+    """One ProgressSink actor serves every run a driver process trains: each run's lines go to that run's printer
+    only, and a push that arrives after its run closed (a dying rank 0's last one) is dropped, not shown later under
+    the next run's name."""
+    from minimind_ray.raytrain.progress import ProgressSink
+
+    sink = ProgressSink()
+    sink.open("a")
+    sink.push("a", _m(2))
+    sink.push("never-opened", _m(4))
+    sink.open("b")
+    sink.push("b", _m(6))
+    assert sink.drain("a") == [_m(2)] and sink.drain("a") == []
+    sink.close("a")
+    sink.push("a", _m(8))  # late
+    assert sink.drain("a") == [] and sink.drain("b") == [_m(6)] and sink.drain("never-opened") == []
+    for step in range(1, 1201):
+        sink.push("b", _m(step, total=2000))
+    assert [m["step"] for m in sink.drain("b")] == list(range(201, 1201))  # the newest 1000
