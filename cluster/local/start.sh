@@ -25,7 +25,8 @@
 #   --slot NAME         custom resource, one unit per worker node (default trainslot);
 #                       pair with cluster.worker_resource=NAME
 #   --object-store-mb M object store per node in MiB (default 512)
-#   --timeout S         seconds to wait for each node (default 120)
+#   --timeout S         seconds to wait for each node (default 240: a head on a busy 2-core machine, load ~20, took
+#                       94 s to bring its dashboard up and more than 120 s in all)
 #   --drain-timeout S   on SIGTERM (stop.sh, kill_node.sh --graceful) a node first asks
 #                       the GCS to drain it and waits up to S seconds for its workers to
 #                       finish (Ray's default 30; here 0 = stop at once, as there is no
@@ -39,7 +40,7 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_common.sh"
 
 N=2; NAME=local; STATE_DIR=""; BASE=27000; HEAD_CPUS=2; WORKER_CPUS=2; WORKER_GPUS=0
-SLOT=trainslot; OBJ_MB=512; TIMEOUT=120; ONLY_NODE=""
+SLOT=trainslot; OBJ_MB=512; TIMEOUT=240; ONLY_NODE=""
 DRAIN="${RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S:-0}"
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -84,9 +85,11 @@ find_ray
 # paths are capped at 107 bytes, which leaves about 40 for the temp dir.
 [[ ${#STATE} -le 36 ]] || refuse "state dir '$STATE' is too long for Ray's socket paths (max 36 chars); use --state-dir /tmp/<short>"
 export RAY_USAGE_STATS_ENABLED=0
-# The head's dashboard modules get 120 s to come up instead of Ray's 30: a busy 2-core machine (load 15-40)
-# misses 30 s and the head fails to start.
+# The head's dashboard modules get 120 s to come up instead of Ray's 30, and `ray start` waits 200 s for the
+# dashboard instead of 60: a busy 2-core machine (load 15-40) misses either and the head fails to start (measured:
+# 9 module processes still starting after 60 s at load 17, "start_api_server" raised, all 3 tries).
 export RAY_DASHBOARD_SUBPROCESS_MODULE_WAIT_READY_TIMEOUT="${RAY_DASHBOARD_SUBPROCESS_MODULE_WAIT_READY_TIMEOUT:-120}"
+export RAY_DASHBOARD_STARTUP_TIMEOUT_S="${RAY_DASHBOARD_STARTUP_TIMEOUT_S:-200}"
 # Read by each node's `ray start` when it gets SIGTERM. With Ray's default (30 s) a head
 # that ever ran a job waits the full 30 s: the detached actors left on it never let the
 # drain finish.

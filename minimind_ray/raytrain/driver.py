@@ -120,9 +120,11 @@ def connect_ray(cfg: RunConfig, dashboard: bool = True, num_cpus: Optional[int] 
         # given to every actor (RAY_API_SERVER_ADDRESS): with other Rays on the machine the cleaner would
         # otherwise fail ("multiple active Ray instances") and a sweep's stopped trials keep their CPUs.
         port = _free_port() if dashboard else None
-        # the dashboard's modules get 120 s to come up instead of Ray's 30: a busy machine (load 15-40 on 2 cores,
-        # measured) misses 30 s and the whole local Ray fails to start
+        # the dashboard's modules get 120 s to come up instead of Ray's 30, and ray.init waits 200 s for the
+        # dashboard instead of 60: a busy machine (load 15-40 on 2 cores, measured) misses either and the whole
+        # local Ray fails to start
         os.environ.setdefault("RAY_DASHBOARD_SUBPROCESS_MODULE_WAIT_READY_TIMEOUT", "120")
+        os.environ.setdefault("RAY_DASHBOARD_STARTUP_TIMEOUT_S", "200")
         if port:
             env["env_vars"]["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
         after_ray_start(ray.init(num_cpus=max(os.cpu_count() or 1, need, num_cpus or 0), include_dashboard=dashboard,

@@ -94,7 +94,7 @@ def _sh(script: str, *args: str, env: dict, timeout: float = 150) -> subprocess.
     return subprocess.run(["bash", str(LOCAL / script), *args], capture_output=True, text=True, env=env, timeout=timeout)
 
 
-def start_cluster(*args: str, env: dict, tries: int = 3, timeout: float = 240) -> subprocess.CompletedProcess:
+def start_cluster(*args: str, env: dict, tries: int = 3, timeout: float = 600) -> subprocess.CompletedProcess:
     """cluster/local/start.sh, tried again when a node does not come up: on a machine at load average 20-60 (the
     suite's two processes beside a sweep), `ray start` fails now and then ("The current node timed out during
     startup": its raylet has 30 s to register, its dashboard modules 30 s to start). start.sh stops what it started

@@ -74,7 +74,7 @@ def node_cluster(tiny_baseline):
                        RAY_DASHBOARD_SUBPROCESS_MODULE_WAIT_READY_TIMEOUT="120") as (state, env):
         base = _free_base(3)  # room for a third worker node: the drain's replacement
         r = start_cluster("2", "--state-dir", state, "--port", str(base), "--head-cpus", "2", "--worker-cpus", "1",
-                          env=env, timeout=300)
+                          env=env, timeout=600)
         assert r.returncode == 0, r.stderr[-3000:]
         yield NodeCluster(state, env, base, r.stdout)
 
