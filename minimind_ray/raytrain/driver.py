@@ -358,7 +358,8 @@ def run(cfg: RunConfig, *, tags: Optional[Dict[str, str]] = None, callbacks=(), 
     sink = progress_sink(progress_run)
     start_faults = StartFaults.of(cfg, run_dir)  # train.faults' start:<phase>:<rank> entries (raytrain/faults.py)
     spec = WorkerSpec(cfg=run_cfg, run_dir=run_dir, prepared_dir=prepared_dir, use_gpu=use_gpu, tracking_uri=uri,
-                      mlflow_run_id=run_id, progress_sink=sink, progress_run=progress_run, report_every_eval=report_every_eval,
+                      mlflow_run_id=run_id, progress_sink=sink, progress_run=progress_run,
+                      report_every_eval=report_every_eval,
                       launch_fault=LaunchFault(start_faults) if start_faults and start_faults.has("launch") else None)
     threads = worker_threads(cfg)
     plugin_modules = shipped_modules(cfg)  # the user's own modules: the workers' and the validation task's
@@ -382,8 +383,8 @@ def run(cfg: RunConfig, *, tags: Optional[Dict[str, str]] = None, callbacks=(), 
             # a start failure ends the fit at once: start_guard.fit counts it against cluster.max_failures and fits
             # the run again (Ray would retry it without a limit, into a placement group it leaked)
             failure_config=FailureConfig(max_failures=failures_left, controller_failure_limit=0),
-            callbacks=[failure_callback(sink, progress_run, run_dir), *start_fault_callbacks(start_faults), *lost_report_callbacks(cfg),
-                       *callbacks],
+            callbacks=[failure_callback(sink, progress_run, run_dir), *start_fault_callbacks(start_faults),
+                       *lost_report_callbacks(cfg), *callbacks],
             logging_config=LoggingConfig(log_level="WARNING"),  # progress comes from ProgressPrinter
             worker_runtime_env={"env_vars": {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
                                              "TOKENIZERS_PARALLELISM": "false",

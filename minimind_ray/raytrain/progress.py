@@ -60,8 +60,8 @@ class ProgressSink:
             del self.items[run][:-1000]
 
     def drain(self, run: str) -> list:
-        out = self.items.get(run, [])
-        if run in self.items:
+        out = self.items.get(run) or []
+        if out:
             self.items[run] = []
         return out
 

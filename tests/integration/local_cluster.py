@@ -97,7 +97,7 @@ def _sh(script: str, *args: str, env: dict, timeout: float = 150) -> subprocess.
 def start_cluster(*args: str, env: dict, tries: int = 3, timeout: float = 600) -> subprocess.CompletedProcess:
     """cluster/local/start.sh, tried again when a node does not come up: on a machine at load average 20-60 (the
     suite's two processes beside a sweep), `ray start` fails now and then ("The current node timed out during
-    startup": its raylet has 30 s to register, its dashboard modules 30 s to start). start.sh stops what it started
+    startup": its raylet has 30 s to register, which no setting changes). start.sh stops what it started
     before it exits, so a retry starts clean. The last try's result, for the caller to assert on."""
     for _ in range(tries):
         r = _sh("start.sh", *args, env=env, timeout=timeout)

@@ -68,8 +68,8 @@ def test_baseline_runs_with_checkpoints_and_exactly_once(tiny_baseline):
 @pytest.fixture(scope="module")
 def resumed_on_one_worker(baseline, shared):
     """A 2-worker run that fails at step 6 (no retries), then the same command on 1 worker: it resumes from the
-    step-5 checkpoint. (The 1-worker side of the world-size checks: a 1-worker run from step 0 was a Ray Train run
-    more, ~25 CPU s, for what this one's 15 steps on 1 worker show.)"""
+    step-5 checkpoint. (The 1-worker side of the world-size checks: a separate 1-worker run from step 0 was one
+    Ray Train run more for what this one's 15 steps on 1 worker show.)"""
     from ray.train import TrainingFailedError
 
     from minimind_ray.raytrain import progress
