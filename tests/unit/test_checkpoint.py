@@ -154,3 +154,170 @@ def test_meta_round_trips_and_names_the_file_when_malformed(run_dir):
     assert ck.CheckpointMeta.from_json({**d, "added_later": 1}).to_json() == {**d, "added_later": 1}
     with pytest.raises(ck.CheckpointError, match="meta.json: missing"):
         ck.CheckpointMeta.from_json({"step": 1}, "x/meta.json")
+
+
+# --------------------------------------------------------------------------- the edges the cases above leave out
+# (issue 34: each kills mutants `bench/mutation.sh minimind_ray/store/checkpoint.py` found surviving)
+
+
+def _ckpts(run_dir) -> dict:
+    return {ck.open_checkpoint(p).step: Path(p) for _, p in ck.checkpoints_in(run_dir)}
+
+
+def test_choose_restore_says_why_it_resumes_from_the_run_directory(run_dir, capsys):
+    ckpts = _ckpts(run_dir)
+    assert ck.choose_restore(None, str(run_dir)).step == 8
+    assert capsys.readouterr().out == (f"[minimind-ray] resuming from {ckpts[8]} (step 8), newer than the checkpoint "
+                                       "Ray registered (step none)\n")
+    assert ck.choose_restore((str(ckpts[4]), LOCAL), str(run_dir)).step == 8
+    assert capsys.readouterr().out.endswith("(step 8), newer than the checkpoint Ray registered (step 4)\n")
+    # Ray's is the newest: used as it is, nothing said (the run directory's copy of the same step is not "newer")
+    assert ck.choose_restore((str(ckpts[8]), LOCAL), str(run_dir)).path == str(ckpts[8])
+    assert ck.choose_restore((str(ckpts[8]), LOCAL), None).path == str(ckpts[8])
+    assert capsys.readouterr().out == ""
+    assert ck.choose_restore(None, None) is None
+    # Ray's registered one is unusable: the run directory's newest good one, and the refusal as the reason
+    (ckpts[8] / ck.COMPLETE).write_text("[]")
+    assert ck.choose_restore((str(ckpts[8]), LOCAL), str(run_dir)).step == 4
+    assert capsys.readouterr().out == (f"[minimind-ray] resuming from {ckpts[4]} (step 4), Ray's registered checkpoint "
+                                       f"is unusable: {ckpts[8]}: malformed COMPLETE.json (expected files, rng_ranks "
+                                       "and step); checkpoint refused\n")
+
+
+def test_choose_restore_raises_the_refusal_when_nothing_else_verifies(run_dir):
+    ckpts = _ckpts(run_dir)
+    (ckpts[8] / ck.COMPLETE).write_text("[]")
+    (ckpts[4] / ck.COMPLETE).unlink()
+    for search in (str(run_dir), None):  # a run directory with nothing better, or none at all
+        with pytest.raises(ck.CheckpointError, match=f"{ckpts[8]}: malformed"):
+            ck.choose_restore((str(ckpts[8]), LOCAL), search)
+
+
+def test_newest_complete_stops_at_newer_than_and_skips_what_does_not_verify(run_dir):
+    assert ck.newest_complete(run_dir, newer_than=4).step == 8
+    assert ck.newest_complete(run_dir, newer_than=8) is None  # the same step is not newer
+    assert ck.newest_complete(run_dir, newer_than=3).step == 8
+    ckpts = _ckpts(run_dir)
+    (ckpts[8] / ck.MODEL).write_bytes(b"")
+    assert ck.newest_complete(run_dir).step == 4
+    assert ck.newest_complete(run_dir, newer_than=4) is None
+    # a URI with a trailing slash names its checkpoint as a URI a user can pass back
+    assert ck.newest_complete(f"file://{run_dir}/").location == f"file://{run_dir}/{ckpts[4].name}"
+    assert ck.newest_complete(run_dir).location == str(ckpts[4])
+
+
+def test_unreadable_tensor_files_are_refused_with_the_file_and_the_error(run_dir):
+    newest = ck.open_checkpoint(ck.latest_checkpoint(run_dir))
+
+    def rewrite(name: str, data: bytes) -> None:  # same size as COMPLETE.json records, so only a read finds it
+        p = Path(newest.path) / name
+        p.write_bytes(data.ljust(p.stat().st_size, b"\0"))
+
+    rewrite(ck.TRAIN_STATE, b"garbage")
+    with pytest.raises(ck.CheckpointError) as e:
+        newest.train_state()
+    # the first line of torch's message only: the rest is advice about trusting the file
+    assert str(e.value) == (f"{newest.location}/train_state.pt: unreadable (UnpicklingError: Weights only load failed. "
+                            "In PyTorch 2.6, we changed the default value of the `weights_only` argument in "
+                            "`torch.load` from `False` to `True`. Re-running `torch.load` with `weights_only` set to "
+                            "`False` will likely succeed, but it can result in arbitrary code execution. Do it only if "
+                            "you got the file from a trusted source.)")
+    assert isinstance(e.value.__cause__, Exception)
+    (Path(newest.path) / ck.MODEL).write_bytes(b"")  # an empty file: an error without a message
+    with pytest.raises(ck.CheckpointError) as e:
+        ck.StoredCheckpoint(newest.path, LOCAL, newest.record, "here").model_state()
+    assert str(e.value) == "here/model.pth: unreadable (EOFError: )"
+
+
+class Pickled:  # not a tensor, a dict or a number: weights_only loading refuses it
+    pass
+
+
+def test_a_file_that_pickles_code_is_refused_not_run(run_dir):
+    newest = ck.open_checkpoint(ck.latest_checkpoint(run_dir))
+    rng0 = Path(newest.path) / "rng" / "rank_0.pt"
+    torch.save({"state": Pickled()}, rng0)
+    with pytest.raises(ck.CheckpointError, match=r"rng/rank_0.pt: unreadable \(UnpicklingError: Weights only"):
+        newest.rng(0)
+    assert isinstance(newest.rng(1), dict) and newest.rng(2) is None  # rank 2 was not in that world
+
+
+def test_meta_from_json_names_what_is_wrong_and_keeps_what_it_does_not_know():
+    with pytest.raises(ck.CheckpointError) as e:
+        ck.CheckpointMeta.from_json([1])
+    assert str(e.value) == "meta.json: expected a JSON object, got list"
+    full = dict(step=3, epoch=0, data_state={"a": 1}, world_size=1, stage="sft", total_steps=9, config={"x": 1},
+                prepared_dir="/p")
+    with pytest.raises(ck.CheckpointError) as e:
+        ck.CheckpointMeta.from_json({k: v for k, v in full.items() if k not in ("epoch", "stage")}, "c/meta.json")
+    assert str(e.value) == "c/meta.json: missing ['epoch', 'stage']"
+    meta = ck.CheckpointMeta.from_json({**full, "new_key": [1]})  # the optional fields may be absent
+    assert (meta.step, meta.stage, meta.mlflow_run_id, meta.reported, meta.extra) == (3, "sft", None, {}, {"new_key": [1]})
+    assert meta.to_json() == {**full, "mlflow_run_id": None, "reported": {}, "new_key": [1]}
+    meta = ck.CheckpointMeta.from_json({**full, "mlflow_run_id": "r1", "reported": {"loss": 2.0}})
+    assert (meta.mlflow_run_id, meta.reported, meta.extra) == ("r1", {"loss": 2.0}, {})
+
+
+def test_an_unreadable_meta_json_is_named(run_dir):
+    newest = ck.open_checkpoint(ck.latest_checkpoint(run_dir))
+    meta = Path(newest.path) / ck.META
+    meta.write_text("{" + " " * (meta.stat().st_size - 1))  # the recorded size, not JSON
+    reopened = ck.open_checkpoint(newest.path)
+    with pytest.raises(ck.CheckpointError, match=f"^{reopened.location}/meta.json: unreadable"):
+        reopened.meta()
+
+
+def test_parts_beside_the_policy_are_listed_verified_and_read(tmp_path):
+    d = _write_checkpoint(tmp_path / "run", 2, world=1)
+    assert not ck.is_checkpoint(tmp_path / "run") and ck.is_checkpoint(d) and ck.is_checkpoint(f"file://{d}/")
+    plain = ck.open_checkpoint(d)
+    assert not plain.has_part("critic") and not plain.sharded
+    with pytest.raises(ck.CheckpointError, match=f"^{d}: holds no critic.pth"):
+        plain.part_state("critic")
+    with pytest.raises(ck.CheckpointError, match="holds model.pth, not sharded state"):
+        plain.load_sharded({})
+    critic = {"v_head.weight": torch.arange(6.0).reshape(2, 3)}
+    meta = plain.meta()
+    ck.write_shared_files(d, model_state=plain.model_state(), train_state=plain.train_state(), meta=meta,
+                          part_states={"critic": critic})
+    rec = json.loads((d / ck.COMPLETE).read_text())
+    assert set(rec["files"]) == {"model.pth", "train_state.pt", "meta.json", "critic.pth"}
+    assert rec["rng_ranks"] == [0] and rec["step"] == 2
+    assert all(rec["files"][n] == (d / n).stat().st_size for n in rec["files"])
+    with_part = ck.open_checkpoint(f"{d}/", LOCAL)  # a path on a given filesystem, trailing slash and all
+    assert with_part.path == str(d) and with_part.has_part("critic") and not with_part.has_part("actor")
+    assert torch.equal(with_part.part_state("critic")["v_head.weight"], critic["v_head.weight"])
+    (d / "critic.pth").write_bytes(b"x" * rec["files"]["critic.pth"])
+    with pytest.raises(ck.CheckpointError, match="critic.pth: unreadable"):
+        with_part.part_state("critic")
+
+
+def test_only_checkpoint_directories_count(run_dir):
+    (run_dir / "checkpoint_a_file").write_text("not a directory")
+    (run_dir / "other_dir").mkdir()
+    (run_dir / "checkpoint_unfinished").mkdir()
+    assert [s for s, _ in ck.checkpoints_in(run_dir)] == [8, 4]
+    removed = ck.prune_untracked(run_dir, set())
+    assert removed == sorted(removed) and len(removed) == 3 and "checkpoint_a_file" not in removed
+    assert sorted(p.name for p in run_dir.iterdir()) == ["checkpoint_a_file", "other_dir"]
+    assert ck.prune_untracked(run_dir / "checkpoint_a_file", set()) == []  # not a directory: nothing to list
+    assert ck.checkpoints_in(run_dir / "absent") == []
+
+
+class _UndeletableFS:
+    """A local filesystem whose deletes fail: storage trouble at the end of a run."""
+
+    def __getattr__(self, name):
+        return getattr(LOCAL, name)
+
+    def delete_dir(self, path):
+        raise OSError(f"permission denied: {path}")
+
+
+def test_prune_untracked_reports_a_failed_delete_and_goes_on(run_dir, monkeypatch, capsys):
+    names = sorted(p.name for p in run_dir.iterdir())
+    monkeypatch.setattr(ck, "filesystem", lambda loc: (_UndeletableFS(), str(loc)))
+    assert ck.prune_untracked(run_dir, {names[1]}) == []
+    out = capsys.readouterr().out.splitlines()
+    assert out == [f"[minimind-ray] could not remove {run_dir / names[0]}: permission denied: {run_dir / names[0]}"]
+    assert sorted(p.name for p in run_dir.iterdir()) == names
