@@ -132,7 +132,20 @@ def test_prune_untracked_removes_only_what_ray_does_not_keep(run_dir):
     assert ck.prune_untracked(run_dir.parent / "absent", kept) == []
 
 
-@pytest.mark.parametrize("record", ['{"step": 2}', "[]", '{"files": [], "rng_ranks": [0], "step": 8}', "not json"])
+_FILES = '"train_state.pt": 1, "meta.json": 1'
+
+
+@pytest.mark.parametrize("record", [
+    '{"step": 2}', "[]", '{"files": [], "rng_ranks": [0], "step": 8}', "not json",
+    # each clause of the shape check alone (the sizes are wrong too: only the shape check keeps it off the list)
+    '{"files": {%s, "model.pth": 1}, "rng_ranks": [0], "step": "8"}' % _FILES,
+    '{"files": {%s, "model.pth": 1}, "rng_ranks": 0, "step": 8}' % _FILES,
+    '{"files": {%s, "model.pth": 1}, "rng_ranks": ["0"], "step": 8}' % _FILES,
+    '{"files": {%s, "model.pth": "1"}, "rng_ranks": [0], "step": 8}' % _FILES,
+    '{"files": {"train_state.pt": 1, "model.pth": 1}, "rng_ranks": [0], "step": 8}',
+    '{"files": {"meta.json": 1, "model.pth": 1}, "rng_ranks": [0], "step": 8}',
+    '{"files": {%s}, "rng_ranks": [0], "step": 8}' % _FILES,
+])
 def test_a_malformed_complete_marker_is_refused_and_the_older_checkpoint_used(run_dir, record):
     """Issue 11, item 10: a malformed COMPLETE.json is a refusal naming the checkpoint, not a crash of
     the search, and the restart falls back to the newest good checkpoint."""
@@ -321,3 +334,15 @@ def test_prune_untracked_reports_a_failed_delete_and_goes_on(run_dir, monkeypatc
     out = capsys.readouterr().out.splitlines()
     assert out == [f"[minimind-ray] could not remove {run_dir / names[0]}: permission denied: {run_dir / names[0]}"]
     assert sorted(p.name for p in run_dir.iterdir()) == names
+
+
+def test_a_sharded_record_has_the_shape_of_a_complete_one(run_dir):
+    """FSDP's checkpoints list DCP's metadata instead of model.pth: a candidate, refused only by what is on disk."""
+    ckpts = _ckpts(run_dir)
+    from minimind_ray.store.sharded import METADATA
+
+    sizes = {n: (ckpts[8] / n).stat().st_size for n in (ck.TRAIN_STATE, ck.META)}
+    (ckpts[8] / ck.COMPLETE).write_text(json.dumps({"files": {**sizes, METADATA: 1}, "rng_ranks": [0], "step": 8}))
+    assert [s for s, _ in ck.checkpoints_in(run_dir)] == [8, 4]
+    with pytest.raises(ck.CheckpointError, match=f"{METADATA} missing or of the wrong size"):
+        ck.open_checkpoint(ckpts[8])
