@@ -17,7 +17,7 @@ declare -A TESTS=(  # each file's fast unit tests (no Ray): the runner of its mu
   [minimind_ray/engine/step.py]="tests/unit/test_engine.py tests/unit/test_objectives.py tests/unit/test_grpo.py tests/unit/test_ppo.py"
   [minimind_ray/rl/grpo.py]="tests/unit/test_grpo.py tests/unit/test_grpo_options.py tests/unit/test_rl_learns.py"
   [minimind_ray/rl/ppo.py]="tests/unit/test_ppo.py tests/unit/test_rl_learns.py"
-  [minimind_ray/data/stream.py]="tests/unit/test_engine.py tests/unit/test_resume.py tests/unit/test_formats.py"
+  [minimind_ray/data/stream.py]="tests/unit/test_stream.py tests/unit/test_engine.py tests/unit/test_formats.py"
   [minimind_ray/store/checkpoint.py]="tests/unit/test_checkpoint.py tests/unit/test_resume.py tests/unit/test_engine.py"
 )
 FILES=("$@")
