@@ -188,3 +188,130 @@ def test_the_adaptive_beta_is_checkpointed_with_the_run(prepared, tmp_path):
     assert resumed.objective.plan.kl.beta == straight.objective.plan.kl.beta
     a, b = straight.model.state_dict(), resumed.model.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+# --------------------------------------------------------------------------- one micro-batch's rollout, by hand
+
+
+class _Letters:
+    """A tokenizer for the scripted rollouts: id i is chr(ord('a') + i - 5); 0 (pad) and 2 (EOS) are special."""
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return "".join("" if skip_special_tokens and i in (0, 2) else chr(ord("a") + i - 5) for i in ids)
+
+
+class _Scripted:
+    """A rollout engine that returns the given rollouts in turn and records what it was asked."""
+
+    def __init__(self, *rollouts):
+        self.rollouts, self.calls = list(rollouts), []
+
+    def generate(self, prompt_ids, prompt_mask, params, seeds):
+        self.calls.append((prompt_ids.clone(), seeds.clone()))
+        return self.rollouts.pop(0)
+
+
+def _roll(rows, truncated):
+    from minimind_ray.rl.rollout import Rollout
+
+    ids = torch.tensor(rows)
+    valid = torch.zeros_like(ids, dtype=torch.bool)
+    for i, row in enumerate(rows):  # through the first EOS, or every token
+        end = row.index(2) + 1 if 2 in row else len(row)
+        valid[i, :end] = True
+    return Rollout(completion_ids=ids, completion_mask=valid, logprobs=-0.5 * valid.float(),
+                   truncated=torch.tensor(truncated))
+
+
+def _micro_batch():
+    return {"prompt_ids": torch.tensor([[0, 9, 10], [11, 12, 13]]), "prompt_mask": torch.tensor([[0, 1, 1], [1, 1, 1]]),
+            "answer_utf8": torch.tensor([[52, 0], [55, 56]]), "answer_len": torch.tensor([1, 2]),
+            "sample_ids": torch.tensor([40, 41])}
+
+
+def _terms(seen):
+    from minimind_ray.rl.rewards import RewardTerm
+
+    def length(prompts, completions, answers):
+        seen.append((prompts, completions, answers))
+        return [len(c) for c in completions]
+
+    return [RewardTerm("len", 0.5, length, {}), RewardTerm("one", 2.0, lambda p, c, a: [1.0] * len(c), {})]
+
+
+def test_a_micro_batchs_rollout_resamples_a_flat_group_and_sums_its_metrics_by_hand():
+    """2 prompts x 2 completions; the second prompt's two are cut at 4 tokens with equal rewards (a flat group), so
+    one dynamic-sampling round samples that group again (wider: 5 tokens). Every key, by hand."""
+    from minimind_ray.rl.grpo import rollout_micro_batch
+    from minimind_ray.rl.rollout import SamplingParams, row_seeds
+
+    engine = _Scripted(_roll([[5, 6, 2, 0], [5, 2, 0, 0], [7, 7, 7, 7], [7, 7, 7, 7]], [False, False, True, True]),
+                       _roll([[8, 2, 0, 0, 0], [8, 8, 8, 2, 0]], [False, False]))
+    seen = []
+    params = SamplingParams(max_new_tokens=5, eos_id=2, pad_id=0)
+    mb = _micro_batch()
+    out = rollout_micro_batch(mb, engine=engine, params=params, group_size=2, rewards=_terms(seen),
+                              tokenizer=_Letters(), seed=3, step=9, dynamic_rounds=1)
+    # what the engine and the rewards were given
+    (ids0, seeds0), (ids1, seeds1) = engine.calls
+    assert ids0.tolist() == [[0, 9, 10], [0, 9, 10], [11, 12, 13], [11, 12, 13]] and ids1.tolist() == ids0[2:].tolist()
+    assert torch.equal(seeds0, row_seeds(3, 9, mb["sample_ids"], 2))
+    assert torch.equal(seeds1, row_seeds(3, 9, mb["sample_ids"][1:], 2, 1))
+    assert seen[0] == (["ef", "ef", "ghi", "ghi"], ["ab", "a", "cccc", "cccc"], ["4", "4", "78", "78"])
+    assert seen[1:] == [(["ghi", "ghi"], ["d", "ddd"], ["78", "78"])]
+    # the batch: prompts then completions, widened to the resampled width
+    assert out["input_ids"].tolist() == [[0, 9, 10, 5, 6, 2, 0, 0], [0, 9, 10, 5, 2, 0, 0, 0],
+                                         [11, 12, 13, 8, 2, 0, 0, 0], [11, 12, 13, 8, 8, 8, 2, 0]]
+    mask = [[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 0]]
+    assert out["completion_mask"].tolist() == mask
+    assert out["attention_mask"].tolist() == [[0, 1, 1] + m for m in mask[:2]] + [[1, 1, 1] + m for m in mask[2:]]
+    assert out["old_logp"].tolist() == [[-0.5 * v for v in m] for m in mask]
+    assert out["rewards"].tolist() == [3.0, 2.5, 2.5, 3.5]  # 0.5 x length + 2 x 1
+    assert "ref_logp" not in out
+    metrics = {k[len("metric_"):]: float(v) for k, v in out.items() if k.startswith("metric_")}
+    assert all(v.dtype == torch.float64 for k, v in out.items() if k.startswith("metric_"))
+    assert metrics == {"reward": 11.5, "reward_std": 0.25 * 2 + 0.5 * 2, "zero_std_fraction": 0.0,
+                       "completion_len": 11.0, "truncated_fraction": 0.0, "resampled_fraction": 2.0,
+                       "dropped_fraction": 0.0, "reward_len": 7.0, "reward_len_std": 0.5 * 2 + 1.0 * 2,
+                       "reward_one": 4.0, "reward_one_std": 0.0}
+
+
+def test_a_group_still_flat_after_its_rounds_is_dropped_and_truncation_masked():
+    from minimind_ray.rl.grpo import rollout_micro_batch
+    from minimind_ray.rl.rollout import SamplingParams
+
+    first = [[5, 6, 2, 0], [5, 2, 0, 0], [7, 7, 7, 7], [7, 7, 7, 7]]
+    engine = _Scripted(_roll(first, [False, False, True, True]), _roll([[8, 8], [9, 9]], [True, True]))
+    out = rollout_micro_batch(_micro_batch(), engine=engine, params=SamplingParams(max_new_tokens=4), group_size=2,
+                              rewards=_terms([]), tokenizer=_Letters(), dynamic_rounds=1)
+    assert out["input_ids"][2:, 3:].tolist() == [[8, 8, 0, 0], [9, 9, 0, 0]]  # narrower: padded to the batch's width
+    assert out["completion_mask"].tolist() == [[1, 1, 1, 0], [1, 1, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]]
+    assert out["attention_mask"][2:, 3:].tolist() == [[1, 1, 0, 0], [1, 1, 0, 0]]  # the tokens stay visible
+    metrics = {k[len("metric_"):]: float(v) for k, v in out.items() if k.startswith("metric_")}
+    assert (metrics["dropped_fraction"], metrics["resampled_fraction"], metrics["truncated_fraction"],
+            metrics["zero_std_fraction"]) == (2.0, 2.0, 2.0, 2.0)
+    # no dynamic sampling: one call, no resample/drop metrics, and mask_truncated takes the cut completions out
+    engine = _Scripted(_roll(first, [False, False, True, True]))
+    out = rollout_micro_batch(_micro_batch(), engine=engine, params=SamplingParams(max_new_tokens=4), group_size=2,
+                              rewards=_terms([]), tokenizer=_Letters(), mask_truncated=True)
+    assert len(engine.calls) == 1 and "metric_dropped_fraction" not in out and "metric_resampled_fraction" not in out
+    assert out["completion_mask"].tolist() == [[1, 1, 1, 0], [1, 1, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]]
+    assert float(out["metric_completion_len"]) == 3 + 2 + 4 + 4 and float(out["metric_truncated_fraction"]) == 2.0
+    # a pending rollout (an actor pool's overlap) is used instead of generating
+    engine = _Scripted()
+    out = rollout_micro_batch(_micro_batch(), engine=engine, params=SamplingParams(max_new_tokens=4), group_size=2,
+                              rewards=_terms([]), tokenizer=_Letters(), pending=_roll(first, [False] * 4))
+    assert engine.calls == [] and out["rewards"].tolist() == [3.0, 2.5, 4.0, 4.0]
+
+
+def test_unknown_options_are_named():
+    from minimind_ray.rl.grpo import aggregate_loss, kl_estimate, per_token_loss
+
+    x = torch.zeros(1, 2)
+    with pytest.raises(ValueError, match=r"train.grpo.kl_estimator: unknown 'k4'; one of \('k1', 'k2', 'k3'\)"):
+        kl_estimate(x, x, "k4")
+    with pytest.raises(ValueError, match=r"train.grpo.loss_type: unknown 'ppo'; one of \('cispo', 'grpo'\)"):
+        per_token_loss(x, x, None, torch.zeros(1), "ppo", 0.2, 5.0, 0.0)
+    with pytest.raises(ValueError, match=r"train.grpo.loss_agg: unknown 'sum'; one of \('seq-mean', 'token-mean', "
+                                         r"'seq-sum-norm'\)"):
+        aggregate_loss(x, x, "sum", 2)
