@@ -121,3 +121,50 @@ def test_bf16_on_a_gpu_without_bf16_is_refused_naming_the_field():
     check_precision("auto", "cuda", bf16_supported=False)  # auto falls back to fp32 there
     check_precision("bf16", "cuda", bf16_supported=True)
     check_precision("bf16", "cpu", bf16_supported=True)  # CPU autocast
+
+
+def test_the_lr_schedules_by_hand():
+    """MiniMind's schedule and the cosine one, value by value (issue 34: engine/step.py's mutants)."""
+    import math
+    from types import SimpleNamespace
+
+    from minimind_ray.engine.step import lr_lambda
+
+    minimind = lr_lambda(SimpleNamespace(lr_schedule="minimind"), 10)
+    assert [round(minimind(s), 6) for s in (0, 5, 10)] == [1.0, 0.55, 0.1]
+    assert lr_lambda(SimpleNamespace(lr_schedule="minimind"), 0)(0) == 1.0  # no division by zero
+    cosine = lr_lambda(SimpleNamespace(lr_schedule="cosine", warmup_steps=4, min_lr_ratio=0.2), 100)
+    assert [cosine(s) for s in range(5)] == [0.25, 0.5, 0.75, 1.0, 1.0]  # linear warmup to the peak
+    assert cosine(52) == pytest.approx(0.2 + 0.8 * 0.5)  # half-way through the decay
+    assert cosine(100) == pytest.approx(0.2) and cosine(150) == pytest.approx(0.2)  # the floor, and held there
+    assert cosine(30) == pytest.approx(0.2 + 0.8 * 0.5 * (1 + math.cos(math.pi * 26 / 96)))
+    # a warmup longer than 10% of the run is cut to 10%; a run of fewer than 10 steps warms up for 1
+    capped = lr_lambda(SimpleNamespace(lr_schedule="cosine", warmup_steps=1000, min_lr_ratio=0.0), 50)
+    assert [capped(s) for s in range(6)][:5] == [0.2, 0.4, 0.6, 0.8, 1.0] and capped(5) == pytest.approx(1.0)
+    short = lr_lambda(SimpleNamespace(lr_schedule="cosine", warmup_steps=1000, min_lr_ratio=0.0), 5)
+    assert short(0) == 1.0 and short(1) == 1.0 and short(3) == pytest.approx(0.5)  # progress (3 - 1) / 4
+    none = lr_lambda(SimpleNamespace(lr_schedule="cosine", warmup_steps=0, min_lr_ratio=0.0), 4)
+    assert none(0) == 1.0 and none(2) == pytest.approx(0.5)
+
+
+def test_precision_on_a_cpu_and_the_single_rank_units():
+    from minimind_ray.engine.step import _global_units, autocast_for, bf16_compute
+
+    cpu = torch.device("cpu")
+    assert [bf16_compute(p, cpu) for p in ("bf16", "auto", "fp32")] == [True, False, False]
+    with autocast_for("bf16", cpu)():
+        assert torch.get_autocast_dtype("cpu") == torch.bfloat16 and torch.is_autocast_enabled("cpu")
+    with autocast_for("auto", cpu)():
+        assert not torch.is_autocast_enabled("cpu")
+
+    class Units:  # an objective's counting: loss units and metric units per micro-batch
+        def weight(self, b):
+            return b["n"]
+
+        def metric_weight(self, b):
+            return 2 * b["n"]
+
+    w, mw = _global_units(Units(), [{"n": 3}, {"n": 4}], 1, cpu)
+    assert (w.item(), mw.item(), w.dtype) == (7.0, 14.0, torch.float64)
+    w, mw = _global_units(Units(), [{"n": 0}], 1, cpu)
+    assert (w.item(), mw.item()) == (1.0, 0.0)  # no units: the mean divides by 1, not 0
