@@ -120,11 +120,28 @@ def _read_bytes(fs, path: str) -> bytes:
         return f.read()
 
 
+def _unreadable(where: str, e: BaseException) -> CheckpointError:
+    """``<where>: unreadable (<error>: <its first line>)``. DCP wraps each rank's error in a CheckpointException (a
+    BaseException, whose text starts with the ranks): the first rank's own error is named instead."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        e = next(iter(failures.values()))[0]
+    return CheckpointError(f"{where}: unreadable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+
+
+def _dcp_error():
+    """DCP's CheckpointException, which ``except Exception`` does not catch (lazy: torch.distributed.checkpoint takes
+    seconds to import, which nothing that only lists checkpoints should pay)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return CheckpointException
+
+
 def _torch_load(fs, path: str, where: str):
     try:
         return torch.load(io.BytesIO(_read_bytes(fs, path)), map_location="cpu", weights_only=True)
     except Exception as e:  # a truncated zip, a half-copied pickle, pickled code
-        raise CheckpointError(f"{where}: unreadable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from e
+        raise _unreadable(where, e) from e
 
 
 def _complete_record(fs, root: str, where: str) -> Dict[str, Any]:
@@ -176,9 +193,8 @@ class StoredCheckpoint:
         if self.sharded:
             try:
                 return clean_state_dict(read_whole_model(self.fs, self.path))
-            except Exception as e:  # a shard that is not DCP's, metadata that names code
-                raise CheckpointError(f"{self.location}/sharded: unreadable ({type(e).__name__}: "
-                                      f"{str(e).splitlines()[0] if str(e) else ''})") from e
+            except (Exception, _dcp_error()) as e:  # a shard that is not DCP's, metadata that names code
+                raise _unreadable(f"{self.location}/sharded", e) from e
         return clean_state_dict(_torch_load(self.fs, f"{self.path}/{MODEL}", f"{self.location}/{MODEL}"))
 
     def load_sharded(self, state: Dict[str, Any]) -> None:
@@ -186,7 +202,10 @@ class StoredCheckpoint:
         sharded checkpoint; every rank of a process group calls it together."""
         if not self.sharded:
             raise CheckpointError(f"{self.location}: holds model.pth, not sharded state")
-        sharded_store.load_sharded(self.fs, self.path, state)
+        try:
+            sharded_store.load_sharded(self.fs, self.path, state)
+        except _dcp_error() as e:  # every rank gets it (DCP gathers the failures): each raises the same refusal
+            raise _unreadable(f"{self.location}/sharded", e) from e
 
     def train_state(self) -> Dict[str, Any]:
         return _torch_load(self.fs, f"{self.path}/{TRAIN_STATE}", f"{self.location}/{TRAIN_STATE}")

@@ -346,3 +346,76 @@ def test_a_sharded_record_has_the_shape_of_a_complete_one(run_dir):
     assert [s for s, _ in ck.checkpoints_in(run_dir)] == [8, 4]
     with pytest.raises(ck.CheckpointError, match=f"{METADATA} missing or of the wrong size"):
         ck.open_checkpoint(ckpts[8])
+
+
+def test_a_sharded_checkpoint_written_by_one_process_reads_back_whole(tmp_path):
+    """The FSDP layout (store/sharded.py) without a process group: DCP's files listed in COMPLETE.json instead of
+    model.pth; the whole weights read back under MiniMind's keys, and a state filled in place."""
+    from minimind_ray.store.sharded import write_sharded
+
+    d = tmp_path / "run" / "checkpoint_2026-12-05_00-00-03.000000"
+    weights = {"embed_tokens.weight": torch.arange(12.0).reshape(4, 3), "norm.weight": torch.ones(3)}
+    files = write_sharded(d, {"model": {k: v.clone() for k, v in weights.items()}, "optimizer": {"t": torch.zeros(2)}})
+    ck.write_rank_files(d, 0, RNGState().state_dict())
+    ck.write_shared_files(d, model_state=None, train_state={"scheduler": {}}, sharded_files=files,
+                          meta=ck.CheckpointMeta(step=3, epoch=0, data_state={}, world_size=1, stage="pretrain",
+                                                 total_steps=8, config={}, prepared_dir="/nowhere"))
+    assert not (d / ck.MODEL).exists()
+    stored = ck.open_checkpoint(d)
+    assert stored.sharded and set(stored.record["files"]) == {"train_state.pt", "meta.json", *files}
+    got = stored.model_state()
+    assert set(got) == set(weights) and all(torch.equal(got[k], weights[k]) for k in weights)
+    state = {"model": {k: torch.zeros_like(v) for k, v in weights.items()}, "optimizer": {"t": torch.ones(2)}}
+    stored.load_sharded(state)
+    assert torch.equal(state["model"]["embed_tokens.weight"], weights["embed_tokens.weight"])
+    assert torch.equal(state["optimizer"]["t"], torch.zeros(2))
+    shard = next(d / n for n in files if not n.endswith(".metadata"))
+    shard.write_bytes(b"\0" * shard.stat().st_size)  # the size COMPLETE.json has, not DCP's bytes
+    # DCP raises a CheckpointException, a BaseException that `except Exception` missed: the refusal names the file's
+    # own error instead
+    for read in (lambda c: c.model_state(), lambda c: c.load_sharded(state)):
+        with pytest.raises(ck.CheckpointError) as e:
+            read(ck.open_checkpoint(d))
+        assert str(e.value).startswith(f"{d}/sharded: unreadable (UnpicklingError: Weights only load failed.")
+
+
+def test_the_edges_of_names_defaults_and_failures(run_dir, tmp_path, monkeypatch, capsys):
+    ckpts = _ckpts(run_dir)
+    # a key named like the dataclass's own catch-all is kept in it, not confused with it
+    meta = ck.CheckpointMeta.from_json({**json.loads((ckpts[8] / ck.META).read_text()), "extra": 5})
+    assert meta.extra == {"extra": 5}
+    # a meta.json of the recorded size that lacks fields names itself
+    path = ckpts[8] / ck.META
+    path.write_text('{"step": 8}'.ljust(path.stat().st_size))
+    with pytest.raises(ck.CheckpointError, match=f"^{ckpts[8]}/meta.json: missing"):
+        ck.open_checkpoint(ckpts[8]).meta()
+    # without deep, a rank's RNG file is checked for existence only: the default of the search, as of latest_checkpoint
+    rng1 = ckpts[8] / "rng" / "rank_1.pt"
+    rng1.write_bytes(rng1.read_bytes()[:50])
+    assert ck.newest_complete(run_dir).step == 8 and ck.latest_checkpoint(run_dir) == ckpts[8]
+    assert ck.newest_complete(run_dir, deep=True).step == 4
+    # a directory whose name ends in the characters a slash is stripped from
+    odd = tmp_path / "runX" / "checkpoint_X"
+    shutil.copytree(ckpts[4], odd)
+    assert ck.open_checkpoint(f"{odd}/").step == 4 and ck.is_checkpoint(f"{odd}/")
+    assert ck.newest_complete(f"file://{odd.parent}/").location == f"file://{odd.parent}/checkpoint_X"
+    assert [s for s, _ in ck.checkpoints_in(f"{odd.parent}/")] == [4]
+
+
+def test_a_registered_checkpoint_of_step_0_is_named_as_such(tmp_path, capsys):
+    run = tmp_path / "run"
+    zero, four = _write_checkpoint(run, 0, world=1), _write_checkpoint(run, 4, world=1)
+    assert ck.choose_restore((str(zero), LOCAL), str(run)).step == 4
+    assert capsys.readouterr().out.endswith("(step 4), newer than the checkpoint Ray registered (step 0)\n")
+
+
+def test_prune_untracked_tries_every_directory_and_mark_latest_leaves_uris_alone(run_dir, tmp_path, monkeypatch,
+                                                                                 capsys):
+    names = sorted(p.name for p in run_dir.iterdir())
+    monkeypatch.setattr(ck, "filesystem", lambda loc: (_UndeletableFS(), str(loc)))
+    assert ck.prune_untracked(run_dir, set()) == []
+    assert len(capsys.readouterr().out.splitlines()) == len(names) == 2  # a failed delete does not stop the rest
+    monkeypatch.undo()
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "file:" / "x").mkdir(parents=True)  # where a URI taken as a path would put the link
+    assert ck.mark_latest("file://x/run", "sft") is None and list((tmp_path / "file:" / "x").iterdir()) == []
