@@ -419,3 +419,13 @@ def test_prune_untracked_tries_every_directory_and_mark_latest_leaves_uris_alone
     monkeypatch.chdir(tmp_path)
     (tmp_path / "file:" / "x").mkdir(parents=True)  # where a URI taken as a path would put the link
     assert ck.mark_latest("file://x/run", "sft") is None and list((tmp_path / "file:" / "x").iterdir()) == []
+
+
+def test_a_dcp_failure_is_named_by_the_first_ranks_own_error():
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    inner = ValueError("bad shard\nmore lines")
+    err = ck._unreadable("c/sharded", CheckpointException("load", {1: (inner, None), 0: (KeyError("k"), None)}))
+    assert str(err) == "c/sharded: unreadable (ValueError: bad shard)"
+    empty = ck._unreadable("c/sharded", CheckpointException("load", {}))  # no failure listed: its own text
+    assert str(empty) == "c/sharded: unreadable (CheckpointException: CheckpointException ranks:dict_keys([]))"
