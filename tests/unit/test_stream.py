@@ -241,3 +241,77 @@ def test_an_error_in_the_prefetch_thread_reaches_the_caller(ds, tmp_path):
         s.next_step()
     assert s._thread is None  # the producer stopped; a retry starts a new one
     s.close()
+
+
+# --------------------------------------------------------------------------- what data/stream.py's surviving mutants
+# showed untested (issue 34)
+
+
+def _splitmix64_unit(i: int) -> float:
+    """The reference: splitmix64's finaliser in Python integers, its top 53 bits as a fraction."""
+    m = (1 << 64) - 1
+    z = (i + 0x9E3779B97F4A7C15) & m
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & m
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m
+    z ^= z >> 31
+    return (z >> 11) / float(1 << 53)
+
+
+def test_the_held_out_coin_is_splitmix64():
+    """The split must not change between versions (a changed hash would move rows between train and eval of a
+    resumed run), so it is pinned to the reference, id by id."""
+    ids = [0, 1, 2, 981, SAMPLE_ID_STRIDE, 7 * SAMPLE_ID_STRIDE + 12345, (1 << 62) + 3]
+    got = _unit_hash(np.array(ids, dtype=np.int64))
+    assert got.dtype == np.float64 and got.tolist() == [_splitmix64_unit(i) for i in ids]
+
+
+def test_an_empty_manifest_and_the_recorded_settings(tmp_path, ds):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    manifest = json.loads((PREPARED / "manifest.json").read_text())
+    (empty / "manifest.json").write_text(json.dumps({**manifest, "shards": []}))
+    none = PreparedDataset(str(empty), eval_fraction=0.5)
+    assert none.sample_ids.dtype == np.int64 and len(none.sample_ids) == 0 and none.num_blocks == 0
+    assert none.num_sequences("train") == none.num_sequences("eval") == 0 and none.eval_fraction == 0.5
+    assert PreparedDataset(str(PREPARED) + "/").shard_path(0) == f"{PREPARED}/part-00000.parquet"
+    rows, ids = _stream(ds)._reader.rows(np.array([3, 700]))
+    assert ids.dtype == np.int64 and ids.tolist() == [3, 700]
+    # the defaults a training run gets: two steps prefetched, pad 0, a cache of two windows and two blocks
+    s = TrainStream(ds, global_batch_size=32, micro_batch_size=1, world_size=1, rank=0, seed=0)
+    assert (s.prefetch_steps, s.pad_id, s.shuffle_window_blocks, s._reader.capacity) == (2, 0, 16, 34)
+    s.load_state_dict({**s.state_dict(), "step_in_epoch": 0})  # the first step of an epoch is a position too
+    assert s.step_in_epoch == 0
+
+
+def test_one_step_of_prefetch_runs_in_a_daemon_thread_and_peek_reads_on_its_own(ds):
+    s = _stream(ds, prefetch_steps=1)
+    s.next_step()
+    assert s._thread is not None and s._thread.daemon and s._thread.name == "TrainStream-rank0"
+    s.close()
+    plain = _stream(ds)  # no prefetch thread: still, peek leaves the stream's reader alone
+    plain.peek()
+    assert plain._reader._cache == {} and plain._peek_reader is not None and plain._peek_reader.capacity == 34
+
+
+def test_a_full_queue_makes_the_producer_wait_not_stop(ds, monkeypatch):
+    """The producer's put times out every 0.1 s to look for a stop; a timeout on a full queue must be tried again.
+    A queue whose first put times out stands in for a consumer slower than the timeout (no sleeping here)."""
+    import queue as queue_mod
+    from types import SimpleNamespace
+
+    from minimind_ray.data import stream as stream_mod
+
+    class SlowConsumer(queue_mod.Queue):
+        timed_out = False
+
+        def put(self, item, block=True, timeout=None):
+            if not SlowConsumer.timed_out:
+                SlowConsumer.timed_out = True
+                raise queue_mod.Full
+            super().put(item, block, timeout)
+
+    monkeypatch.setattr(stream_mod, "queue", SimpleNamespace(Queue=SlowConsumer, Full=queue_mod.Full))
+    s = _stream(ds, prefetch_steps=1)
+    first = s.next_step()  # with the producer stopped by the timeout, this would wait for ever
+    assert SlowConsumer.timed_out and len(first) == 8
+    s.close()
