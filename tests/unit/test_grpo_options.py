@@ -3,6 +3,7 @@ and the engine running them: several optimizer updates per rollout batch, dynami
 adaptive KL controller restored from a checkpoint, and per-row sampling seeds. No Ray."""
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -208,6 +209,7 @@ class _Scripted:
 
     def generate(self, prompt_ids, prompt_mask, params, seeds):
         self.calls.append((prompt_ids.clone(), seeds.clone()))
+        self.given = getattr(self, "given", []) + [(prompt_mask.clone(), params)]
         return self.rollouts.pop(0)
 
 
@@ -245,34 +247,38 @@ def test_a_micro_batchs_rollout_resamples_a_flat_group_and_sums_its_metrics_by_h
     from minimind_ray.rl.grpo import rollout_micro_batch
     from minimind_ray.rl.rollout import SamplingParams, row_seeds
 
-    engine = _Scripted(_roll([[5, 6, 2, 0], [5, 2, 0, 0], [7, 7, 7, 7], [7, 7, 7, 7]], [False, False, True, True]),
+    engine = _Scripted(_roll([[5, 6, 2, 0], [5, 5, 5, 5], [7, 7, 7, 7], [7, 7, 7, 7]], [False, True, True, True]),
                        _roll([[8, 2, 0, 0, 0], [8, 8, 8, 2, 0]], [False, False]))
     seen = []
     params = SamplingParams(max_new_tokens=5, eos_id=2, pad_id=0)
     mb = _micro_batch()
     out = rollout_micro_batch(mb, engine=engine, params=params, group_size=2, rewards=_terms(seen),
-                              tokenizer=_Letters(), seed=3, step=9, dynamic_rounds=1)
-    # what the engine and the rewards were given
+                              tokenizer=_Letters(), seed=3, step=9, dynamic_rounds=2)
+    # what the engine and the rewards were given; the second round found no flat group and sampled nothing
     (ids0, seeds0), (ids1, seeds1) = engine.calls
     assert ids0.tolist() == [[0, 9, 10], [0, 9, 10], [11, 12, 13], [11, 12, 13]] and ids1.tolist() == ids0[2:].tolist()
+    (mask0, params0), (mask1, params1) = engine.given
+    assert mask0.tolist() == [[0, 1, 1], [0, 1, 1], [1, 1, 1], [1, 1, 1]] and mask1.tolist() == mask0[2:].tolist()
+    assert params0 is params and params1 is params
     assert torch.equal(seeds0, row_seeds(3, 9, mb["sample_ids"], 2))
     assert torch.equal(seeds1, row_seeds(3, 9, mb["sample_ids"][1:], 2, 1))
-    assert seen[0] == (["ef", "ef", "ghi", "ghi"], ["ab", "a", "cccc", "cccc"], ["4", "4", "78", "78"])
+    assert seen[0] == (["ef", "ef", "ghi", "ghi"], ["ab", "aaaa", "cccc", "cccc"], ["4", "4", "78", "78"])
     assert seen[1:] == [(["ghi", "ghi"], ["d", "ddd"], ["78", "78"])]
-    # the batch: prompts then completions, widened to the resampled width
-    assert out["input_ids"].tolist() == [[0, 9, 10, 5, 6, 2, 0, 0], [0, 9, 10, 5, 2, 0, 0, 0],
+    # the batch: prompts then completions, widened to the resampled width (a cut completion's pad is no token)
+    assert out["input_ids"].tolist() == [[0, 9, 10, 5, 6, 2, 0, 0], [0, 9, 10, 5, 5, 5, 5, 0],
                                          [11, 12, 13, 8, 2, 0, 0, 0], [11, 12, 13, 8, 8, 8, 2, 0]]
-    mask = [[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 0]]
+    assert out["input_ids"].dtype == torch.int64 and out["completion_mask"].dtype == torch.float32
+    mask = [[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 0]]
     assert out["completion_mask"].tolist() == mask
     assert out["attention_mask"].tolist() == [[0, 1, 1] + m for m in mask[:2]] + [[1, 1, 1] + m for m in mask[2:]]
     assert out["old_logp"].tolist() == [[-0.5 * v for v in m] for m in mask]
-    assert out["rewards"].tolist() == [3.0, 2.5, 2.5, 3.5]  # 0.5 x length + 2 x 1
+    assert out["rewards"].tolist() == [3.0, 4.0, 2.5, 3.5]  # 0.5 x length + 2 x 1
     assert "ref_logp" not in out
     metrics = {k[len("metric_"):]: float(v) for k, v in out.items() if k.startswith("metric_")}
     assert all(v.dtype == torch.float64 for k, v in out.items() if k.startswith("metric_"))
-    assert metrics == {"reward": 11.5, "reward_std": 0.25 * 2 + 0.5 * 2, "zero_std_fraction": 0.0,
-                       "completion_len": 11.0, "truncated_fraction": 0.0, "resampled_fraction": 2.0,
-                       "dropped_fraction": 0.0, "reward_len": 7.0, "reward_len_std": 0.5 * 2 + 1.0 * 2,
+    assert metrics == {"reward": 13.0, "reward_std": 0.5 * 2 + 0.5 * 2, "zero_std_fraction": 0.0,
+                       "completion_len": 13.0, "truncated_fraction": 1.0, "resampled_fraction": 2.0,
+                       "dropped_fraction": 0.0, "reward_len": 10.0, "reward_len_std": 1.0 * 2 + 1.0 * 2,
                        "reward_one": 4.0, "reward_one_std": 0.0}
 
 
@@ -290,6 +296,12 @@ def test_a_group_still_flat_after_its_rounds_is_dropped_and_truncation_masked():
     metrics = {k[len("metric_"):]: float(v) for k, v in out.items() if k.startswith("metric_")}
     assert (metrics["dropped_fraction"], metrics["resampled_fraction"], metrics["truncated_fraction"],
             metrics["zero_std_fraction"]) == (2.0, 2.0, 2.0, 2.0)
+    assert torch.equal(engine.calls[0][1], row_seeds(0, 0, _micro_batch()["sample_ids"], 2))  # seed 0, step 0
+    # by default a cut completion trains like any other
+    out = rollout_micro_batch(_micro_batch(), engine=_Scripted(_roll(first, [False, False, True, True])),
+                              params=SamplingParams(max_new_tokens=4), group_size=2, rewards=_terms([]),
+                              tokenizer=_Letters())
+    assert out["completion_mask"][2:].tolist() == [[1, 1, 1, 1], [1, 1, 1, 1]]
     # no dynamic sampling: one call, no resample/drop metrics, and mask_truncated takes the cut completions out
     engine = _Scripted(_roll(first, [False, False, True, True]))
     out = rollout_micro_batch(_micro_batch(), engine=engine, params=SamplingParams(max_new_tokens=4), group_size=2,
@@ -315,3 +327,138 @@ def test_unknown_options_are_named():
     with pytest.raises(ValueError, match=r"train.grpo.loss_agg: unknown 'sum'; one of \('seq-mean', 'token-mean', "
                                          r"'seq-sum-norm'\)"):
         aggregate_loss(x, x, "sum", 2)
+
+
+def test_tokens_an_engine_marks_invalid_reach_neither_the_rewards_nor_the_loss():
+    """An engine's rows may stop before max_new_tokens without an EOS (its padding): ``completion_mask`` of the
+    rollout, not the EOS alone, says which tokens were sampled."""
+    from minimind_ray.rl.grpo import rollout_micro_batch
+    from minimind_ray.rl.rollout import Rollout, SamplingParams
+
+    ids = torch.tensor([[5, 6, 2, 0], [7, 7, 9, 9], [5, 2, 0, 0], [6, 2, 0, 0]])
+    valid = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 0, 0]], dtype=torch.bool)
+    seen = []
+    out = rollout_micro_batch(_micro_batch(), engine=_Scripted(), params=SamplingParams(max_new_tokens=4),
+                              group_size=2, rewards=_terms(seen), tokenizer=_Letters(),
+                              pending=Rollout(ids, valid, -0.5 * valid.float(), torch.zeros(4, dtype=torch.bool)))
+    assert seen[0][1] == ["ab", "cc", "a", "b"]  # not "cceecc"
+    assert out["completion_mask"][1].tolist() == [1, 1, 0, 0] and out["attention_mask"][1, 3:].tolist() == [1, 1, 0, 0]
+    assert float(out["metric_completion_len"]) == 3 + 2 + 2 + 2
+
+
+def test_the_references_log_probs_under_its_autocast(tiny):
+    from minimind_ray.rl.grpo import completion_logprobs, rollout_micro_batch
+    from minimind_ray.rl.rollout import SamplingParams
+
+    entered = []
+
+    @contextlib.contextmanager
+    def autocast():
+        entered.append(torch.is_grad_enabled())
+        yield
+
+    first = [[5, 6, 2, 0], [5, 2, 0, 0], [7, 7, 7, 7], [7, 8, 7, 7]]
+    out = rollout_micro_batch(_micro_batch(), engine=_Scripted(_roll(first, [False, False, True, True])),
+                              params=SamplingParams(max_new_tokens=4), group_size=2, rewards=_terms([]),
+                              tokenizer=_Letters(), reference=tiny, autocast=autocast)
+    assert entered == [False]  # once, without gradient
+    want, _ = completion_logprobs(tiny, out["input_ids"], out["attention_mask"], 4)
+    assert out["ref_logp"].shape == (4, 4) and torch.equal(out["ref_logp"], want)
+    plain = rollout_micro_batch(_micro_batch(), engine=_Scripted(_roll(first, [False, False, True, True])),
+                                params=SamplingParams(max_new_tokens=4), group_size=2, rewards=_terms([]),
+                                tokenizer=_Letters(), reference=tiny)  # no autocast: computed as it is
+    assert torch.equal(plain["ref_logp"], want)
+
+
+def test_small_pieces_at_their_edges():
+    from minimind_ray.rl.grpo import _widen, eos_mask
+
+    x = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    wide = _widen(x, 5, 7)
+    assert wide.tolist() == [[1, 2, 3, 7, 7], [4, 5, 6, 7, 7]] and wide.dtype == torch.int64
+    assert _widen(x, 3, 7) is x and _widen(x, 2, 7) is x
+    assert eos_mask(torch.tensor([[5], [2]]), 2).tolist() == [[1.0], [1.0]]  # one-token completions
+    assert eos_mask(torch.tensor([[5, 2, 5], [5, 5, 5]]), 2).tolist() == [[1, 1, 0], [1, 1, 1]]
+    r = torch.tensor([1.0, 0.0, 2.0, 2.0])
+    assert torch.equal(group_advantages(r, 2), group_advantages(r, 2, "group", "grpo"))  # the defaults: MiniMind's
+    a, b = torch.tensor([-1.0, -2.0]), torch.tensor([-1.5, -0.5])
+    assert torch.equal(kl_estimate(a, b), kl_estimate(a, b, "k3"))
+    # cispo marks a ratio as clipped only above epsilon_high; the KL estimator asked for is the one used
+    zero = torch.zeros(1, 2)
+    _, clipped, _ = per_token_loss(zero, zero, None, torch.ones(1), "cispo", 0.2, 1.0, 0.0)
+    assert clipped.tolist() == [[False, False]]  # ratio exactly 1.0 = epsilon_high
+    _, _, kl = per_token_loss(a[None], a[None], b[None], torch.ones(1), "grpo", 0.2, 0.2, 0.1, kl_estimator="k1")
+    assert torch.equal(kl, (a - b)[None])
+
+
+def test_completion_logprobs_are_the_positions_that_predict_the_completion(tiny):
+    from minimind_ray.rl.grpo import completion_logprobs
+
+    ids = torch.tensor([[0, 9, 10, 5, 6, 2], [11, 12, 13, 7, 7, 7]])
+    attn = torch.tensor([[0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    out = tiny(ids, attention_mask=attn)
+    logits = out.logits[:, 2:5]  # positions 2..4 predict tokens 3..5
+    want = torch.log_softmax(logits.float(), -1).gather(-1, ids[:, 3:, None]).squeeze(-1)
+    logp, aux = completion_logprobs(tiny, ids, attn, 3)
+    assert logp.shape == (2, 3) and torch.allclose(logp, want, atol=1e-6) and torch.equal(aux, out.aux_loss)
+    logp2, aux2, entropy = completion_logprobs(tiny, ids, attn, 3, with_entropy=True)
+    p = torch.softmax(logits.float(), -1)
+    assert torch.equal(logp2, logp) and torch.allclose(entropy, -(p * p.log()).sum(-1), atol=1e-5)
+    assert not entropy.requires_grad
+
+
+def test_grpo_loss_sum_wires_the_pieces_by_hand(tiny):
+    """grpo_loss_sum = aggregate_loss(per_token_loss(completion_logprobs(...))), with the step's metric sums passed
+    through, per-pass metrics divided by num_iterations, the KL metric only with a reference, and an adaptive beta
+    taking the config's place."""
+    from types import SimpleNamespace
+
+    from minimind_ray.rl.grpo import completion_logprobs, grpo_loss_sum
+
+    ids = torch.tensor([[0, 9, 10, 5, 6, 2], [11, 12, 13, 7, 7, 7]])
+    attn = torch.tensor([[0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    with torch.no_grad():
+        logp, _ = completion_logprobs(tiny, ids, attn, 3)
+    old = logp + torch.tensor([[0.5, -0.5, 0.0], [0.0, 0.3, -0.3]])  # ratios e^-0.5, e^0.5, 1, ...: some clip
+    ref = logp - 0.2
+    batch = {"input_ids": ids, "attention_mask": attn, "completion_mask": mask, "old_logp": old, "ref_logp": ref,
+             "advantages": torch.tensor([1.0, -0.5]), "metric_reward": torch.tensor(3.0, dtype=torch.float64)}
+    cfg = SimpleNamespace(loss_type="grpo", epsilon=0.2, epsilon_high=0.28, beta=0.1, clip_high=0.28,
+                          kl_estimator="k2", num_iterations=2, loss_agg="token-mean", max_gen_len=3)
+    for beta in (None, 0.7):
+        loss, aux, extras = grpo_loss_sum(tiny, batch, cfg, beta=beta)
+        lp, _, ent = completion_logprobs(tiny, ids, attn, 3, with_entropy=True)
+        tok, clipped, kl = per_token_loss(lp, old, ref, batch["advantages"], "grpo", 0.2, 0.28,
+                                          0.1 if beta is None else beta, 0.28, "k2")
+        assert torch.allclose(loss, aggregate_loss(tok, mask, "token-mean", 3), atol=1e-6) and loss.requires_grad
+        assert set(extras) == {"reward", "clip_fraction", "entropy", "kl"} and float(extras["reward"]) == 3.0
+        assert 0 < float(extras["clip_fraction"]) and torch.allclose(
+            extras["clip_fraction"], sequence_mean(clipped.float(), mask).sum() / 2)
+        assert torch.allclose(extras["entropy"], sequence_mean(ent, mask).sum() / 2)
+        assert torch.allclose(extras["kl"], sequence_mean(kl, mask).sum() / 2) and not extras["kl"].requires_grad
+        assert torch.equal(aux, tiny(ids, attention_mask=attn).aux_loss)
+    del batch["ref_logp"]
+    loss, _, extras = grpo_loss_sum(tiny, batch, cfg)
+    tok, _, _ = per_token_loss(lp, old, None, batch["advantages"], "grpo", 0.2, 0.28, 0.1, 0.28, "k2")
+    assert "kl" not in extras and torch.allclose(loss, aggregate_loss(tok, mask, "token-mean", 3), atol=1e-6)
+
+
+def test_the_tokenizer_of_the_prompts_is_the_manifests_and_checked_by_hash(tmp_path):
+    from types import SimpleNamespace
+
+    from minimind_ray.rl.grpo import run_tokenizer
+    from minimind_ray.tokenizer import load_tokenizer
+    from tests.conftest import minimind_tokenizer_dir
+
+    path = str(minimind_tokenizer_dir("minimind2"))
+    tok = load_tokenizer(path)
+    cfg = SimpleNamespace(data=SimpleNamespace(tokenizer=path, cache_dir=str(tmp_path)),
+                          model=SimpleNamespace(generation="minimind2"))
+    assert run_tokenizer(cfg, {"tokenizer_path": path, "tokenizer_hash": tok.hash()}).hash() == tok.hash()
+    # prepared on another machine: the path is not here, data.tokenizer is resolved instead
+    assert run_tokenizer(cfg, {"tokenizer_path": str(tmp_path / "gone"), "tokenizer_hash": tok.hash()}).path == tok.path
+    with pytest.raises(ValueError) as e:
+        run_tokenizer(cfg, {"tokenizer_path": path, "tokenizer_hash": "f" * 64})
+    assert str(e.value) == (f"data.tokenizer: {tok.path} (hash {tok.hash()[:12]}) is not the tokenizer the prompts "
+                            f"were prepared with ({path}, hash ffffffffffff)")
