@@ -133,6 +133,7 @@ def test_the_lr_schedules_by_hand():
     minimind = lr_lambda(SimpleNamespace(lr_schedule="minimind"), 10)
     assert [round(minimind(s), 6) for s in (0, 5, 10)] == [1.0, 0.55, 0.1]
     assert lr_lambda(SimpleNamespace(lr_schedule="minimind"), 0)(0) == 1.0  # no division by zero
+    assert lr_lambda(SimpleNamespace(lr_schedule="minimind"), 1)(1) == pytest.approx(0.1)
     cosine = lr_lambda(SimpleNamespace(lr_schedule="cosine", warmup_steps=4, min_lr_ratio=0.2), 100)
     assert [cosine(s) for s in range(5)] == [0.25, 0.5, 0.75, 1.0, 1.0]  # linear warmup to the peak
     assert cosine(52) == pytest.approx(0.2 + 0.8 * 0.5)  # half-way through the decay
@@ -143,6 +144,10 @@ def test_the_lr_schedules_by_hand():
     assert [capped(s) for s in range(6)][:5] == [0.2, 0.4, 0.6, 0.8, 1.0] and capped(5) == pytest.approx(1.0)
     short = lr_lambda(SimpleNamespace(lr_schedule="cosine", warmup_steps=1000, min_lr_ratio=0.0), 5)
     assert short(0) == 1.0 and short(1) == 1.0 and short(3) == pytest.approx(0.5)  # progress (3 - 1) / 4
+    odd = lr_lambda(SimpleNamespace(lr_schedule="cosine", warmup_steps=1000, min_lr_ratio=0.0), 55)
+    assert odd(0) == 0.2  # 10% of 55 steps: 5 whole steps
+    two = lr_lambda(SimpleNamespace(lr_schedule="cosine", warmup_steps=1, min_lr_ratio=0.0), 2)
+    assert (two(0), two(1), two(2)) == (1.0, 1.0, 0.0)  # one step of decay: to the floor at its end
     none = lr_lambda(SimpleNamespace(lr_schedule="cosine", warmup_steps=0, min_lr_ratio=0.0), 4)
     assert none(0) == 1.0 and none(2) == pytest.approx(0.5)
 
