@@ -170,9 +170,19 @@ class CacheStep:
         self.fresh = not any(starts)
         self.S = T if self.fresh else min(max(starts) + T, cache.capacity)
         self.mask = None
+        self._grouped: Optional[tuple] = None  # (n_rep, the mask repeated for it): grouped_mask's
         if not self.fresh and not (T == 1 and len(set(starts)) == 1):
             keys = torch.arange(self.S, device=device)
             self.mask = (keys[None, None, :] <= self.positions[:, :, None])[:, None]  # (B, 1, T, S)
+
+    def grouped_mask(self, n_rep: int) -> Optional[Tensor]:
+        """The mask with each query row repeated for the n_rep query heads of a kv head, (B, 1, n_rep*T, S), row
+        r*T + t as ``t``'s (model/minimind.py: ``_grouped_attention``); made once per forward, not per layer."""
+        if self.mask is None:
+            return None
+        if self._grouped is None or self._grouped[0] != n_rep:
+            self._grouped = (n_rep, self.mask.repeat(1, 1, n_rep, 1))
+        return self._grouped[1]
 
     def update(self, layer: int, k: Tensor, v: Tensor):
         """Write this step's keys/values (B, T, nkv, hs) of ``layer`` in place; -> (keys, values, is_causal)

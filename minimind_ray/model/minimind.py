@@ -132,7 +132,7 @@ class Attention(nn.Module):
             k, v, causal = cache.update(self.layer_idx, k, v)
             gqa = n_rep > 1 and SDPA_GQA
             if n_rep > 1 and not causal:
-                return self.resid_dropout(self.o_proj(self._grouped_attention(q, k, v, mask)))
+                return self.resid_dropout(self.o_proj(self._grouped_attention(q, k, v, cache.grouped_mask(n_rep))))
         if n_rep > 1 and not gqa:
             k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)  # (B, S, nh, hs)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh|nkv, T|S, hs)
@@ -146,12 +146,10 @@ class Attention(nn.Module):
         head's n_rep query heads as n_rep x T query rows of one attention over that head's keys: the cache is read
         once per kv head as it lies, with no copy, and on a CPU it ran 1.6-2.6x faster than SDPA's ``enable_gqa``
         at T = 1, S = 64-2048 (bench/bench_decode.py). Query head h = g * n_rep + r reads kv head g, as repeat_kv
-        lays them out. q (B, T, nh, hs), k / v (B, S, nkv, hs) -> (B, T, nh*hs)."""
+        lays them out. q (B, T, nh, hs), k / v (B, S, nkv, hs), mask (B, 1, n_rep*T, S) or None -> (B, T, nh*hs)."""
         B, T = q.shape[:2]
         n_rep = self.nh // self.nkv
         qg = q.transpose(1, 2).reshape(B, self.nkv, n_rep * T, self.hs)  # row r*T + t: head g*n_rep + r, token t
-        if mask is not None:
-            mask = mask.repeat(1, 1, n_rep, 1)  # (B, 1, T, S) -> (B, 1, n_rep*T, S), rows as qg's
         y = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
                                            dropout_p=self.dropout if self.training else 0.0)  # (B, nkv, n_rep*T, hs)
         return y.reshape(B, self.nh, T, self.hs).transpose(1, 2).reshape(B, T, self.nh * self.hs)
