@@ -20,16 +20,17 @@ class Toy:
     """An objective: loss_sum = sum of squared errors of ``w x`` (+ the part's, when there is one), aux = 0.1 |w|^2,
     one extra metric counting rows; ``keep`` says per update whether to keep it."""
 
-    def __init__(self, passes: int = 1, keep=None, with_part: bool = False):
-        self.passes, self.keep, self.with_part = passes, list(keep or []), with_part
-        self.calls, self.prepared, self.ended = 0, [], []
+    def __init__(self, passes: int = 1, keep=None, with_part: bool = False, split: bool = False):
+        self.passes, self.keep, self.with_part, self.split = passes, list(keep or []), with_part, split
+        self.calls, self.prepared, self.ended, self.asked = 0, [], [], []
 
     def prepare(self, state, batches, step):
         self.prepared.append((state, step))
         return batches
 
     def update_plan(self, batches):
-        return [[batches] for _ in range(self.passes)]
+        """``passes`` passes of one update of every micro-batch, or (``split``) of an update per micro-batch."""
+        return [[[b] for b in batches] if self.split else [batches] for _ in range(self.passes)]
 
     def weight(self, b):
         return len(b["y"])
@@ -48,21 +49,27 @@ class Toy:
         return loss, 0.1 * (model.weight ** 2).sum(), {"rows": torch.tensor(float(len(mb["y"])))}
 
     def keep_update(self, state):
+        self.asked.append(state)
         return self.keep.pop(0) if self.keep else True
 
     def end_step(self, state, out):
-        self.ended.append(out)
+        self.ended.append((state, out))
 
 
 class SyncRecorder:
-    """What DDP's no_sync is asked for, per micro-batch (a world of 2 over one process has no DDP to ask)."""
+    """Which micro-batches DDP's no_sync is asked for (by the objective's count of loss_sum calls before each), as a
+    world of 2 over one process has no DDP to ask."""
 
-    def __init__(self):
-        self.entered = 0
+    def __init__(self, obj):
+        self.obj, self.at = obj, []
+
+    @property
+    def entered(self) -> int:
+        return len(self.at)
 
     @contextlib.contextmanager
     def no_sync(self):
-        self.entered += 1
+        self.at.append(self.obj.calls)
         yield
 
 
@@ -78,12 +85,12 @@ def _state(obj, world=1, grad_clip=0.0, part=None):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
     state = SimpleNamespace(objective=obj, world=world, device=torch.device("cpu"), forward_model=model,
-                            ddp_model=SyncRecorder(), params=list(model.parameters()), optimizer=opt, scheduler=sched,
-                            cfg=SimpleNamespace(train=SimpleNamespace(grad_clip=grad_clip)),
-                            autocast=contextlib.nullcontext, step=0, parts={})
+                            ddp_model=SyncRecorder(obj), params=list(model.parameters()), optimizer=opt,
+                            scheduler=sched, cfg=SimpleNamespace(train=SimpleNamespace(grad_clip=grad_clip)),
+                            autocast=contextlib.nullcontext, step=0)  # no ``parts``: a stage without any
     if part is not None:
         popt = torch.optim.SGD(part.parameters(), lr=0.1)
-        state.parts = {"critic": SimpleNamespace(ddp_model=SyncRecorder(), params=list(part.parameters()),
+        state.parts = {"critic": SimpleNamespace(ddp_model=SyncRecorder(obj), params=list(part.parameters()),
                                                  optimizer=popt, scheduler=torch.optim.lr_scheduler.LambdaLR(
                                                      popt, lambda s: 0.5 ** s))}
         obj.part = part
@@ -116,7 +123,7 @@ def test_one_update_is_the_gradient_of_the_global_batchs_mean_plus_aux():
     assert float(out.extras["rows"]) == 4.0 and out.extras["rows"].dtype == torch.float64
     assert (out.step, out.lr, state.step) == (7, 0.1, 7)
     assert state.scheduler.get_last_lr()[0] == pytest.approx(0.05)  # stepped once after the step
-    assert obj.prepared == [(state, 7)] and obj.ended == [out] and obj.calls == 2
+    assert obj.prepared == [(state, 7)] and obj.ended == [(state, out)] and obj.calls == 2 and obj.asked == [state]
     assert all(p.grad is None for p in state.params)  # zeroed with set_to_none
     assert state.ddp_model.entered == 0  # one rank: every micro-batch syncs
 
@@ -185,7 +192,10 @@ def test_a_world_of_two_syncs_only_the_last_micro_batch_and_scales_by_the_world(
         part = _linear([1.0, 1.0, 1.0])
         state = _state(Toy(with_part=True), world=2, part=part)
         out = train_step(state, BATCHES + [BATCHES[1]], 1)
-        assert (state.ddp_model.entered, state.parts["critic"].ddp_model.entered) == (2, 2)  # micro-batches 0 and 1
+        assert state.ddp_model.at == state.parts["critic"].ddp_model.at == [0, 1]  # micro-batches 0 and 1, not 2
+        w = torch.tensor([[1.0, 1.0, 1.0]], requires_grad=True)  # grad_clip 0: the part's whole gradient
+        (sum(((b["x"] @ w.T).squeeze(-1) - b["y"]).pow(2).sum() for b in BATCHES + [BATCHES[1]]) * 2 / 5).backward()
+        assert torch.allclose(part.weight, torch.tensor([[1.0, 1.0, 1.0]]) - 0.1 * w.grad, atol=1e-6)
         assert float(out.weight) == 5.0
         sharded = _state(Toy(), world=2)
         sharded.sharded = True  # FSDP reduce-scatters every micro-batch: no no_sync
@@ -222,3 +232,16 @@ def test_precision_on_a_gpu_follows_its_bf16(monkeypatch):
     with pytest.warns(UserWarning, match="CUDA is not available"):  # torch's, on a machine without one
         ctx = autocast_for("auto", gpu)()
     assert (ctx.device, ctx.fast_dtype) == ("cuda", torch.bfloat16)  # not CUDA autocast's default, fp16
+
+
+def test_updates_of_one_pass_add_their_units():
+    """GRPO's mini-batches: one pass of an update per micro-batch; the step's units are the pass's, summed."""
+    obj = Toy(split=True)
+    state = _state(obj)
+    out = train_step(state, BATCHES, 1)
+    assert (float(out.weight), float(out.metric_weight), obj.calls, len(obj.asked)) == (4.0, 8.0, 2, 2)
+    w = torch.tensor([[0.5, -1.0, 2.0]], requires_grad=True)  # the first update: batch 0 alone, its own mean
+    (((BATCHES[0]["x"] @ w.T).squeeze(-1) - BATCHES[0]["y"]).pow(2).sum() / 3 + 0.1 * (w ** 2).sum()).backward()
+    w1 = (w - 0.1 * w.grad).detach().requires_grad_()
+    (((BATCHES[1]["x"] @ w1.T).squeeze(-1) - BATCHES[1]["y"]).pow(2).sum() / 1 + 0.1 * (w1 ** 2).sum()).backward()
+    assert torch.allclose(state.forward_model.weight, w1 - 0.1 * w1.grad, atol=1e-6)
