@@ -13,6 +13,11 @@ cd "$(dirname "$0")/.."
 REPO=$PWD
 MUTMUT="$REPO/.venv/bin/mutmut"
 CHILDREN=${CHILDREN:-2}
+# the copy under /tmp has no ../shared beside it: point the tests at this checkout's mirror of MiniMind's tokenizers,
+# or the tests that need them skip and their mutants look untested (tests/conftest.py)
+if [ -z "${MINIMIND_SHARED:-}" ] && [ -d "$REPO/../shared/minimind" ]; then
+    export MINIMIND_SHARED="$(cd "$REPO/../shared/minimind" && pwd)"
+fi
 declare -A TESTS=(  # each file's fast unit tests (no Ray): the runner of its mutants
   [minimind_ray/engine/step.py]="tests/unit/test_train_step.py tests/unit/test_engine.py tests/unit/test_objectives.py tests/unit/test_grpo.py tests/unit/test_ppo.py"
   [minimind_ray/rl/grpo.py]="tests/unit/test_grpo.py tests/unit/test_grpo_options.py tests/unit/test_rl_learns.py"
