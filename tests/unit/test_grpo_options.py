@@ -377,6 +377,7 @@ def test_small_pieces_at_their_edges():
     wide = _widen(x, 5, 7)
     assert wide.tolist() == [[1, 2, 3, 7, 7], [4, 5, 6, 7, 7]] and wide.dtype == torch.int64
     assert _widen(x, 3, 7) is x and _widen(x, 2, 7) is x
+    assert _widen(x.int(), 4, 0).dtype == torch.int32  # the tensor's own dtype, whatever the value's
     assert eos_mask(torch.tensor([[5], [2]]), 2).tolist() == [[1.0], [1.0]]  # one-token completions
     assert eos_mask(torch.tensor([[5, 2, 5], [5, 5, 5]]), 2).tolist() == [[1, 1, 0], [1, 1, 1]]
     r = torch.tensor([1.0, 0.0, 2.0, 2.0])
@@ -442,6 +443,11 @@ def test_grpo_loss_sum_wires_the_pieces_by_hand(tiny):
     loss, _, extras = grpo_loss_sum(tiny, batch, cfg)
     tok, _, _ = per_token_loss(lp, old, None, batch["advantages"], "grpo", 0.2, 0.28, 0.1, 0.28, "k2")
     assert "kl" not in extras and torch.allclose(loss, aggregate_loss(tok, mask, "token-mean", 3), atol=1e-6)
+    # cispo reads epsilon_high; seq-sum-norm divides by max_gen_len
+    cispo = SimpleNamespace(**{**vars(cfg), "loss_type": "cispo", "epsilon_high": 1.2, "loss_agg": "seq-sum-norm"})
+    loss, _, _ = grpo_loss_sum(tiny, batch, cispo)
+    tok, _, _ = per_token_loss(lp, old, None, batch["advantages"], "cispo", 0.2, 1.2, 0.1, 0.28, "k2")
+    assert torch.allclose(loss, (tok * mask).sum() / 3, atol=1e-6)
 
 
 def test_the_tokenizer_of_the_prompts_is_the_manifests_and_checked_by_hash(tmp_path):
@@ -462,3 +468,19 @@ def test_the_tokenizer_of_the_prompts_is_the_manifests_and_checked_by_hash(tmp_p
         run_tokenizer(cfg, {"tokenizer_path": path, "tokenizer_hash": "f" * 64})
     assert str(e.value) == (f"data.tokenizer: {tok.path} (hash {tok.hash()[:12]}) is not the tokenizer the prompts "
                             f"were prepared with ({path}, hash ffffffffffff)")
+
+
+def test_a_resampled_rows_invalid_tokens_stay_out_of_its_reward_and_short_prompts_count_their_groups():
+    from minimind_ray.rl.grpo import rollout_micro_batch
+    from minimind_ray.rl.rollout import Rollout, SamplingParams
+
+    again = Rollout(torch.tensor([[8, 8, 9, 9], [8, 2, 0, 0]]), torch.tensor([[1, 1, 0, 0], [1, 1, 0, 0]]).bool(),
+                    torch.zeros(2, 4), torch.zeros(2, dtype=torch.bool))
+    seen = []
+    mb = {**_micro_batch(), "prompt_ids": torch.tensor([[9], [11]]), "prompt_mask": torch.tensor([[1], [1]])}
+    out = rollout_micro_batch(mb, engine=_Scripted(_roll([[5, 6, 2, 0], [5, 2, 0, 0], [7, 7, 7, 7], [7, 7, 7, 7]],
+                                                         [False, False, True, True]), again),
+                              params=SamplingParams(max_new_tokens=4), group_size=2, rewards=_terms(seen),
+                              tokenizer=_Letters(), dynamic_rounds=1)
+    assert seen[1][1] == ["dd", "d"]  # not "ddee"
+    assert float(out["metric_resampled_fraction"]) == 2.0  # one group of two, with prompts of one token
