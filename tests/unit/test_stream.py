@@ -291,6 +291,9 @@ def test_one_step_of_prefetch_runs_in_a_daemon_thread_and_peek_reads_on_its_own(
     plain = _stream(ds)  # no prefetch thread: still, peek leaves the stream's reader alone
     plain.peek()
     assert plain._reader._cache == {} and plain._peek_reader is not None and plain._peek_reader.capacity == 34
+    narrow = _stream(ds, shuffle_window_blocks=1)
+    narrow.peek()
+    assert narrow._peek_reader.capacity == 4  # two windows of one block, and two
 
 
 def test_a_full_queue_makes_the_producer_wait_not_stop(ds, monkeypatch):
