@@ -130,9 +130,9 @@ class Attention(nn.Module):
             causal, gqa = mask is None and T > 1, False
         else:  # the new keys go into the cache in place; attend to the row's cached ones: (B, S, nkv, hs)
             k, v, causal = cache.update(self.layer_idx, k, v)
-            gqa = n_rep > 1 and SDPA_GQA
-            if n_rep > 1 and not causal:
+            if n_rep > 1 and not causal:  # a decode step (or a joiner's prefill): no copy of the cached heads
                 return self.resid_dropout(self.o_proj(self._grouped_attention(q, k, v, cache.grouped_mask(n_rep))))
+            gqa = n_rep > 1 and SDPA_GQA  # a causal prefill of fresh rows
         if n_rep > 1 and not gqa:
             k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)  # (B, S, nh, hs)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh|nkv, T|S, hs)

@@ -34,6 +34,11 @@ def _write_checkpoint(run_dir: Path, step: int, world: int = 2) -> Path:
     return d
 
 
+def _ckpts(run_dir) -> dict:
+    """{step: directory} of a run's checkpoints that verify."""
+    return {ck.open_checkpoint(p).step: Path(p) for _, p in ck.checkpoints_in(run_dir)}
+
+
 @pytest.fixture
 def run_dir(tmp_path):
     run = tmp_path / "run"
@@ -99,7 +104,7 @@ def test_deep_verify_reads_every_rank_file(run_dir):
 
 
 def test_restart_resumes_from_a_newer_checkpoint_ray_did_not_register(run_dir):
-    ckpts = {ck.open_checkpoint(p).step: Path(p) for _, p in ck.checkpoints_in(run_dir)}
+    ckpts = _ckpts(run_dir)
     assert sorted(ckpts) == [4, 8]
     # a hard kill after step 8's upload: Ray's controller only registered step 4
     chosen = ck.choose_restore((str(ckpts[4]), LOCAL), str(run_dir))
@@ -149,7 +154,7 @@ _FILES = '"train_state.pt": 1, "meta.json": 1'
 def test_a_malformed_complete_marker_is_refused_and_the_older_checkpoint_used(run_dir, record):
     """Issue 11, item 10: a malformed COMPLETE.json is a refusal naming the checkpoint, not a crash of
     the search, and the restart falls back to the newest good checkpoint."""
-    ckpts = {ck.open_checkpoint(p).step: Path(p) for _, p in ck.checkpoints_in(run_dir)}
+    ckpts = _ckpts(run_dir)
     (ckpts[8] / ck.COMPLETE).write_text(record)
     with pytest.raises(ck.CheckpointError, match=str(ckpts[8].name)):
         ck.open_checkpoint(ckpts[8])
@@ -171,10 +176,6 @@ def test_meta_round_trips_and_names_the_file_when_malformed(run_dir):
 
 # --------------------------------------------------------------------------- the edges the cases above leave out
 # (issue 34: each kills mutants `bench/mutation.sh minimind_ray/store/checkpoint.py` found surviving)
-
-
-def _ckpts(run_dir) -> dict:
-    return {ck.open_checkpoint(p).step: Path(p) for _, p in ck.checkpoints_in(run_dir)}
 
 
 def test_choose_restore_says_why_it_resumes_from_the_run_directory(run_dir, capsys):

@@ -241,19 +241,29 @@ def _terms(seen):
     return [RewardTerm("len", 0.5, length, {}), RewardTerm("one", 2.0, lambda p, c, a: [1.0] * len(c), {})]
 
 
+def _rollout(engine, mb=None, seen=None, **kw):
+    """rollout_micro_batch on the scripted pieces: 2 prompts x 2 completions of up to 4 tokens, the two reward
+    terms (their calls appended to ``seen``)."""
+    from minimind_ray.rl.grpo import rollout_micro_batch
+
+    kw = {"params": SamplingParams(max_new_tokens=4), **kw}
+    return rollout_micro_batch(_micro_batch() if mb is None else mb, engine=engine, group_size=2,
+                               rewards=_terms([] if seen is None else seen), tokenizer=_Letters(), **kw)
+
+
+def _metrics(out) -> dict:
+    return {k[len("metric_"):]: float(v) for k, v in out.items() if k.startswith("metric_")}
+
+
 def test_a_micro_batchs_rollout_resamples_a_flat_group_and_sums_its_metrics_by_hand():
     """2 prompts x 2 completions; the second prompt's two are cut at 4 tokens with equal rewards (a flat group), so
     one dynamic-sampling round samples that group again (wider: 5 tokens). Every key, by hand."""
-    from minimind_ray.rl.grpo import rollout_micro_batch
-    from minimind_ray.rl.rollout import SamplingParams, row_seeds
-
     engine = _Scripted(_roll([[5, 6, 2, 0], [5, 5, 5, 5], [7, 7, 7, 7], [7, 7, 7, 7]], [False, True, True, True]),
                        _roll([[8, 2, 0, 0, 0], [8, 8, 8, 2, 0]], [False, False]))
     seen = []
     params = SamplingParams(max_new_tokens=5, eos_id=2, pad_id=0)
     mb = _micro_batch()
-    out = rollout_micro_batch(mb, engine=engine, params=params, group_size=2, rewards=_terms(seen),
-                              tokenizer=_Letters(), seed=3, step=9, dynamic_rounds=2)
+    out = _rollout(engine, mb, seen, params=params, seed=3, step=9, dynamic_rounds=2)
     # what the engine and the rewards were given; the second round found no flat group and sampled nothing
     (ids0, seeds0), (ids1, seeds1) = engine.calls
     assert ids0.tolist() == [[0, 9, 10], [0, 9, 10], [11, 12, 13], [11, 12, 13]] and ids1.tolist() == ids0[2:].tolist()
@@ -274,7 +284,7 @@ def test_a_micro_batchs_rollout_resamples_a_flat_group_and_sums_its_metrics_by_h
     assert out["old_logp"].tolist() == [[-0.5 * v for v in m] for m in mask]
     assert out["rewards"].tolist() == [3.0, 4.0, 2.5, 3.5]  # 0.5 x length + 2 x 1
     assert "ref_logp" not in out
-    metrics = {k[len("metric_"):]: float(v) for k, v in out.items() if k.startswith("metric_")}
+    metrics = _metrics(out)
     assert all(v.dtype == torch.float64 for k, v in out.items() if k.startswith("metric_"))
     assert metrics == {"reward": 13.0, "reward_std": 0.5 * 2 + 0.5 * 2, "zero_std_fraction": 0.0,
                        "completion_len": 13.0, "truncated_fraction": 1.0, "resampled_fraction": 2.0,
@@ -283,36 +293,28 @@ def test_a_micro_batchs_rollout_resamples_a_flat_group_and_sums_its_metrics_by_h
 
 
 def test_a_group_still_flat_after_its_rounds_is_dropped_and_truncation_masked():
-    from minimind_ray.rl.grpo import rollout_micro_batch
-    from minimind_ray.rl.rollout import SamplingParams
-
     first = [[5, 6, 2, 0], [5, 2, 0, 0], [7, 7, 7, 7], [7, 7, 7, 7]]
     engine = _Scripted(_roll(first, [False, False, True, True]), _roll([[8, 8], [9, 9]], [True, True]))
-    out = rollout_micro_batch(_micro_batch(), engine=engine, params=SamplingParams(max_new_tokens=4), group_size=2,
-                              rewards=_terms([]), tokenizer=_Letters(), dynamic_rounds=1)
+    out = _rollout(engine, dynamic_rounds=1)
     assert out["input_ids"][2:, 3:].tolist() == [[8, 8, 0, 0], [9, 9, 0, 0]]  # narrower: padded to the batch's width
     assert out["completion_mask"].tolist() == [[1, 1, 1, 0], [1, 1, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]]
     assert out["attention_mask"][2:, 3:].tolist() == [[1, 1, 0, 0], [1, 1, 0, 0]]  # the tokens stay visible
-    metrics = {k[len("metric_"):]: float(v) for k, v in out.items() if k.startswith("metric_")}
+    metrics = _metrics(out)
     assert (metrics["dropped_fraction"], metrics["resampled_fraction"], metrics["truncated_fraction"],
             metrics["zero_std_fraction"]) == (2.0, 2.0, 2.0, 2.0)
     assert torch.equal(engine.calls[0][1], row_seeds(0, 0, _micro_batch()["sample_ids"], 2))  # seed 0, step 0
     # by default a cut completion trains like any other
-    out = rollout_micro_batch(_micro_batch(), engine=_Scripted(_roll(first, [False, False, True, True])),
-                              params=SamplingParams(max_new_tokens=4), group_size=2, rewards=_terms([]),
-                              tokenizer=_Letters())
+    out = _rollout(_Scripted(_roll(first, [False, False, True, True])))
     assert out["completion_mask"][2:].tolist() == [[1, 1, 1, 1], [1, 1, 1, 1]]
     # no dynamic sampling: one call, no resample/drop metrics, and mask_truncated takes the cut completions out
     engine = _Scripted(_roll(first, [False, False, True, True]))
-    out = rollout_micro_batch(_micro_batch(), engine=engine, params=SamplingParams(max_new_tokens=4), group_size=2,
-                              rewards=_terms([]), tokenizer=_Letters(), mask_truncated=True)
+    out = _rollout(engine, mask_truncated=True)
     assert len(engine.calls) == 1 and "metric_dropped_fraction" not in out and "metric_resampled_fraction" not in out
     assert out["completion_mask"].tolist() == [[1, 1, 1, 0], [1, 1, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]]
     assert float(out["metric_completion_len"]) == 3 + 2 + 4 + 4 and float(out["metric_truncated_fraction"]) == 2.0
     # a pending rollout (an actor pool's overlap) is used instead of generating
     engine = _Scripted()
-    out = rollout_micro_batch(_micro_batch(), engine=engine, params=SamplingParams(max_new_tokens=4), group_size=2,
-                              rewards=_terms([]), tokenizer=_Letters(), pending=_roll(first, [False] * 4))
+    out = _rollout(engine, pending=_roll(first, [False] * 4))
     assert engine.calls == [] and out["rewards"].tolist() == [3.0, 2.5, 4.0, 4.0]
 
 
@@ -332,23 +334,20 @@ def test_unknown_options_are_named():
 def test_tokens_an_engine_marks_invalid_reach_neither_the_rewards_nor_the_loss():
     """An engine's rows may stop before max_new_tokens without an EOS (its padding): ``completion_mask`` of the
     rollout, not the EOS alone, says which tokens were sampled."""
-    from minimind_ray.rl.grpo import rollout_micro_batch
-    from minimind_ray.rl.rollout import Rollout, SamplingParams
+    from minimind_ray.rl.rollout import Rollout
 
     ids = torch.tensor([[5, 6, 2, 0], [7, 7, 9, 9], [5, 2, 0, 0], [6, 2, 0, 0]])
     valid = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 0, 0]], dtype=torch.bool)
     seen = []
-    out = rollout_micro_batch(_micro_batch(), engine=_Scripted(), params=SamplingParams(max_new_tokens=4),
-                              group_size=2, rewards=_terms(seen), tokenizer=_Letters(),
-                              pending=Rollout(ids, valid, -0.5 * valid.float(), torch.zeros(4, dtype=torch.bool)))
+    out = _rollout(_Scripted(), seen=seen,
+                   pending=Rollout(ids, valid, -0.5 * valid.float(), torch.zeros(4, dtype=torch.bool)))
     assert seen[0][1] == ["ab", "cc", "a", "b"]  # not "cceecc"
     assert out["completion_mask"][1].tolist() == [1, 1, 0, 0] and out["attention_mask"][1, 3:].tolist() == [1, 1, 0, 0]
     assert float(out["metric_completion_len"]) == 3 + 2 + 2 + 2
 
 
 def test_the_references_log_probs_under_its_autocast(tiny):
-    from minimind_ray.rl.grpo import completion_logprobs, rollout_micro_batch
-    from minimind_ray.rl.rollout import SamplingParams
+    from minimind_ray.rl.grpo import completion_logprobs
 
     entered = []
 
@@ -358,15 +357,11 @@ def test_the_references_log_probs_under_its_autocast(tiny):
         yield
 
     first = [[5, 6, 2, 0], [5, 2, 0, 0], [7, 7, 7, 7], [7, 8, 7, 7]]
-    out = rollout_micro_batch(_micro_batch(), engine=_Scripted(_roll(first, [False, False, True, True])),
-                              params=SamplingParams(max_new_tokens=4), group_size=2, rewards=_terms([]),
-                              tokenizer=_Letters(), reference=tiny, autocast=autocast)
+    out = _rollout(_Scripted(_roll(first, [False, False, True, True])), reference=tiny, autocast=autocast)
     assert entered == [False]  # once, without gradient
     want, _ = completion_logprobs(tiny, out["input_ids"], out["attention_mask"], 4)
     assert out["ref_logp"].shape == (4, 4) and torch.equal(out["ref_logp"], want)
-    plain = rollout_micro_batch(_micro_batch(), engine=_Scripted(_roll(first, [False, False, True, True])),
-                                params=SamplingParams(max_new_tokens=4), group_size=2, rewards=_terms([]),
-                                tokenizer=_Letters(), reference=tiny)  # no autocast: computed as it is
+    plain = _rollout(_Scripted(_roll(first, [False, False, True, True])), reference=tiny)  # no autocast: as it is
     assert torch.equal(plain["ref_logp"], want)
 
 
@@ -471,16 +466,13 @@ def test_the_tokenizer_of_the_prompts_is_the_manifests_and_checked_by_hash(tmp_p
 
 
 def test_a_resampled_rows_invalid_tokens_stay_out_of_its_reward_and_short_prompts_count_their_groups():
-    from minimind_ray.rl.grpo import rollout_micro_batch
-    from minimind_ray.rl.rollout import Rollout, SamplingParams
+    from minimind_ray.rl.rollout import Rollout
 
     again = Rollout(torch.tensor([[8, 8, 9, 9], [8, 2, 0, 0]]), torch.tensor([[1, 1, 0, 0], [1, 1, 0, 0]]).bool(),
                     torch.zeros(2, 4), torch.zeros(2, dtype=torch.bool))
     seen = []
     mb = {**_micro_batch(), "prompt_ids": torch.tensor([[9], [11]]), "prompt_mask": torch.tensor([[1], [1]])}
-    out = rollout_micro_batch(mb, engine=_Scripted(_roll([[5, 6, 2, 0], [5, 2, 0, 0], [7, 7, 7, 7], [7, 7, 7, 7]],
-                                                         [False, False, True, True]), again),
-                              params=SamplingParams(max_new_tokens=4), group_size=2, rewards=_terms(seen),
-                              tokenizer=_Letters(), dynamic_rounds=1)
+    out = _rollout(_Scripted(_roll([[5, 6, 2, 0], [5, 2, 0, 0], [7, 7, 7, 7], [7, 7, 7, 7]],
+                                   [False, False, True, True]), again), mb, seen, dynamic_rounds=1)
     assert seen[1][1] == ["dd", "d"]  # not "ddee"
     assert float(out["metric_resampled_fraction"]) == 2.0  # one group of two, with prompts of one token

@@ -101,13 +101,15 @@ BATCHES = [{"x": torch.tensor([[1.0, 0.0, 1.0], [0.0, 2.0, 0.0], [1.0, 1.0, 1.0]
            {"x": torch.tensor([[2.0, 0.0, 0.0]]), "y": torch.tensor([3.0])}]
 
 
-def _by_hand(weights, world=1):
-    """(sum of squared errors, aux, gradient of world x the mean over the 4 rows + aux) at ``weights``."""
-    w = torch.tensor([weights], requires_grad=True)
-    sse = sum(((b["x"] @ w.T).squeeze(-1) - b["y"]).pow(2).sum() for b in BATCHES)
-    aux = 0.1 * (w ** 2).sum()
-    (sse * world / 4 + aux).backward()
-    return sse.detach(), aux.detach(), w.grad
+def _by_hand(weights, batches=BATCHES, scale=None, aux=True):
+    """(sum of squared errors over ``batches``, aux, gradient of scale x that sum, plus aux's) at ``weights``; the
+    scale defaults to the mean's, 1 / rows."""
+    w = torch.tensor([list(weights)], requires_grad=True)
+    sse = sum(((b["x"] @ w.T).squeeze(-1) - b["y"]).pow(2).sum() for b in batches)
+    penalty = 0.1 * (w ** 2).sum()
+    scale = 1 / sum(len(b["y"]) for b in batches) if scale is None else scale
+    (sse * scale + (penalty if aux else 0)).backward()
+    return sse.detach(), penalty.detach(), w.grad
 
 
 def test_one_update_is_the_gradient_of_the_global_batchs_mean_plus_aux():
@@ -173,10 +175,9 @@ def test_a_trained_part_steps_with_its_own_clip():
     part = _linear([1.0, 1.0, 1.0])
     state = _state(Toy(with_part=True), grad_clip=0.5, part=part)
     train_step(state, BATCHES, 1)
-    w = torch.tensor([[1.0, 1.0, 1.0]], requires_grad=True)
-    (sum(((b["x"] @ w.T).squeeze(-1) - b["y"]).pow(2).sum() for b in BATCHES) / 4).backward()
-    assert float(w.grad.norm()) > 0.5
-    want = torch.tensor([[1.0, 1.0, 1.0]]) - 0.1 * w.grad * (0.5 / w.grad.norm())
+    _, _, grad = _by_hand([1.0, 1.0, 1.0], aux=False)
+    assert float(grad.norm()) > 0.5
+    want = torch.tensor([[1.0, 1.0, 1.0]]) - 0.1 * grad * (0.5 / grad.norm())
     assert torch.allclose(part.weight, want, atol=1e-6)
     assert all(p.grad is None for p in part.parameters())
     assert state.parts["critic"].scheduler.get_last_lr()[0] == pytest.approx(0.05)
@@ -193,9 +194,8 @@ def test_a_world_of_two_syncs_only_the_last_micro_batch_and_scales_by_the_world(
         state = _state(Toy(with_part=True), world=2, part=part)
         out = train_step(state, BATCHES + [BATCHES[1]], 1)
         assert state.ddp_model.at == state.parts["critic"].ddp_model.at == [0, 1]  # micro-batches 0 and 1, not 2
-        w = torch.tensor([[1.0, 1.0, 1.0]], requires_grad=True)  # grad_clip 0: the part's whole gradient
-        (sum(((b["x"] @ w.T).squeeze(-1) - b["y"]).pow(2).sum() for b in BATCHES + [BATCHES[1]]) * 2 / 5).backward()
-        assert torch.allclose(part.weight, torch.tensor([[1.0, 1.0, 1.0]]) - 0.1 * w.grad, atol=1e-6)
+        _, _, grad = _by_hand([1.0, 1.0, 1.0], BATCHES + [BATCHES[1]], scale=2 / 5, aux=False)  # grad_clip 0: whole
+        assert torch.allclose(part.weight, torch.tensor([[1.0, 1.0, 1.0]]) - 0.1 * grad, atol=1e-6)
         assert float(out.weight) == 5.0
         sharded = _state(Toy(), world=2)
         sharded.sharded = True  # FSDP reduce-scatters every micro-batch: no no_sync
@@ -206,10 +206,8 @@ def test_a_world_of_two_syncs_only_the_last_micro_batch_and_scales_by_the_world(
     plain = _state(Toy(), world=2)
     with pytest.raises(ValueError, match="(?i)process group"):  # a world of 2 needs its group for the units
         train_step(plain, BATCHES, 1)
-    w = torch.tensor([[0.5, -1.0, 2.0]], requires_grad=True)
-    sse = sum(((b["x"] @ w.T).squeeze(-1) - b["y"]).pow(2).sum() for b in BATCHES + [BATCHES[1]])
-    (sse * 2 / 5 + 0.1 * (w ** 2).sum()).backward()
-    assert torch.allclose(out.grad_norm, w.grad.norm())
+    _, _, grad = _by_hand([0.5, -1.0, 2.0], BATCHES + [BATCHES[1]], scale=2 / 5)
+    assert torch.allclose(out.grad_norm, grad.norm())
 
 
 def test_precision_on_a_gpu_follows_its_bf16(monkeypatch):
@@ -240,8 +238,8 @@ def test_updates_of_one_pass_add_their_units():
     state = _state(obj)
     out = train_step(state, BATCHES, 1)
     assert (float(out.weight), float(out.metric_weight), obj.calls, len(obj.asked)) == (4.0, 8.0, 2, 2)
-    w = torch.tensor([[0.5, -1.0, 2.0]], requires_grad=True)  # the first update: batch 0 alone, its own mean
-    (((BATCHES[0]["x"] @ w.T).squeeze(-1) - BATCHES[0]["y"]).pow(2).sum() / 3 + 0.1 * (w ** 2).sum()).backward()
-    w1 = (w - 0.1 * w.grad).detach().requires_grad_()
-    (((BATCHES[1]["x"] @ w1.T).squeeze(-1) - BATCHES[1]["y"]).pow(2).sum() / 1 + 0.1 * (w1 ** 2).sum()).backward()
-    assert torch.allclose(state.forward_model.weight, w1 - 0.1 * w1.grad, atol=1e-6)
+    w0 = torch.tensor([[0.5, -1.0, 2.0]])
+    _, _, g0 = _by_hand(w0[0].tolist(), [BATCHES[0]])  # the first update: batch 0 alone, its own mean
+    w1 = w0 - 0.1 * g0
+    _, _, g1 = _by_hand(w1[0].tolist(), [BATCHES[1]])
+    assert torch.allclose(state.forward_model.weight, w1 - 0.1 * g1, atol=1e-6)
