@@ -29,6 +29,7 @@ from minimind_ray.console import after_ray_start, ray_init_options
 from minimind_ray.fsio import filesystem, is_uri, join, redact
 from minimind_ray.raytrain.lineage import lineage_tags, skipped
 from minimind_ray.raytrain.oom import explain as explain_oom, warn_if_short
+from minimind_ray.raytrain.preemption import check_interval
 from minimind_ray.raytrain.progress import ProgressPrinter, progress_sink
 from minimind_ray.raytrain.resources import ClusterTooSmall, check_resources, worker_resources
 from minimind_ray.raytrain.restarts import fit as fit_with_restarts
@@ -149,6 +150,8 @@ def train_env(cfg: RunConfig):
         # a worker group that cannot be placed (e.g. after a node loss) is retried after this, smaller when elastic
         "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": f"{cfg.cluster.resource_timeout_s:g}",  # Ray reads a float
     }
+    if not check_interval(cfg):  # checkpoint.preemption_check_interval=0: no rank asks, so no PreemptionWatcher
+        wanted["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] = "0"  # actor polling the GCS for drains (raytrain/preemption.py)
     ours = {k: v for k, v in wanted.items() if k not in os.environ}
     # The start guard (raytrain/start_guard.py) goes before the user's own callbacks and Ray's: read by the driver's
     # TorchTrainer.fit, which builds the controller's callbacks

@@ -12,18 +12,19 @@ from minimind_ray.config import load_config
 from minimind_ray.raytrain.driver import train_env
 
 START, HEALTH = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
+WATCHER = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
 CALLBACKS, GUARD = "RAY_TRAIN_CALLBACKS", "minimind_ray.raytrain.start_guard.StartGuard"
 
 
 @pytest.fixture
 def clean_env(monkeypatch):
-    for k in (START, HEALTH, CALLBACKS):
+    for k in (START, HEALTH, CALLBACKS, WATCHER):
         monkeypatch.delenv(k, raising=False)
     return monkeypatch
 
 
-def _cfg(timeout):
-    return load_config("pipelines/configs/tiny.yaml", [f"cluster.resource_timeout_s={timeout}"])
+def _cfg(timeout, *over):
+    return load_config("pipelines/configs/tiny.yaml", [f"cluster.resource_timeout_s={timeout}", *over])
 
 
 def test_while_it_trains_the_run_sets_its_resource_timeout_and_a_half_second_poll(clean_env):
@@ -60,3 +61,18 @@ def test_ray_train_puts_the_start_guard_before_its_own_callbacks(clean_env, tmp_
     with train_env(_cfg(20)):
         names = [type(c).__name__ for c in trainer._create_default_callbacks()]
     assert names.index("StartGuard") == 0 and "BackendSetupCallback" in names
+
+
+def test_with_preemption_checks_off_ray_train_starts_no_preemption_watcher(clean_env, tmp_path):
+    """checkpoint.preemption_check_interval=0: no rank asks for a drain notice, so the run tells Ray Train (whose
+    controller reads the setting it propagates) not to start the PreemptionWatcher actor; by default it is left on."""
+    from ray.train.v2._internal.constants import get_env_vars_to_propagate
+
+    with train_env(_cfg(20)) as applied:
+        assert WATCHER not in applied and WATCHER not in os.environ  # the default: every log interval, watched
+    with train_env(_cfg(20, "checkpoint.preemption_check_interval=0")) as applied:
+        assert applied[WATCHER] == "0" and get_env_vars_to_propagate()[WATCHER] == "0"
+    assert WATCHER not in os.environ
+    clean_env.setenv(WATCHER, "1")  # what the user exported wins, as for the other settings
+    with train_env(_cfg(20, "checkpoint.preemption_check_interval=0")) as applied:
+        assert applied[WATCHER] == "1"
