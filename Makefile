@@ -6,12 +6,12 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test ui install
 
-# --no-compile: pip would byte-compile every module of every package (torch, transformers, ray...) up front, about
-# 35 s of a fresh install's 80 on 2 cores; Python compiles the modules a process imports the first time it imports them
+# pip byte-compiles every package as it installs (keep it: where PYTHONDONTWRITEBYTECODE is set, as on the development
+# machines, nothing writes a .pyc later, and every process would compile torch and Ray from source at each import)
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q --no-compile -r requirements.txt
+	$(BIN)/python -m pip install -q -r requirements.txt
 	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
