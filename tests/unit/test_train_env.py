@@ -63,7 +63,7 @@ def test_ray_train_puts_the_start_guard_before_its_own_callbacks(clean_env, tmp_
     assert names.index("StartGuard") == 0 and "BackendSetupCallback" in names
 
 
-def test_with_preemption_checks_off_ray_train_starts_no_preemption_watcher(clean_env, tmp_path):
+def test_with_preemption_checks_off_ray_train_starts_no_preemption_watcher(clean_env):
     """checkpoint.preemption_check_interval=0: no rank asks for a drain notice, so the run tells Ray Train (whose
     controller reads the setting it propagates) not to start the PreemptionWatcher actor; by default it is left on."""
     from ray.train.v2._internal.constants import get_env_vars_to_propagate
