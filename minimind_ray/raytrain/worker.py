@@ -64,8 +64,11 @@ class RayHooks(Hooks):
         self.samples = SampleLog(cfg.train.sample_log_dir, rank, state.world, attempt=state.step)
         self.logger = None
         if rank == 0 and run_id and cfg.tracking.enabled:
+            # no waiting for the server here: rank 0 alone would wait (MLflow's import, the store's first read: up to
+            # tracking.timeout_s on a slow server) while the other ranks sit in the first step's collective, whose
+            # train.collective_timeout_s would then fail a healthy group as hung
             self.logger = RunLogger(spec.tracking_uri, run_id, timeout_s=cfg.tracking.timeout_s,
-                                    system_metrics=cfg.tracking.system_metrics)
+                                    system_metrics=cfg.tracking.system_metrics, wait_for_server=False)
         self.preemption = PreemptionCheck(cfg, spec.run_dir, rank, state.total_steps)
 
     # -- checkpoint on preemption (raytrain/preemption.py): ask Ray every few steps, checkpoint, hold

@@ -32,12 +32,14 @@ class RunLogger:
     """
 
     def __init__(self, uri: str, run_id: str, timeout_s: float = 10.0, *,
-                 system_metrics: bool = False, max_pending: int = 100_000):
-        """Start the sender thread and wait up to ``timeout_s`` for its first read of the run.
+                 system_metrics: bool = False, max_pending: int = 100_000, wait_for_server: bool = True):
+        """Start the sender thread and, with ``wait_for_server``, wait up to ``timeout_s`` for its first read of
+        the run.
 
         Waiting lets the common case (server up) filter replays before they are queued; if
         the read fails or is slow, training goes on and the thread keeps trying, sending
-        nothing until it knows what the run holds. ``system_metrics`` starts MLflow's
+        nothing until it knows what the run holds. Without the wait the same replays are
+        filtered when they are sent: the counts and the run's record come out the same. ``system_metrics`` starts MLflow's
         CPU/GPU/memory/disk/network sampler (``system/*`` metrics of this node, every 10 s).
         """
         os.environ.update(http_env(timeout_s))
@@ -59,7 +61,8 @@ class RunLogger:
         self._first_read = threading.Event()
         self._thread = threading.Thread(target=self._run, name="mlflow-run-logger", daemon=True)
         self._thread.start()
-        self._first_read.wait(timeout_s)
+        if wait_for_server:
+            self._first_read.wait(timeout_s)
 
     # ---- training side: cheap, never raise
 

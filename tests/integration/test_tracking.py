@@ -99,8 +99,9 @@ def test_worker_restart_logs_each_step_once(mlflow_server, tmp_path):
     s1 = first.close(timeout_s=20)
     assert (s1["metrics_logged"], s1["metrics_dropped"], s1["metrics_skipped"]) == (20, 0, 1), s1
 
-    # the worker group restarted from the checkpoint at step 4 and replays steps 5..12
-    second = RunLogger(mlflow_server.uri, run_id, timeout_s=5)
+    # the worker group restarted from the checkpoint at step 4 and replays steps 5..12; its logger, like a training
+    # worker's, does not wait for its first read of the run (the replays are then filtered as they are sent)
+    second = RunLogger(mlflow_server.uri, run_id, timeout_s=5, wait_for_server=False)
     for step in range(5, 13):
         second.log_metrics({"loss": 100.0 + step}, step)
     s2 = second.close(timeout_s=20)
