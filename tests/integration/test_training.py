@@ -188,8 +188,14 @@ def test_a_schedule_of_mixed_faults_recovers_bit_for_bit(baseline, shared, capfd
     _, w_ref, losses_ref = baseline
     name = "chaos"
     before = set(ray.util.placement_group_table())
-    res = run_tiny(shared, name, "train.faults=[start:actor:0,start:backend:1,start:launch:1,3:raise:0,6:sigkill:1,"
-                                 "9:hang:1,12:lost_report:1]", "train.collective_timeout_s=10", "cluster.max_failures=7")
+    try:
+        res = run_tiny(shared, name, "train.faults=[start:actor:0,start:backend:1,start:launch:1,3:raise:0,"
+                                     "6:sigkill:1,9:hang:1,12:lost_report:1]", "train.collective_timeout_s=10",
+                       "cluster.max_failures=7")
+    except Exception as e:  # name the faults fired and what the controller saw fail, in order (the budget is exact)
+        marks = sorted(fired(str(shared["base"] / "runs" / name)).items(), key=lambda kv: kv[1].get("t", 0))
+        raise AssertionError("the run failed; in order: " + "; ".join(
+            f"{k} {str(r.get('errors', ''))[:160]}" for k, r in marks) + f"; error: {str(e)[:300]}") from e
     # what held the CPUs in the hang: the placement group of a group whose start failed. None is left.
     left = {pg: t["state"] for pg, t in ray.util.placement_group_table().items() if pg not in before}
     assert len(left) >= 7 and set(left.values()) == {"REMOVED"}, left
