@@ -409,7 +409,8 @@ def run(cfg: RunConfig, *, tags: Optional[Dict[str, str]] = None, callbacks=(), 
         oom = explain_oom(run_cfg, e)  # one line naming the settings, instead of Ray's traceback
         one_line = oom or (ClusterTooSmall(not_placed(e)) if not_placed(e) else None)
         if run_id:
-            finish_run(uri, run_id, "FAILED", error=redact(str(one_line) if one_line else f"{type(e).__name__}: {e}"))
+            finish_run(uri, run_id, "FAILED", error=redact(str(one_line) if one_line else f"{type(e).__name__}: {e}"),
+                       timeout_s=cfg.tracking.timeout_s)
         if one_line is not None:
             raise one_line from None
         raise
@@ -418,10 +419,11 @@ def run(cfg: RunConfig, *, tags: Optional[Dict[str, str]] = None, callbacks=(), 
         out = _finish(spec, result, tokenizer)
     except BaseException as e:
         if run_id:
-            finish_run(uri, run_id, "FAILED", error=f"after training: {type(e).__name__}: {e}")
+            finish_run(uri, run_id, "FAILED", error=f"after training: {type(e).__name__}: {e}",
+                       timeout_s=cfg.tracking.timeout_s)
         raise
     if run_id:
-        finish_run(uri, run_id, "FINISHED")
+        finish_run(uri, run_id, "FINISHED", timeout_s=cfg.tracking.timeout_s)  # the user's per-request bound
     if out.checkpoint_dir:  # the next stage starts from <storage>/<stage>-latest
         out.latest = mark_latest(run_dir, cfg.train.stage)
     summary = out.metrics.get("tracking_summary")

@@ -1,8 +1,8 @@
 """Integration fixtures: a real MLflow tracking server.
 
 Starting one costs about 10 s on 2 cores (``--workers 1`` and no job execution; 20 s with
-the defaults), so one server serves a whole test module. Tests that stop it must start it
-again before they end.
+the defaults), so one server serves a whole test module. A test may leave it stopped: the
+next test that asks for it starts it again.
 """
 from __future__ import annotations
 
@@ -82,13 +82,22 @@ class MlflowServer:
 
 
 @pytest.fixture(scope="module")
-def mlflow_server(tmp_path_factory):
+def _module_mlflow_server(tmp_path_factory):
     server = MlflowServer(tmp_path_factory.mktemp("mlflow-server"))
     server.start()
     try:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+def mlflow_server(_module_mlflow_server):
+    """The module's server, running: a test that stopped it (the server going away mid-run) need not start it again
+    (~10 s) unless it needs it back itself; the next test that asks for it gets it started."""
+    if _module_mlflow_server.proc is None:
+        _module_mlflow_server.start()
+    return _module_mlflow_server
 
 from .local_cluster import cluster_env  # noqa: E402,F401  (a fixture for the tests that start their own cluster)
 

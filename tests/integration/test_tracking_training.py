@@ -107,8 +107,7 @@ def test_training_survives_the_tracking_server_going_down(ray_session, shared, m
     try:
         res = run_tiny(shared, "server-down", f"tracking.uri={mlflow_server.uri}", "tracking.timeout_s=2", shared["data"])
     finally:
-        killer.join(timeout=5)
-        mlflow_server.start()  # leave the fixture as we found it
+        killer.join(timeout=5)  # the server stays down: a later test that asks for it gets it started again
     assert res.checkpoint_dir is not None
     # the server was down while the run trained: the last worker's logger could not send everything
     summary = json.loads(res.metrics["tracking_summary"])
