@@ -28,6 +28,7 @@ Two pieces make such a death one restart:
 """
 from __future__ import annotations
 
+import re
 import time
 from typing import Callable, Optional, Tuple
 
@@ -53,7 +54,11 @@ def start_failure(error: BaseException) -> Optional[Tuple[str, Optional[int]]]:
         return None
     cause = error.controller_failure
     if isinstance(cause, WorkerGroupStartupTimeoutError):
-        return f"{cause.num_workers} worker(s) could not be placed within cluster.resource_timeout_s", cause.num_workers
+        # the seconds the controller waited, from Ray's message (made in the controller, from the setting it got)
+        waited = re.search(r"timed out after ([\d.]+) seconds", str(cause))
+        within = f" ({float(waited.group(1)):g} s)" if waited else ""
+        return (f"{cause.num_workers} worker(s) could not be placed within cluster.resource_timeout_s{within}",
+                cause.num_workers)
     if isinstance(cause, WorkerGroupStartupFailedError):
         return "a worker died while the group was set up", None
     if isinstance(cause, RayActorError):  # the bare ActorDiedError of run_train_fn

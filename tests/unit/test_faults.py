@@ -132,13 +132,15 @@ def test_each_start_failure_costs_one_of_max_failures_with_the_worker_failures_b
         "failure 1 of cluster.max_failures=4)", "failure 3 of cluster.max_failures=4)"]
 
 
-def test_a_spent_budget_ends_the_run_with_one_line_naming_max_failures(tmp_path):
+def test_a_spent_budget_ends_the_run_with_one_line_naming_max_failures(tmp_path, monkeypatch):
     from minimind_ray.raytrain.restarts import RestartsSpent, fit
 
+    # what the controller waited (cluster.resource_timeout_s, as Ray Train read it there) is in Ray's message
+    monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "7.5")
     died, timed_out, _ = _start_errors()
     given = []
     with pytest.raises(RestartsSpent, match=r"^cluster.max_failures=1 spent: the worker group did not start \(2 "
-                                            r"worker\(s\) could not be placed within cluster.resource_timeout_s\) "
+                                            r"worker\(s\) could not be placed within cluster.resource_timeout_s \(7.5 s\)\) "
                                             r"after 1 restart"):
         fit(_Trainer([died, timed_out, "never"], given), 1, str(tmp_path), "r")
     assert given == [1, 0]
