@@ -136,7 +136,7 @@ def test_a_submitted_job_continues_after_losing_a_worker_node(two_worker_nodes, 
             [str(RAY_BIN), "job", "submit", "--address", f"http://127.0.0.1:{base + 1}", "--working-dir", str(REPO),
              "--", "python", "-m", "pipelines.pretrain", *common_args(tmp_path, name),
              "cluster.num_workers=2", "cluster.min_workers=1", "cluster.worker_resource=trainslot",
-             "cluster.resource_timeout_s=10", f"train.max_steps={steps}", "checkpoint.interval=5",
+             "cluster.resource_timeout_s=20", f"train.max_steps={steps}", "checkpoint.interval=5",
              "train.faults=[14:slow:0:300]"],
             cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
@@ -156,9 +156,9 @@ def test_a_submitted_job_continues_after_losing_a_worker_node(two_worker_nodes, 
     assert len(runs) == 1 and runs[0].info.status == "FINISHED"
     assert "ray.job_submission_id" in runs[0].data.tags
     # cluster.resource_timeout_s reached the submitted job's controller: a restart that still asked for 2 workers
-    # (the coordinator had not yet seen the node die) gave up after 10 s, not Ray Train's default 60
+    # (the coordinator had not yet seen the node die) gave up after 20 s, not Ray Train's default 60
     waits = re.findall(r"could not be placed within cluster\.resource_timeout_s \(([\d.]+) s\)", log.read_text())
-    assert waits and all(float(w) == 10 for w in waits), waits
+    assert waits and all(float(w) == 20 for w in waits), waits
     per_step, attempts = sample_record({"base": tmp_path}, name)
     assert_exactly_once(per_step, steps=steps)
     worlds = [r["world"] for r in _lines(samples)]
