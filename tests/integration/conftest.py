@@ -82,7 +82,7 @@ class MlflowServer:
 
 
 @pytest.fixture(scope="module")
-def _module_mlflow_server(tmp_path_factory):
+def mlflow_server(tmp_path_factory):
     server = MlflowServer(tmp_path_factory.mktemp("mlflow-server"))
     server.start()
     try:
@@ -91,13 +91,15 @@ def _module_mlflow_server(tmp_path_factory):
         server.stop()
 
 
-@pytest.fixture
-def mlflow_server(_module_mlflow_server):
-    """The module's server, running: a test that stopped it (the server going away mid-run) need not start it again
-    (~10 s) unless it needs it back itself; the next test that asks for it gets it started."""
-    if _module_mlflow_server.proc is None:
-        _module_mlflow_server.start()
-    return _module_mlflow_server
+@pytest.fixture(autouse=True)
+def _mlflow_server_running(request):
+    """A test that stopped the module's server (the server going away mid-run) need not start it again (~10 s)
+    unless it needs it back itself: the next test of the module that asks for it gets it started here."""
+    if "mlflow_server" in request.fixturenames:
+        server = request.getfixturevalue("mlflow_server")
+        if server.proc is None:
+            server.start()
+
 
 from .local_cluster import cluster_env  # noqa: E402,F401  (a fixture for the tests that start their own cluster)
 
