@@ -401,6 +401,8 @@ def run(cfg: RunConfig, *, tags: Optional[Dict[str, str]] = None, callbacks=(), 
     stage = get_stage(cfg.train.stage)  # the console shows its headline metrics
     printer = ProgressPrinter(sink, progress_run, name, stage.headline, stage.rl)
     printer.start()
+    # the run's end in MLflow, each request bounded by the user's tracking.timeout_s (finish_run's own is 10 s)
+    end_mlflow_run = functools.partial(finish_run, uri, run_id, timeout_s=cfg.tracking.timeout_s)
     try:
         with train_env(cfg):
             result = fit_with_restarts(make_trainer, cfg.cluster.max_failures, run_dir, name, cfg.cluster.min_workers)
@@ -409,8 +411,7 @@ def run(cfg: RunConfig, *, tags: Optional[Dict[str, str]] = None, callbacks=(), 
         oom = explain_oom(run_cfg, e)  # one line naming the settings, instead of Ray's traceback
         one_line = oom or (ClusterTooSmall(not_placed(e)) if not_placed(e) else None)
         if run_id:
-            finish_run(uri, run_id, "FAILED", error=redact(str(one_line) if one_line else f"{type(e).__name__}: {e}"),
-                       timeout_s=cfg.tracking.timeout_s)
+            end_mlflow_run("FAILED", error=redact(str(one_line) if one_line else f"{type(e).__name__}: {e}"))
         if one_line is not None:
             raise one_line from None
         raise
@@ -419,11 +420,10 @@ def run(cfg: RunConfig, *, tags: Optional[Dict[str, str]] = None, callbacks=(), 
         out = _finish(spec, result, tokenizer)
     except BaseException as e:
         if run_id:
-            finish_run(uri, run_id, "FAILED", error=f"after training: {type(e).__name__}: {e}",
-                       timeout_s=cfg.tracking.timeout_s)
+            end_mlflow_run("FAILED", error=f"after training: {type(e).__name__}: {e}")
         raise
     if run_id:
-        finish_run(uri, run_id, "FINISHED", timeout_s=cfg.tracking.timeout_s)  # the user's per-request bound
+        end_mlflow_run("FINISHED")
     if out.checkpoint_dir:  # the next stage starts from <storage>/<stage>-latest
         out.latest = mark_latest(run_dir, cfg.train.stage)
     summary = out.metrics.get("tracking_summary")

@@ -39,8 +39,9 @@ class RunLogger:
         Waiting lets the common case (server up) filter replays before they are queued; if
         the read fails or is slow, training goes on and the thread keeps trying, sending
         nothing until it knows what the run holds. Without the wait the same replays are
-        filtered when they are sent: the counts and the run's record come out the same. ``system_metrics`` starts MLflow's
-        CPU/GPU/memory/disk/network sampler (``system/*`` metrics of this node, every 10 s).
+        filtered when they are sent: the counts and the run's record come out the same.
+        ``system_metrics`` starts MLflow's CPU/GPU/memory/disk/network sampler (``system/*``
+        metrics of this node, every 10 s).
         """
         os.environ.update(http_env(timeout_s))
         self.uri, self.run_id, self.timeout_s = uri, run_id, timeout_s

@@ -140,8 +140,8 @@ def test_a_spent_budget_ends_the_run_with_one_line_naming_max_failures(tmp_path,
     died, timed_out, _ = _start_errors()
     given = []
     with pytest.raises(RestartsSpent, match=r"^cluster.max_failures=1 spent: the worker group did not start \(2 "
-                                            r"worker\(s\) could not be placed within cluster.resource_timeout_s \(7.5 s\)\) "
-                                            r"after 1 restart"):
+                                            r"worker\(s\) could not be placed within cluster.resource_timeout_s "
+                                            r"\(7.5 s\)\) after 1 restart"):
         fit(_Trainer([died, timed_out, "never"], given), 1, str(tmp_path), "r")
     assert given == [1, 0]
 
