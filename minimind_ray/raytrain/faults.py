@@ -23,6 +23,7 @@ import os
 import re
 import signal
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
@@ -59,6 +60,8 @@ class FaultInjector:
 
     def __init__(self, cfg: RunConfig, run_dir: Optional[str], rank: int, device: torch.device):
         self.rank, self.device, self.run_dir = rank, device, run_dir
+        self.injecting = bool(fault_schedule(cfg.train))  # a chaos run: failures are recorded (record_failure)
+        self.step = 0  # the step this rank is in
         self.pending: Dict[int, List[FaultSpec]] = {}
         for f in fault_schedule(cfg.train):
             if f.rank == rank and not f.at_start:
@@ -67,8 +70,24 @@ class FaultInjector:
     def _due(self, step: int, kinds) -> List[FaultSpec]:
         return [f for f in self.pending.get(step, []) if f.kind in kinds and claim(self.run_dir, f)]
 
+    def record_failure(self, error: BaseException) -> None:
+        """In a run that injects faults: where this rank failed (its step, its innermost frames: which collective,
+        which hook), as ``failed-<rank>-<time>.json`` beside the markers. A chaos run whose budget is exact can then
+        say which failure it did not plan (tests/integration/test_training.py; Ray's worker log has the rest)."""
+        if not (self.injecting and self.run_dir):
+            return
+        where = [f"{Path(f.filename).name}:{f.lineno} in {f.name}" for f in traceback.extract_tb(error.__traceback__)]
+        record = {"t": time.time(), "rank": self.rank, "step": self.step, "error": repr(error)[:300],
+                  "where": where[-6:]}
+        try:
+            write_bytes_atomic(join(join(self.run_dir, MARKERS), f"failed-{self.rank}-{time.time():.3f}.json"),
+                               json.dumps(record).encode())
+        except OSError:
+            pass  # a record for people: the failure itself is what Ray Train acts on
+
     def before_step(self, step: int) -> None:
         """raise / exit / sigkill / oom / slow: before the step reads its data."""
+        self.step = step
         for f in self._due(step, ("slow", "raise", "oom", "exit", "sigkill")):
             print(f"[fault-injection] rank {self.rank}: {f.kind} at step {step}", flush=True)
             if f.kind == "slow":  # a straggler: the others wait in the step's first collective, nobody fails
@@ -282,7 +301,8 @@ def not_placed(error: BaseException) -> Optional[str]:
 
 
 def fired(run_dir: str) -> Dict[str, dict]:
-    """The markers of a run: fault key -> what fired when; plus ``detected-*`` records."""
+    """The markers of a run: fault key -> what fired when; plus ``detected-*`` records (the controller's) and
+    ``failed-*`` ones (a rank's, :meth:`FaultInjector.record_failure`)."""
     fs, root = filesystem(join(run_dir, MARKERS))
     out = {}
     for info in fs.get_file_info(pafs.FileSelector(root, allow_not_found=True)):

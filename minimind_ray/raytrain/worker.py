@@ -57,10 +57,9 @@ def restore_point(spec: WorkerSpec, rank: int, world: int) -> Tuple[Optional[Sto
 
 
 class RayHooks(Hooks):
-    def __init__(self, spec: WorkerSpec, state: TrainState, run_id: Optional[str]):
-        self.spec, self.state, self.run_id = spec, state, run_id
+    def __init__(self, spec: WorkerSpec, state: TrainState, run_id: Optional[str], faults: FaultInjector):
+        self.spec, self.state, self.run_id, self.faults = spec, state, run_id, faults
         cfg, rank = spec.cfg, state.rank
-        self.faults = FaultInjector(cfg, spec.run_dir, rank, state.device)
         self.samples = SampleLog(cfg.train.sample_log_dir, rank, state.world, attempt=state.step)
         self.logger = None
         if rank == 0 and run_id and cfg.tracking.enabled:
@@ -153,7 +152,17 @@ def train_loop_per_worker(spec: WorkerSpec) -> None:
     own_lines()  # our log warnings as [minimind-ray] lines, which a quiet driver still shows (console.py)
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    state = TrainState.build(spec.cfg, spec.prepared_dir, rank, world, pick_device(spec.use_gpu))
+    device = pick_device(spec.use_gpu)
+    faults = FaultInjector(spec.cfg, spec.run_dir, rank, device)
+    try:
+        _train(spec, rank, world, device, faults)
+    except Exception as e:
+        faults.record_failure(e)  # a chaos run's record of where this rank failed; a no-op otherwise
+        raise
+
+
+def _train(spec: WorkerSpec, rank: int, world: int, device: torch.device, faults: FaultInjector) -> None:
+    state = TrainState.build(spec.cfg, spec.prepared_dir, rank, world, device)
     run_id = spec.mlflow_run_id
     stored, registered = restore_point(spec, rank, world)
     meta = None
@@ -163,7 +172,8 @@ def train_loop_per_worker(spec: WorkerSpec) -> None:
         if rank == 0:
             print(f"[minimind-ray] restored step {meta.step} (saved by {meta.world_size} workers, now {world}; "
                   f"accumulation {state.stream.accumulation_steps})", flush=True)
-    hooks = RayHooks(spec, state, run_id)
+    faults.step = state.step
+    hooks = RayHooks(spec, state, run_id, faults)
     if meta is not None and not registered and state.step >= state.total_steps:
         hooks.report_restored_final(meta)
     run(state, hooks)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 from pathlib import Path
 
 import pytest
@@ -162,6 +163,35 @@ def test_rollout_actors_the_cluster_cannot_place_fail_fast_naming_the_field(ray_
         check_resources(grpo("train.grpo.rollout_actors=3"), use_gpu=False)
 
 
+def chaos_story(run_dir) -> str:
+    """A chaos run's markers in time order: each fault fired, each rank's failure (its step and innermost frames:
+    raytrain/faults.py:FaultInjector.record_failure) and each failure the controller detected."""
+    from minimind_ray.raytrain.faults import fired
+
+    marks = sorted(fired(str(run_dir)).items(), key=lambda kv: kv[1].get("t", 0))
+    t0 = marks[0][1].get("t", 0) if marks else 0
+    lines = []
+    for key, r in marks:
+        if key.startswith("failed-"):
+            what = f"step {r['step']}: {r['error'][:120]} at {' < '.join(reversed(r['where']))}"
+        else:
+            what = str(r.get("errors", ""))[:160]
+        lines.append(f"  +{r.get('t', 0) - t0:6.1f} s {key} {what}")
+    return "\n".join(lines)
+
+
+def unplanned_detections(marks: dict, planned: tuple) -> list:
+    """The controller's detections (``detected-*`` markers) that no planned fault explains: each fault's
+    detection is the first one after it fired."""
+    detections = sorted((r["t"], k) for k, r in marks.items() if k.startswith("detected-"))
+    explained = set()
+    for fault in planned:
+        after = [k for t, k in detections if t >= marks[fault]["t"] and k not in explained]
+        if after:
+            explained.add(after[0])
+    return [(k, marks[k]) for _, k in detections if k not in explained]
+
+
 # The hang the start faults guard against never ends (every later start waited for leaked CPUs), so the limit is
 # generous: 142 s here beside test_node_faults' 3-node cluster on a quick day, and a CI machine on a slow day (the
 # whole suite 2x slower) ran out of 420 s with the run still restarting.
@@ -178,9 +208,10 @@ def test_a_schedule_of_mixed_faults_recovers_bit_for_bit(baseline, shared, capfd
     to 8), and rank 1 dying after the last checkpoint's upload but before Ray Train got its report (lost_report; the
     chaos soak's soak-01): the run must still end on that checkpoint.
 
-    Each costs one restart counted against cluster.max_failures (7 here); no placement group is left behind; the
-    weights equal the uninterrupted baseline bit for bit, every sample is trained once, each fault cost at most one
-    checkpoint interval, storage holds only what Ray keeps, and one MLflow run has every step once."""
+    Each costs one restart counted against cluster.max_failures (8 here: the 7 faults and one spare for a collective
+    timeout of a healthy group on a loaded machine; nothing else unplanned may fail); no placement group is left
+    behind; the weights equal the uninterrupted baseline bit for bit, every sample is trained once, each fault cost
+    at most one checkpoint interval, storage holds only what Ray keeps, and one MLflow run has every step once."""
     import ray
 
     from minimind_ray.raytrain.faults import fired
@@ -191,11 +222,9 @@ def test_a_schedule_of_mixed_faults_recovers_bit_for_bit(baseline, shared, capfd
     try:
         res = run_tiny(shared, name, "train.faults=[start:actor:0,start:backend:1,start:launch:1,3:raise:0,"
                                      "6:sigkill:1,9:hang:1,12:lost_report:1]", "train.collective_timeout_s=10",
-                       "cluster.max_failures=7")
-    except Exception as e:  # name the faults fired and what the controller saw fail, in order (the budget is exact)
-        marks = sorted(fired(str(shared["base"] / "runs" / name)).items(), key=lambda kv: kv[1].get("t", 0))
-        raise AssertionError("the run failed; in order: " + "; ".join(
-            f"{k} {str(r.get('errors', ''))[:160]}" for k, r in marks) + f"; error: {str(e)[:300]}") from e
+                       "cluster.max_failures=8")
+    except Exception as e:  # the budget is the 7 faults and one spare: say what failed where, in order
+        raise AssertionError(f"the run failed: {str(e)[:300]}\n{chaos_story(shared['base'] / 'runs' / name)}") from e
     # what held the CPUs in the hang: the placement group of a group whose start failed. None is left.
     left = {pg: t["state"] for pg, t in ray.util.placement_group_table().items() if pg not in before}
     assert len(left) >= 7 and set(left.values()) == {"REMOVED"}, left
@@ -207,10 +236,16 @@ def test_a_schedule_of_mixed_faults_recovers_bit_for_bit(baseline, shared, capfd
     marks = fired(res.run_dir)
     assert {"start-actor-0", "start-backend-1", "start-launch-1", "3-raise-0", "6-sigkill-1", "9-hang-1",
             "12-lost_report-1"} <= set(marks)
-    assert len([k for k in marks if k.startswith("detected-")]) >= 4  # the controller saw every worker failure
+    unplanned = unplanned_detections(marks, ("3-raise-0", "6-sigkill-1", "9-hang-1", "12-lost_report-1"))
+    # the spare: a healthy rank that a loaded machine held past the 10 s collective timeout (CI of stops 44 and 45,
+    # beside another test file on 2 cores); anything else unplanned fails, and the spare is said in a warning
+    assert len(unplanned) <= 1 and all("Timed out waiting" in e for _, r in unplanned for e in r["errors"].values()), \
+        chaos_story(res.run_dir)
+    if unplanned:
+        warnings.warn(f"mixed faults: a collective timed out in a healthy group:\n{chaos_story(res.run_dir)}")
     out = capfd.readouterr().out
     restarts = re.findall(r"\[chaos\] the worker group did not start: (.*); starting it again "
-                          r"\(failure (\d) of cluster.max_failures=7\)", out)
+                          r"\(failure (\d) of cluster.max_failures=8\)", out)
     assert [n for _, n in restarts] == ["1", "2", "3"], out[-3000:]
     assert "received the train function" in restarts[2][0]
     # the last checkpoint reached storage but never Ray Train's registry: the restarted group restored it, had no

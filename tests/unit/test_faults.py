@@ -53,6 +53,27 @@ def test_each_entry_fires_once_per_run_across_restarts_and_world_sizes(tmp_path,
     assert set(marks) == {"4-raise-1", "6-slow-0"} and marks["4-raise-1"]["step"] == 4
 
 
+def test_a_chaos_run_records_where_a_rank_failed_and_a_plain_run_records_nothing(tmp_path):
+    def collective():
+        raise RuntimeError("Timed out waiting 10000ms for send operation to complete")
+
+    cpu = torch.device("cpu")
+    chaos = FaultInjector(_cfg("train.faults=[4:raise:0]"), str(tmp_path / "run"), rank=1, device=cpu)
+    chaos.before_step(7)
+    try:
+        collective()
+    except RuntimeError as e:
+        chaos.record_failure(e)
+    (key, record), = fired(str(tmp_path / "run")).items()
+    assert key.startswith("failed-1-") and record["rank"] == 1 and record["step"] == 7
+    assert "Timed out waiting" in record["error"] and record["where"][-1].startswith("test_faults.py:")
+    assert record["where"][-1].endswith("in collective")  # the innermost frame last
+
+    plain = FaultInjector(_cfg(), str(tmp_path / "plain"), rank=0, device=cpu)
+    plain.record_failure(RuntimeError("x"))
+    assert fired(str(tmp_path / "plain")) == {}
+
+
 def test_oom_raises_the_cuda_out_of_memory_type_on_cpu(tmp_path):
     inj = FaultInjector(_cfg("train.faults=[2:oom:0]"), str(tmp_path / "run"), rank=0, device=torch.device("cpu"))
     with pytest.raises(torch.cuda.OutOfMemoryError, match="step 2"):
