@@ -6,7 +6,7 @@
     tokenizer + prepared data (raw jsonl is tokenized once, with Ray Data)
     fail fast if the cluster cannot hold the worker group
     MLflow: create the run, or reopen it when this run name resumes
-    TorchTrainer(train_loop_per_worker).fit()   one frozen WorkerSpec; workers restore themselves
+    LeanTorchTrainer(train_loop_per_worker).fit()   one frozen WorkerSpec; workers restore themselves
     final checkpoint -> MiniMind .pth + safetensors (+ LoRA weights) -> MLflow artifacts + registry
 """
 from __future__ import annotations
@@ -311,11 +311,11 @@ def run(cfg: RunConfig, *, tags: Optional[Dict[str, str]] = None, callbacks=(), 
     import ray
     from ray.train import CheckpointConfig, FailureConfig, RunConfig as RayRunConfig, ScalingConfig
     from ray.train.v2.api.config import LoggingConfig
-    from ray.train.torch import TorchTrainer
 
     from minimind_ray.data.prepare import ensure_prepared  # lazy: numpy, only when this runs
     from minimind_ray.raytrain.faults import (LaunchFault, StartFaults, failure_callback, lost_report_callbacks,
                                              not_placed, start_fault_callbacks, torch_config)
+    from minimind_ray.raytrain.trainer import LeanTorchTrainer  # lazy: ray.train
     from minimind_ray.raytrain.worker import train_loop_per_worker  # lazy: torch, only when this runs
     from minimind_ray.store.checkpoint import mark_latest
     from minimind_ray.tokenizer import resolve_tokenizer  # lazy: tokenizers, only when this runs
@@ -371,7 +371,7 @@ def run(cfg: RunConfig, *, tags: Optional[Dict[str, str]] = None, callbacks=(), 
                                    cache_dir=str(Path(cfg.data.cache_dir).resolve()) if not is_uri(cfg.data.cache_dir)
                                    else cfg.data.cache_dir, tracking_timeout_s=cfg.tracking.timeout_s,
                                    py_modules=plugin_modules)
-    make_trainer = lambda failures_left: TorchTrainer(  # noqa: E731 (start_guard.fit makes one per attempt)
+    make_trainer = lambda failures_left: LeanTorchTrainer(  # noqa: E731 (start_guard.fit makes one per attempt)
         functools.partial(train_loop_per_worker, spec),
         validation_config=validation,
         torch_config=torch_config(start_faults, backend=backend, timeout_s=int(cfg.train.collective_timeout_s)),

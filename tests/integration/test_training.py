@@ -64,6 +64,12 @@ def test_baseline_runs_with_checkpoints_and_exactly_once(tiny_baseline):
     per_step, attempts = sample_record(shared, "baseline-2w")
     assert_exactly_once(per_step)
     assert attempts == {0}
+    # Ray Train's own actors of the run, less Ray Data's DatasetManager (raytrain/trainer.py): no run of this
+    # session's Ray started one
+    import ray
+
+    classes = {a["ActorClassName"] for a in ray._private.state.actors().values()}
+    assert "TrainController" in classes and "DatasetManager" not in classes, classes
 
 
 @pytest.fixture(scope="module")

@@ -76,3 +76,19 @@ def test_with_preemption_checks_off_ray_train_starts_no_preemption_watcher(clean
     clean_env.setenv(WATCHER, "1")  # what the user exported wins, as for the other settings
     with train_env(_cfg(20, "checkpoint.preemption_check_interval=0")) as applied:
         assert applied[WATCHER] == "1"
+
+
+def test_the_trainer_starts_ray_datas_dataset_manager_only_when_given_datasets():
+    """raytrain/trainer.py: the workers read the prepared Parquet themselves, so a run's trainer leaves out the
+    callback that starts a DatasetManager actor for every worker group; a trainer given datasets keeps it."""
+    from ray.train import ScalingConfig
+    from ray.train.v2._internal.callbacks import BackendSetupCallback, DatasetsCallback
+
+    from minimind_ray.raytrain.trainer import LeanTorchTrainer
+
+    def kinds(**datasets):
+        trainer = LeanTorchTrainer(lambda: None, scaling_config=ScalingConfig(num_workers=1), datasets=datasets)
+        return {type(c) for c in trainer._create_default_callbacks()}
+
+    assert BackendSetupCallback in kinds() and DatasetsCallback not in kinds()
+    assert DatasetsCallback in kinds(train=lambda: None)
