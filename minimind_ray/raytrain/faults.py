@@ -77,10 +77,10 @@ class FaultInjector:
         if not (self.injecting and self.run_dir):
             return
         where = [f"{Path(f.filename).name}:{f.lineno} in {f.name}" for f in traceback.extract_tb(error.__traceback__)]
-        record = {"t": time.time(), "rank": self.rank, "step": self.step, "error": repr(error)[:300],
-                  "where": where[-6:]}
+        now = time.time()
+        record = {"t": now, "rank": self.rank, "step": self.step, "error": repr(error)[:300], "where": where[-6:]}
         try:
-            write_bytes_atomic(join(join(self.run_dir, MARKERS), f"failed-{self.rank}-{time.time():.3f}.json"),
+            write_bytes_atomic(join(join(self.run_dir, MARKERS), f"failed-{self.rank}-{now:.3f}.json"),
                                json.dumps(record).encode())
         except OSError:
             pass  # a record for people: the failure itself is what Ray Train acts on

@@ -1,8 +1,8 @@
 """The TorchTrainer every run fits: Ray Train's own, less one actor per worker-group start.
 
-Ray Train 2.58 adds a ``DatasetsCallback`` to every trainer, datasets or not, and for each worker group it starts
-(every restart included) that callback starts a ``DatasetManager`` actor: a Ray worker process that imports Ray
-Data, about 2 CPU s, and on 2 cores about 1 s of a tiny run's 14 s (bench: ``docs/testing.md``, "Where the suite's
+Ray Train 2.58 adds a ``DatasetsCallback`` to every trainer, datasets or not, and that callback starts a
+``DatasetManager`` actor for every worker group (restarts included): a Ray worker process that imports Ray Data,
+about 2 CPU s, and on 2 cores about 1 s of a tiny run's 14 s (measured: ``docs/testing.md``, "Where the suite's
 time goes"). The workers here never call ``ray.train.get_dataset_shard``: each reads the prepared Parquet itself
 (``data/stream.py``), so a trainer given no datasets drops the callback. Given datasets, it is Ray's trainer as is.
 """
@@ -13,6 +13,8 @@ from ray.train.v2._internal.callbacks import DatasetsCallback  # Ray 2.58's own 
 
 
 class LeanTorchTrainer(TorchTrainer):
+    """``ray.train.torch.TorchTrainer``, without the DatasetManager actor when it is given no datasets."""
+
     def _create_default_callbacks(self):
         callbacks = super()._create_default_callbacks()
         if self.datasets:
