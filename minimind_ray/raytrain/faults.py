@@ -60,10 +60,11 @@ class FaultInjector:
 
     def __init__(self, cfg: RunConfig, run_dir: Optional[str], rank: int, device: torch.device):
         self.rank, self.device, self.run_dir = rank, device, run_dir
-        self.injecting = bool(fault_schedule(cfg.train))  # a chaos run: failures are recorded (record_failure)
+        schedule = fault_schedule(cfg.train)
+        self.injecting = bool(schedule)  # a chaos run: failures are recorded (record_failure)
         self.step = 0  # the step this rank is in
         self.pending: Dict[int, List[FaultSpec]] = {}
-        for f in fault_schedule(cfg.train):
+        for f in schedule:
             if f.rank == rank and not f.at_start:
                 self.pending.setdefault(f.step, []).append(f)
 
@@ -74,16 +75,12 @@ class FaultInjector:
         """In a run that injects faults: where this rank failed (its step, its innermost frames: which collective,
         which hook), as ``failed-<rank>-<time>.json`` beside the markers. A chaos run whose budget is exact can then
         say which failure it did not plan (tests/integration/test_training.py; Ray's worker log has the rest)."""
-        if not (self.injecting and self.run_dir):
+        if not self.injecting:
             return
         where = [f"{Path(f.filename).name}:{f.lineno} in {f.name}" for f in traceback.extract_tb(error.__traceback__)]
         now = time.time()
-        record = {"t": now, "rank": self.rank, "step": self.step, "error": repr(error)[:300], "where": where[-6:]}
-        try:
-            write_bytes_atomic(join(join(self.run_dir, MARKERS), f"failed-{self.rank}-{now:.3f}.json"),
-                               json.dumps(record).encode())
-        except OSError:
-            pass  # a record for people: the failure itself is what Ray Train acts on
+        write_record(self.run_dir, f"failed-{self.rank}-{now:.3f}",
+                     {"t": now, "rank": self.rank, "step": self.step, "error": repr(error)[:300], "where": where[-6:]})
 
     def before_step(self, step: int) -> None:
         """raise / exit / sigkill / oom / slow: before the step reads its data."""
@@ -270,12 +267,8 @@ def failure_callback(sink, progress_run: str, run_dir: Optional[str]):
             self._record(errors)
 
         def _record(self, errors):
-            if run_dir:
-                try:
-                    write_bytes_atomic(join(join(run_dir, MARKERS), f"detected-{time.time():.3f}.json"),
-                                       json.dumps({"t": time.time(), "errors": errors}).encode())
-                except OSError:
-                    pass  # a record for benchmarks: never worth failing the controller
+            now = time.time()
+            write_record(run_dir, f"detected-{now:.3f}", {"t": now, "errors": errors})
 
     return FailureNotice()
 
@@ -298,6 +291,17 @@ def not_placed(error: BaseException) -> Optional[str]:
     """The one line of a run that stopped because its rollout actors could not be placed, or None."""
     found = NOT_PLACED.search(str(error))
     return found.group(0) if found else None
+
+
+def write_record(run_dir: Optional[str], name: str, record: dict) -> None:
+    """``<run_dir>/.faults/<name>.json`` (no run directory: nothing): a record for people and benchmarks, never
+    worth failing the rank or the controller that writes it."""
+    if not run_dir:
+        return
+    try:
+        write_bytes_atomic(join(join(run_dir, MARKERS), f"{name}.json"), json.dumps(record).encode())
+    except OSError:
+        pass
 
 
 def fired(run_dir: str) -> Dict[str, dict]:
