@@ -239,6 +239,7 @@ def test_a_schedule_of_mixed_faults_recovers_bit_for_bit(baseline, shared, capfd
     marks = fired(res.run_dir)
     assert {"start-actor-0", "start-backend-1", "start-launch-1", "3-raise-0", "6-sigkill-1", "9-hang-1",
             "12-lost_report-1"} <= set(marks)
+    assert len([k for k in marks if k.startswith("detected-")]) >= 4  # the controller saw every worker failure
     unplanned = unplanned_detections(marks, ("3-raise-0", "6-sigkill-1", "9-hang-1", "12-lost_report-1"))
     # the spare: a healthy rank that a loaded machine held past the 10 s collective timeout (CI of stops 44 and 45,
     # beside another test file on 2 cores); anything else unplanned fails, and the spare is said in a warning
