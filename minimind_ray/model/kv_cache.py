@@ -3,7 +3,7 @@
 Every place that generates text (``generate``/``chat``, the serving engine, RL rollouts, the ``gen`` and
 ``toolcall`` evaluations, multiple-choice scoring) keeps its keys and values here::
 
-    k, v: (L, slots, capacity + 1, nkv, hs)   L layers, one row ("slot") per sequence
+    k, v: (L, slots, nkv, capacity + 1, hs)   L layers, one row ("slot") per sequence, heads-major
     lengths[slot]                             positions cached in that row (host ints)
 
 A forward with ``kv_cache=`` gives each batch row its own slot (``slots``, default 0..B-1) and its own start
@@ -11,7 +11,9 @@ position, ``lengths[slot]``: row b's new tokens sit at positions ``lengths[b] + 
 written there (``index_put_``: nothing else moves), and the row attends to its first ``lengths[b] + t + 1``
 cached positions. A token costs one write and a read of the keys it attends to: no copy of the cache, so the
 cost of token t no longer grows with t through copies (gpt-fast's static cache and HF's ``StaticCache`` work
-the same way; ours tracks a length per row, so rows of any length share one batch).
+the same way; ours tracks a length per row, so rows of any length share one batch). Heads-major, as SDPA and
+HF's caches lay keys out: each (row, kv head)'s keys are one contiguous (positions, hs) matrix, which attention
+reads with no copy, and a CPU decode step's attention multiplies as keys x queries (model/minimind.py).
 
 Rows join and leave without touching the others: :meth:`KVCache.alloc` hands out free slots (the lowest first)
 and :meth:`KVCache.release` gives them back (length 0; the stale keys stay, masked, until overwritten).
@@ -46,7 +48,7 @@ class KVCache:
         self.num_layers, self.slots, self.max_len = num_layers, slots, max_len
         self.kv_heads, self.head_dim = kv_heads, head_dim
         self.capacity = min(capacity or 0, max_len)
-        self.k: Optional[Tensor] = None  # (L, slots, capacity + 1, nkv, hs); the last column is the pads' sink
+        self.k: Optional[Tensor] = None  # (L, slots, nkv, capacity + 1, hs); the last position is the pads' sink
         self.v: Optional[Tensor] = None
         self.lengths: List[int] = [0] * slots
         self._free: List[int] = list(range(slots))  # kept sorted: alloc takes the lowest
@@ -91,8 +93,8 @@ class KVCache:
         n = self.lengths[src]
         if self.k is not None and dsts:
             idx = torch.tensor(list(dsts), device=self.k.device)
-            self.k[:, idx, :n] = self.k[:, src, :n].unsqueeze(1)
-            self.v[:, idx, :n] = self.v[:, src, :n].unsqueeze(1)
+            self.k[:, idx, :, :n] = self.k[:, src, :, :n].unsqueeze(1)
+            self.v[:, idx, :, :n] = self.v[:, src, :, :n].unsqueeze(1)
         for d in dsts:
             self.lengths[d] = n
 
@@ -120,13 +122,14 @@ class KVCache:
         self.capacity = new
 
     def _grown(self, buf: Tensor, capacity: int) -> Tensor:
-        out = buf.new_zeros((buf.shape[0], buf.shape[1], capacity + 1, *buf.shape[3:]))
-        out[:, :, :self.capacity] = buf[:, :, :self.capacity]
+        L, slots, nkv, _, hs = buf.shape
+        out = buf.new_zeros((L, slots, nkv, capacity + 1, hs))
+        out[:, :, :, :self.capacity] = buf[:, :, :, :self.capacity]
         return out
 
     def _allocate(self, like: Tensor) -> None:
         # zeros, not empty: a masked key still enters attention as weight 0 x value, and 0 x NaN would be NaN
-        shape = (self.num_layers, self.slots, self.capacity + 1, self.kv_heads, self.head_dim)
+        shape = (self.num_layers, self.slots, self.kv_heads, self.capacity + 1, self.head_dim)
         self.k = torch.zeros(shape, dtype=like.dtype, device=like.device)
         self.v = torch.zeros(shape, dtype=like.dtype, device=like.device)
 
@@ -138,10 +141,10 @@ class _Rows:
     index: Tensor  # (B,) long
     first: Optional[int]  # slots are first..first+B-1: slice instead of gathering
 
-    def read(self, buf: Tensor, S: int) -> Tensor:  # buf (slots, capacity + 1, nkv, hs) -> (B, S, nkv, hs)
+    def read(self, buf: Tensor, S: int) -> Tensor:  # buf (slots, nkv, capacity + 1, hs) -> (B, nkv, S, hs)
         if self.first is not None:
-            return buf[self.first:self.first + self.index.shape[0], :S]
-        return buf.index_select(0, self.index)[:, :S]
+            return buf[self.first:self.first + self.index.shape[0], :, :S]
+        return buf[:, :, :S].index_select(0, self.index)
 
 
 class CacheStep:
@@ -186,16 +189,16 @@ class CacheStep:
 
     def update(self, layer: int, k: Tensor, v: Tensor):
         """Write this step's keys/values (B, T, nkv, hs) of ``layer`` in place; -> (keys, values, is_causal)
-        the layer attends to: (B, S, nkv, hs) views of the cache, or the new ones themselves when ``fresh``."""
+        the layer attends to, (B, nkv, S, hs): views of the cache, or the new ones themselves when ``fresh``."""
         c = self.cache
         if c.k is None:
             c._allocate(k)
-        kc, vc = c.k[layer], c.v[layer]  # (slots, capacity + 1, nkv, hs)
+        kc, vc = c.k[layer], c.v[layer]  # (slots, nkv, capacity + 1, hs)
         index = (self.rows.index[:, None], self.write_pos)
-        kc.index_put_(index, k.to(kc.dtype))
-        vc.index_put_(index, v.to(vc.dtype))
+        kc.transpose(1, 2).index_put_(index, k.to(kc.dtype))  # through a (slots, capacity + 1, nkv, hs) view
+        vc.transpose(1, 2).index_put_(index, v.to(vc.dtype))
         if self.fresh:
-            return k, v, self.T > 1
+            return k.transpose(1, 2), v.transpose(1, 2), self.T > 1
         return self.rows.read(kc, self.S), self.rows.read(vc, self.S), False
 
     def advance(self) -> None:

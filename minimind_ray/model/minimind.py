@@ -41,6 +41,9 @@ from minimind_ray.model.rope import YARN, apply_rope, rope_tables
 
 # SDPA attends nkv key/value heads from nh query heads itself since torch 2.5 (enable_gqa); older: repeat_kv
 SDPA_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
+# From this many key positions over a cached step's rows (B * S) on, a CPU multiplies keys x queries in attention
+# (``Attention._grouped_attention``): SDPA was faster at B * S = 1024-2048, keys first at 4096-32768
+_KEYS_FIRST = 4096
 
 
 # --------------------------------------------------------------------------- config resolution
@@ -128,14 +131,15 @@ class Attention(nn.Module):
         n_rep = self.nh // self.nkv
         if cache is None:  # training's path: a fresh sequence, causal unless a padding mask says more
             causal, gqa = mask is None and T > 1, False
-        else:  # the new keys go into the cache in place; attend to the row's cached ones: (B, S, nkv, hs)
+            k, v = repeat_kv(k, n_rep).transpose(1, 2), repeat_kv(v, n_rep).transpose(1, 2)  # (B, nh, S, hs)
+        else:  # the new keys go into the cache in place; attend to the row's cached ones: (B, nkv, S, hs)
             k, v, causal = cache.update(self.layer_idx, k, v)
             if n_rep > 1 and not causal:  # a decode step (or a joiner's prefill): no copy of the cached heads
                 return self.resid_dropout(self.o_proj(self._grouped_attention(q, k, v, cache.grouped_mask(n_rep))))
             gqa = n_rep > 1 and SDPA_GQA  # a causal prefill of fresh rows
-        if n_rep > 1 and not gqa:
-            k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)  # (B, S, nh, hs)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh|nkv, T|S, hs)
+            if n_rep > 1 and not gqa:
+                k, v = k.repeat_interleave(n_rep, 1), v.repeat_interleave(n_rep, 1)  # (B, nh, S, hs), as repeat_kv
+        q = q.transpose(1, 2)  # (B, nh, T, hs)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
                                            is_causal=causal, **({"enable_gqa": True} if gqa else {}))  # (B, nh, T, hs)
         y = y.transpose(1, 2).reshape(B, T, self.nh * self.hs)  # (B, T, nh*hs)
@@ -144,14 +148,22 @@ class Attention(nn.Module):
     def _grouped_attention(self, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> Tensor:
         """Attention of a cached step (not causal: the mask, or none, says what each query sees) with each key/value
         head's n_rep query heads as n_rep x T query rows of one attention over that head's keys: the cache is read
-        once per kv head as it lies, with no copy, and on a CPU it ran 1.6-2.6x faster than SDPA's ``enable_gqa``
-        at T = 1, S = 64-2048 (bench/bench_decode.py). Query head h = g * n_rep + r reads kv head g, as repeat_kv
-        lays them out. q (B, T, nh, hs), k / v (B, S, nkv, hs), mask (B, 1, n_rep*T, S) or None -> (B, T, nh*hs)."""
+        once per kv head as it lies, with no copy (on a CPU 1.6-2.6x faster than SDPA's ``enable_gqa`` at T = 1).
+        Query head h = g * n_rep + r reads kv head g, as repeat_kv lays them out. On a CPU with many keys the scores
+        are keys x queries, (S, hs) @ (hs, n_rep*T), a product CPU matrix kernels do well, where SDPA's queries x
+        keys has n_rep*T rows (4 at decode): 8 layers at batch 16 and 2048 keys, 30 ms against SDPA's 40.
+        q (B, T, nh, hs), k / v (B, nkv, S, hs), mask (B, 1, n_rep*T, S) or None -> (B, T, nh*hs)."""
         B, T = q.shape[:2]
         n_rep = self.nh // self.nkv
         qg = q.transpose(1, 2).reshape(B, self.nkv, n_rep * T, self.hs)  # row r*T + t: head g*n_rep + r, token t
-        y = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
-                                           dropout_p=self.dropout if self.training else 0.0)  # (B, nkv, n_rep*T, hs)
+        if k.device.type == "cpu" and B * k.shape[2] >= _KEYS_FIRST and not (self.training and self.dropout > 0):
+            scores = torch.matmul(k, qg.transpose(-1, -2)).transpose(-1, -2) * self.hs ** -0.5  # (B, nkv, n_rep*T, S)
+            if mask is not None:
+                scores = scores.masked_fill(~mask, float("-inf"))
+            y = torch.matmul(torch.softmax(scores, -1, dtype=torch.float32).to(v.dtype), v)  # (B, nkv, n_rep*T, hs)
+        else:
+            y = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask,
+                                               dropout_p=self.dropout if self.training else 0.0)
         return y.reshape(B, self.nh, T, self.hs).transpose(1, 2).reshape(B, T, self.nh * self.hs)
 
 

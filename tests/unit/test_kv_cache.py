@@ -146,6 +146,38 @@ def test_a_forked_or_rewound_row_continues_as_the_sequence_would(tiny):
                                    rtol=0)
 
 
+@pytest.mark.parametrize("keys_first", [True, False], ids=["keys-first", "sdpa"])
+def test_both_cpu_attentions_of_a_cached_step_give_each_rows_own_logits(tiny, monkeypatch, keys_first):
+    """A CPU decode step's attention multiplies keys x queries from ``_KEYS_FIRST`` key positions over the batch
+    on, SDPA below (model/minimind.py). Either way, each row of a batch of rows of different lengths (a mask) and
+    of one length (no mask), after a joiner's prefill into a cache of other rows, gets the logits of its own
+    sequence run alone without a cache (float32 sums in another order: within 5e-5 of logits of size ~10)."""
+    import minimind_ray.model.minimind as mm
+
+    monkeypatch.setattr(mm, "_KEYS_FIRST", 0 if keys_first else 1 << 40)
+    sdpa, sdpa_calls = mm.F.scaled_dot_product_attention, []
+    monkeypatch.setattr(mm.F, "scaled_dot_product_attention", lambda *a, **kw: sdpa_calls.append(1) or sdpa(*a, **kw))
+    x = torch.randint(3, 6400, (3, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        full = tiny(x).logits  # (3, 24, V)
+        cache = KVCache.for_model(tiny, slots=3)
+        tiny(x[:2, :9], kv_cache=cache, input_lengths=[9, 5])  # rows 0, 1: prompts of 9 and 5
+        tiny(x[1:2, 5:6], kv_cache=cache, slots=[1])  # row 1 catches up one token: lengths 9, 6
+        joined = tiny(x[2:, :7], kv_cache=cache, slots=[2]).logits  # a joiner's prefill, a fresh row alone
+        torch.testing.assert_close(joined[0], full[2, :7], atol=5e-5, rtol=0)
+        uneven = tiny(torch.stack([x[0, 9:10], x[1, 6:7], x[2, 7:8]]), kv_cache=cache).logits[:, 0]  # masked
+        torch.testing.assert_close(uneven, torch.stack([full[0, 9], full[1, 6], full[2, 7]]), atol=5e-5, rtol=0)
+        cache.rewind(0, 7)
+        cache.rewind(1, 7)
+        cache.rewind(2, 7)
+        even = tiny(x[:, 7:12], kv_cache=cache).logits  # rows of one length: several new tokens, then one
+        torch.testing.assert_close(even, full[:, 7:12], atol=5e-5, rtol=0)
+        sdpa_calls.clear()
+        one = tiny(x[:, 12:13], kv_cache=cache).logits[:, 0]  # one token per row, rows of one length: no mask
+        torch.testing.assert_close(one, full[:, 12], atol=5e-5, rtol=0)
+        assert len(sdpa_calls) == (0 if keys_first else tiny.cfg.num_hidden_layers)  # the path the test meant
+
+
 def test_the_cache_grows_on_demand_and_refuses_past_its_limit(tiny):
     cache = KVCache.for_model(tiny, slots=1, max_len=200)
     x = torch.randint(3, 6400, (1, 200))
