@@ -20,7 +20,7 @@ and :meth:`KVCache.release` gives them back (length 0; the stale keys stay, mask
 :meth:`KVCache.fork` copies one row into others (n samples of one prompt after one prefill).
 
 Batches may be right-padded: ``input_lengths[b]`` of the T new tokens of row b are real and only they advance
-its length. The pads' keys land past the row's length (or in the extra sink column when they would pass the
+its length. The pads' keys land past the row's length (or in the extra sink position when they would pass the
 capacity), where no real query of the row can see them. Real tokens always fit: ``capacity`` grows on demand
 (doubling, up to ``max_len``), the one time the buffers are copied, so that a cache sized for the context
 limit costs only what is used.
