@@ -14,8 +14,14 @@ exported with ``git archive``; "after" is this checkout. Rounds alternate betwee
 a fresh process with --threads torch threads; the table gives each point's best round (the machine is shared:
 the best is the least disturbed) and the load average.
 
+``--kernels`` instead times this checkout's two CPU attentions of a cached step alone (``_grouped_attention``:
+SDPA, and keys x queries, each forced), every layer of --preset over its own cache-shaped buffers of random keys
+and values, for each batch x keys in --kernel-shapes, beside one read of those bytes (``sum``: this CPU's stream
+rate, the floor of any kernel). Where the two cross is model/minimind.py's ``_KEYS_FIRST``.
+
 Usage:  .venv/bin/python bench/bench_decode.py [--positions 64,512,2048] [--batches 1,16] [--steps 16]
                                                [--rounds 2] [--threads 1] [--before REV] [--json out.json]
+        .venv/bin/python bench/bench_decode.py --kernels [--kernel-shapes 16x64,16x2048] [--threads 1]
 """
 from __future__ import annotations
 
@@ -92,6 +98,49 @@ def worker(args) -> dict:
     return out
 
 
+def kernels(args) -> None:
+    """The table of --kernels (see the module docstring), this checkout only, in this process."""
+    import torch
+
+    import minimind_ray.model.minimind as mm
+    from minimind_ray.config import ModelConfig
+    from minimind_ray.model.presets import preset_values
+
+    torch.set_num_threads(args.threads)
+    model = mm.build_model(ModelConfig(**preset_values(args.preset)), seed=0).eval()
+    attn, c, threshold = model.model.layers[0].self_attn, model.cfg, mm._KEYS_FIRST
+
+    def ms(fn, repeat=6) -> float:
+        fn()
+        t = time.perf_counter()
+        for _ in range(repeat):
+            fn()
+        return (time.perf_counter() - t) / repeat * 1e3
+
+    print(f"\n{args.preset}: one cached step's attention over its {c.num_hidden_layers} layers, one new token per row, "
+          f"{args.threads} torch thread(s), mean of 6 after a warm-up (ms)\n")
+    print("| batch x keys | KV bytes | read them (sum) | SDPA | keys x queries | SDPA / keys x queries |")
+    print("|---|---|---|---|---|---|")
+    for shape in args.kernel_shapes.split(","):
+        B, S = (int(x) for x in shape.split("x"))
+        kv = [torch.randn(2, B, c.num_key_value_heads, S + 1, c.head_dim) for _ in range(c.num_hidden_layers)]
+        q = torch.randn(B, 1, c.num_attention_heads, c.head_dim)
+        views = [(buf[0, :, :, :S], buf[1, :, :, :S]) for buf in kv]  # (B, nkv, S, hs): the cache's read
+
+        def attend(keys_first: bool) -> None:
+            mm._KEYS_FIRST = 0 if keys_first else 1 << 62
+            with torch.no_grad():
+                for k, v in views:
+                    attn._grouped_attention(q, k, v, None)
+
+        read = ms(lambda: [(k.sum(), v.sum()) for k, v in views])
+        sdpa, keys_first = ms(lambda: attend(False)), ms(lambda: attend(True))
+        nbytes = sum(k.numel() + v.numel() for k, v in views) * 4
+        print(f"| {B} x {S} | {nbytes / 1e6:.0f} MB | {read:.2f} ({nbytes / read / 1e6:.1f} GB/s) | {sdpa:.2f} | "
+              f"{keys_first:.2f} | {sdpa / keys_first:.2f}x |")
+    mm._KEYS_FIRST = threshold
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="minimind2-small")
@@ -102,11 +151,17 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--before", default=None, help="the commit to compare with (default: before_after.BASE_REV)")
     ap.add_argument("--json", help="also write the figures here")
+    ap.add_argument("--kernels", action="store_true", help="time the two CPU attention kernels alone (no --before)")
+    ap.add_argument("--kernel-shapes", default="16x64,16x128,16x256,2x2048,16x512,16x2048",
+                    help="batch x keys of --kernels")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--src", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         print(json.dumps(worker(args)))
+        return 0
+    if args.kernels:
+        kernels(args)
         return 0
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))

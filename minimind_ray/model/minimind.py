@@ -42,7 +42,7 @@ from minimind_ray.model.rope import YARN, apply_rope, rope_tables
 # SDPA attends nkv key/value heads from nh query heads itself since torch 2.5 (enable_gqa); older: repeat_kv
 SDPA_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
 # From this many key positions over a cached step's rows (B * S) on, a CPU multiplies keys x queries in attention
-# (``Attention._grouped_attention``): SDPA was faster at B * S = 1024-2048, keys first at 4096-32768
+# (``Attention._grouped_attention``): SDPA was faster at B * S <= 2048 (bench/bench_decode.py --kernels)
 _KEYS_FIRST = 4096
 
 

@@ -167,9 +167,8 @@ def test_both_cpu_attentions_of_a_cached_step_give_each_rows_own_logits(tiny, mo
         torch.testing.assert_close(joined[0], full[2, :7], atol=5e-5, rtol=0)
         uneven = tiny(torch.stack([x[0, 9:10], x[1, 6:7], x[2, 7:8]]), kv_cache=cache).logits[:, 0]  # masked
         torch.testing.assert_close(uneven, torch.stack([full[0, 9], full[1, 6], full[2, 7]]), atol=5e-5, rtol=0)
-        cache.rewind(0, 7)
-        cache.rewind(1, 7)
-        cache.rewind(2, 7)
+        for slot in range(3):
+            cache.rewind(slot, 7)
         even = tiny(x[:, 7:12], kv_cache=cache).logits  # rows of one length: several new tokens, then one
         torch.testing.assert_close(even, full[:, 7:12], atol=5e-5, rtol=0)
         sdpa_calls.clear()
