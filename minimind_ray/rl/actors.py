@@ -14,7 +14,7 @@ seam as the in-worker sampler:
   micro-batch. An actor computes exactly what the worker would (the same function, rows and seeds), so a run
   with actors equals one without.
 * ``submit``/``collect`` split a request in two, for the overlap of step t+1's generation with step t's update
-  (rl/grpo_step.py).
+  (rl/plan.py).
 * An actor that died (a lost node, a kill) is created again under its name by the first rank that notices,
   given the request's weights from that rank's own copy, and the request is sent again.
 """

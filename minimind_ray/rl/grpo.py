@@ -1,5 +1,5 @@
 """GRPO and CISPO as MiniMind's ``trainer/train_grpo.py`` (d65ef2c) defines them, with the options of verl, TRL
-and DAPO (docs/rl.md), in pieces the grpo objective (minimind_ray/stages/grpo_objective.py:GRPOObjective) calls:
+and DAPO (docs/rl.md), in pieces GRPO's plan (minimind_ray/rl/grpo_step.py:GRPOPlan, on the plan base rl/plan.py) calls:
 
 * :func:`rollout_micro_batch` (in ``Objective.prepare``): ``num_generations`` completions of each
   prompt, their rewards (dynamic sampling of all-equal groups, truncation masks), the behaviour policy's

@@ -1,5 +1,5 @@
-"""PPO with a critic, as MiniMind's ``trainer/train_ppo.py`` (d65ef2c) defines it, in the pieces the ppo objective
-(stages/ppo_objective.py:PPOObjective) calls; written anew (docs/rl.md):
+"""PPO with a critic, as MiniMind's ``trainer/train_ppo.py`` (d65ef2c) defines it, in the pieces PPO's plan
+(rl/ppo_step.py:PPOPlan) calls; written anew (docs/rl.md):
 
 * :class:`CriticModel`: MiniMind's critic, a value head on a copy of the policy, with MiniMind's state-dict keys;
 * :func:`token_rewards`: each completion's reward on its last token (through its EOS), and, with

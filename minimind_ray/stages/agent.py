@@ -11,9 +11,10 @@ from minimind_ray.stages.stage import MemoryTerms, Stage
 
 
 def objective(cfg):
-    from minimind_ray.stages.agent_objective import AgentObjective  # lazy: torch, when a run builds its state
+    from minimind_ray.rl.agent_step import AgentPlan  # lazy: torch, when a run builds its state
+    from minimind_ray.stages.rl_objective import RLObjective  # lazy: torch, as its plan
 
-    return AgentObjective(cfg)
+    return RLObjective(cfg, AgentPlan(cfg))
 
 
 def memory(cfg, policy, count) -> MemoryTerms:

@@ -12,9 +12,10 @@ from minimind_ray.stages.stage import MemoryTerms, Stage
 
 
 def objective(cfg):
-    from minimind_ray.stages.grpo_objective import GRPOObjective  # lazy: torch, when a run builds its state
+    from minimind_ray.rl.grpo_step import GRPOPlan  # lazy: torch, when a run builds its state
+    from minimind_ray.stages.rl_objective import RLObjective  # lazy: torch, as its plan
 
-    return GRPOObjective(cfg)
+    return RLObjective(cfg, GRPOPlan(cfg))
 
 
 def memory(cfg, policy, count) -> MemoryTerms:

@@ -12,9 +12,10 @@ from minimind_ray.stages.stage import MemoryTerms, Stage
 
 
 def objective(cfg):
-    from minimind_ray.stages.ppo_objective import PPOObjective  # lazy: torch, when a run builds its state
+    from minimind_ray.rl.ppo_step import PPOPlan  # lazy: torch, when a run builds its state
+    from minimind_ray.stages.rl_objective import RLObjective  # lazy: torch, as its plan
 
-    return PPOObjective(cfg)
+    return RLObjective(cfg, PPOPlan(cfg))
 
 
 def memory(cfg, policy, count) -> MemoryTerms:
