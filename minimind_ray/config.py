@@ -27,7 +27,6 @@ from minimind_ray.evals.config import EvalConfig, validate_eval
 from minimind_ray.fsio import is_uri
 from minimind_ray.model.config import ModelConfig, validate_model
 from minimind_ray.model.presets import preset_values
-from minimind_ray.rl.rollout_config import adopt_old_keys
 from minimind_ray.stages import STAGES, get_stage
 from minimind_ray.store.config import CheckpointConfig, validate_checkpoint
 from minimind_ray.tokenizer_fetch import PINNED
@@ -87,7 +86,8 @@ def load_config(path: Optional[str] = None, overrides: Optional[List[str]] = Non
     except Exception as e:  # omegaconf's errors: re-raise as ours, naming the key
         raise ConfigError(omegaconf_message(e)) from None
     cfg: RunConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
-    for notice in adopt_old_keys(cfg.train):  # train.grpo.rollout* -> train.rollout
+    stage = STAGES.get(cfg.train.stage)  # an unknown one is refused by validate()
+    for notice in stage.old_keys(cfg) if stage else []:  # its section's renamed keys (train.grpo.rollout*)
         print(f"[minimind-ray] notice: {notice}", file=sys.stderr)
     if check:
         validate(cfg)

@@ -1,13 +1,13 @@
 """The agent stage's configuration (a TrainConfig's ``agent`` section) and its checks; defaults are MiniMind's
-``trainer/train_agent.py`` (d65ef2c). The policy loss, sampling and group settings are ``train.grpo``'s (the agent
-stage is multi-turn GRPO/CISPO); what is the agent's own is here: the turns, the tools and the rewards."""
+``trainer/train_agent.py`` (d65ef2c). The policy loss, sampling and group settings are GRPO's section's (the agent
+stage is multi-turn GRPO/CISPO; its record, stages/agent.py, checks that section); what is the agent's own is here: the
+turns, the tools and the rewards."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from minimind_ray.config_checks import ConfigError, config_field as _f, need
-from minimind_ray.rl.grpo_config import GRPOConfig, validate_grpo
 from minimind_ray.rl.rewards import RewardConfig, validate_reward_term
 from minimind_ray.rl.tools import BUILTIN_TOOLS, load_tool_function
 
@@ -53,12 +53,8 @@ class AgentConfig:
 
 
 def validate_agent(cfg) -> None:
-    """The agent stage's checks (its stage record's validate), naming the field."""
-    a, g, d = cfg.train.agent, cfg.train.grpo, cfg.data
-    validate_grpo(cfg)  # the policy loss, the group, the sampling
-    need(g.dynamic_sampling == 0, "train.grpo.dynamic_sampling", "not available for the agent stage (0)")
-    need([r.name for r in g.rewards] == [r.name for r in GRPOConfig().rewards], "train.grpo.rewards",
-         "the agent stage scores whole trajectories with train.agent.rewards; leave train.grpo.rewards as it is")
+    """The checks of train.agent (its stage record's validate runs them after GRPO's section's), naming the field."""
+    a, d = cfg.train.agent, cfg.data
     need(a.max_total_len > d.max_seq_len, "train.agent.max_total_len",
          f"{a.max_total_len} leaves no room after a prompt of data.max_seq_len {d.max_seq_len}")
     need(a.max_total_len <= cfg.model.max_position_embeddings, "train.agent.max_total_len",

@@ -27,9 +27,9 @@ Batch = Dict[str, Tensor]
 class AgentPlan(GRPOPlan):
     generate_together = False  # a trajectory's turns are generated one after another, in score()
 
-    def __init__(self, cfg):
-        super().__init__(cfg)
-        self.a, self.toolbox = cfg.train.agent, None
+    def __init__(self, cfg, policy, agent):  # policy: the GRPOConfig of the loss, group and sampling; agent: an AgentConfig
+        super().__init__(cfg, policy)
+        self.a, self.toolbox = agent, None
 
     def build_rewards(self, device) -> list:
         return build_agent_rewards(self.a.rewards, device, run_name=self.cfg.name)

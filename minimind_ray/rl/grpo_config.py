@@ -2,11 +2,13 @@
 checks. Kept beside the rl room it configures; the grpo stage's record (stages/grpo.py) puts it in TrainConfig."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import List, Optional
 
 from minimind_ray.config_checks import config_field as _f, need
 from minimind_ray.rl.rewards import RewardConfig, validate_reward_terms
+from minimind_ray.rl.rollout_config import RolloutConfig
 
 
 @dataclass
@@ -46,7 +48,7 @@ class GRPOConfig:
     dynamic_sampling: int = _f(0, "DAPO's dynamic sampling: groups whose rewards are all equal are sampled again, up "
                                   "to this many rounds; those still equal are dropped from the loss (0 = off)", ge=0)
     mask_truncated: bool = _f(False, "completions that reach max_gen_len without an EOS carry no loss (TRL)")
-    # the rollout engine's keys before train.rollout: still read, into train.rollout (rl/rollout_config.py)
+    # the rollout engine's keys before train.rollout: still read, into train.rollout (adopt_old_keys)
     rollout: str = _f("torch", "old name of train.rollout.engine ('torch' = worker, 'actors')")
     rollout_actors: int = _f(1, "old name of train.rollout.actors", ge=1)
     rollout_actor_cpus: float = _f(1.0, "old name of train.rollout.actor_cpus", gt=0)
@@ -82,3 +84,31 @@ def validate_grpo(cfg) -> None:
     need(cfg.train.init_from is not None, "train.init_from", "GRPO improves a trained policy: give its weights "
                                                             "(e.g. a demo SFT run: train.init_from=runs/<demo-sft-run>)")
     validate_reward_terms(g.rewards, "train.grpo.rewards")
+
+
+# train.grpo's keys from before train.rollout -> (the new key, how an old value reads in it)
+OLD_KEYS = {"rollout": ("engine", lambda v: {"torch": "worker"}.get(v, v)), "rollout_actors": ("actors", None),
+            "rollout_actor_cpus": ("actor_cpus", None), "rollout_actor_gpus": ("actor_gpus", None),
+            "rollout_overlap": ("overlap", None)}
+
+
+def adopt_old_keys(cfg) -> List[str]:
+    """Move ``train.grpo.rollout*`` values a recipe or an override set (those that differ from their defaults) into
+    ``train.rollout``; returns one notice per key moved. A new key set to something else as well is refused. The
+    record of each stage that reads train.grpo runs it (its ``old_keys``), before the config is validated."""
+    grpo, rollout = cfg.train.grpo, cfg.train.rollout
+    grpo_defaults = {f.name: f.default for f in dataclasses.fields(grpo)}
+    new_defaults = RolloutConfig()
+    notices = []
+    need(grpo.rollout in ("torch", "actors"), "train.grpo.rollout", f"{grpo.rollout!r} is not one of ('torch', 'actors')")
+    for old, (new, convert) in OLD_KEYS.items():
+        value = getattr(grpo, old)
+        if value == grpo_defaults[old]:
+            continue
+        value = convert(value) if convert else value
+        current = getattr(rollout, new)
+        need(current in (getattr(new_defaults, new), value), f"train.rollout.{new}",
+             f"{current!r}, but the old train.grpo.{old} says {value!r}: set train.rollout.{new} only")
+        setattr(rollout, new, value)
+        notices.append(f"train.grpo.{old} is now train.rollout.{new} (read as train.rollout.{new}={value!r})")
+    return notices

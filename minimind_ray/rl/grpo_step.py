@@ -44,8 +44,8 @@ class GRPOPlan(GroupPlan):
     """GRPO / CISPO on the plan base: group advantages, the clipped or clamped loss with beta * KL, the adaptive KL
     controller (its beta is the plan's checkpointed state)."""
 
-    def __init__(self, cfg):
-        super().__init__(cfg, cfg.train.grpo)
+    def __init__(self, cfg, section):  # section: a GRPOConfig (train.grpo)
+        super().__init__(cfg, section)
         self.g = self.section
         self.kl = AdaptiveKL(self.g.beta, self.g.kl_target, self.g.kl_horizon)
 

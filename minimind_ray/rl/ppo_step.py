@@ -29,8 +29,8 @@ TERMS = ("policy_loss", "value_loss", "kl", "approx_kl", "clip_fraction")  # sum
 
 
 class PPOPlan(RolloutPlan):
-    def __init__(self, cfg):
-        super().__init__(cfg, cfg.train.ppo)
+    def __init__(self, cfg, section):  # section: a PPOConfig (train.ppo)
+        super().__init__(cfg, section)
         self.p = self.section
         self.critic = self.critic_forward = None  # the critic, and what loss_sum runs it through (its DDP wrapper)
         self._update = None  # this update's sums (TERMS, tokens), this rank

@@ -1,12 +1,16 @@
 """Agentic tool-use RL (MiniMind's train_agent.py): multi-turn GRPO/CISPO rollouts that call tools and read their
-results (``train.agent``; the policy loss, group and sampling are ``train.grpo``'s)."""
+results (``train.agent``; the policy loss, group and sampling are ``train.grpo``'s: this record runs GRPO's record's
+checks and key migration on that section, and hands it to the plan)."""
 from __future__ import annotations
 
 from typing import List
 
+from minimind_ray.config_checks import need
 from minimind_ray.rl.agent_config import AgentConfig, validate_agent
+from minimind_ray.rl.grpo_config import GRPOConfig
 from minimind_ray.rl.rewards import user_reward_names
 from minimind_ray.rl.rollout_config import actor_resources
+from minimind_ray.stages.grpo import STAGE as GRPO
 from minimind_ray.stages.stage import MemoryTerms, Stage
 
 
@@ -14,7 +18,18 @@ def objective(cfg):
     from minimind_ray.rl.agent_step import AgentPlan  # lazy: torch, when a run builds its state
     from minimind_ray.stages.rl_objective import RLObjective  # lazy: torch, as its plan
 
-    return RLObjective(cfg, AgentPlan(cfg))
+    return RLObjective(cfg, AgentPlan(cfg, cfg.train.grpo, cfg.train.agent))
+
+
+def validate(cfg) -> None:
+    """GRPO's checks of train.grpo (the policy loss, the group, the sampling), the fields of it the agent does not
+    read left as they are, then train.agent's own (rl/agent_config.py)."""
+    g = cfg.train.grpo
+    GRPO.validate(cfg)
+    need(g.dynamic_sampling == 0, "train.grpo.dynamic_sampling", "not available for the agent stage (0)")
+    need([r.name for r in g.rewards] == [r.name for r in GRPOConfig().rewards], "train.grpo.rewards",
+         "the agent stage scores whole trajectories with train.agent.rewards; leave train.grpo.rewards as it is")
+    validate_agent(cfg)
 
 
 def memory(cfg, policy, count) -> MemoryTerms:
@@ -33,7 +48,8 @@ def plugins(cfg) -> List[str]:
 
 STAGE = Stage("agent", "agentic tool-use RL: multi-turn GRPO/CISPO rollouts that call tools and read their results",
               formats=("agent_rl",), objective=objective, export_prefix="agent", section=AgentConfig,
-              validate=validate_agent, memory=memory, plugins=plugins, beside=actor_resources, metric_group="rl",
+              validate=validate, memory=memory, plugins=plugins, beside=actor_resources, old_keys=GRPO.old_keys,
+              metric_group="rl",
               headline=("reward", "kl"), rl=True,
               fsdp_refusal="its rollouts sample from the policy on each worker alone, which a sharded policy cannot "
                            "do")

@@ -15,7 +15,7 @@ def objective(cfg):
     from minimind_ray.rl.ppo_step import PPOPlan  # lazy: torch, when a run builds its state
     from minimind_ray.stages.rl_objective import RLObjective  # lazy: torch, as its plan
 
-    return RLObjective(cfg, PPOPlan(cfg))
+    return RLObjective(cfg, PPOPlan(cfg, cfg.train.ppo))
 
 
 def memory(cfg, policy, count) -> MemoryTerms:

@@ -45,6 +45,10 @@ def no_parents(cfg) -> Dict[str, Optional[str]]:
     return {}
 
 
+def no_old_keys(cfg) -> List[str]:
+    return []
+
+
 @dataclass(frozen=True)
 class Stage:
     """One training stage. Every callable takes the run's config (a RunConfig)."""
@@ -63,6 +67,9 @@ class Stage:
     plugins: Callable[[Any], List[str]] = no_plugins  # the user's 'package.module:function' names its config holds
     beside: Callable[[Any], Dict[str, float]] = nothing_beside  # resources it places beside the workers
     parents: Callable[[Any], Dict[str, Optional[str]]] = no_parents  # weights it starts from besides init_from
+    # keys of its section from before a rename, moved to where they are now (the run's config, before validation):
+    # one notice per key moved (GRPO's train.grpo.rollout* -> train.rollout)
+    old_keys: Callable[[Any], List[str]] = no_old_keys
     metric_group: str = "train"  # its interval metrics' MLflow group: train/<key>, or rl/<key>
     headline: Tuple[str, ...] = ()  # interval metrics the console shows beside the loss
     rl: bool = False  # samples completions from the policy (train.rollout applies)
