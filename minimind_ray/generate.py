@@ -2,24 +2,15 @@
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
 from typing import Iterator, List, Optional, TextIO
 
 import torch
 from torch import Tensor
 
 from minimind_ray.model.kv_cache import KVCache
-from minimind_ray.model.sampling import sample_tokens
+from minimind_ray.model.sampling import SamplingParams, sample_tokens
 
-
-@dataclass
-class SamplingConfig:
-    max_new_tokens: int = 256
-    temperature: float = 0.85  # 0 = greedy
-    top_p: float = 0.85
-    top_k: int = 50
-    repetition_penalty: float = 1.0
-    seed: Optional[int] = None
+SamplingConfig = SamplingParams  # the name cli.py still imports (one type: model/sampling.py:SamplingParams)
 
 
 @torch.inference_mode()
@@ -105,7 +96,7 @@ class StreamDecoder:
         return piece
 
 
-def stream_reply(model, tokenizer, prompt_text: str, sampling: SamplingConfig, device: str = "cpu") -> Iterator[str]:
+def stream_reply(model, tokenizer, prompt_text: str, sampling: SamplingParams, device: str = "cpu") -> Iterator[str]:
     ids = torch.tensor([tokenizer.encode(prompt_text)], dtype=torch.long, device=device)
     gen = None
     if sampling.seed is not None:
@@ -121,7 +112,7 @@ def stream_reply(model, tokenizer, prompt_text: str, sampling: SamplingConfig, d
             yield piece
 
 
-def generate_text(model, tokenizer, prompt: str, sampling: SamplingConfig, chat: bool = True,
+def generate_text(model, tokenizer, prompt: str, sampling: SamplingParams, chat: bool = True,
                   think: Optional[bool] = None, out: Optional[TextIO] = None, device: str = "cpu") -> str:
     """Generate a reply (chat template) or a continuation (raw), streaming to ``out``."""
     text = render_prompt(tokenizer, [{"role": "user", "content": prompt}], think) if chat else \
@@ -134,7 +125,7 @@ def generate_text(model, tokenizer, prompt: str, sampling: SamplingConfig, chat:
     return reply
 
 
-def chat_loop(model, tokenizer, sampling: SamplingConfig, think: Optional[bool] = None, device: str = "cpu",
+def chat_loop(model, tokenizer, sampling: SamplingParams, think: Optional[bool] = None, device: str = "cpu",
               inp: TextIO = sys.stdin, out: TextIO = sys.stdout, history_turns: int = 4) -> None:
     """Interactive chat; keeps the last ``history_turns`` exchanges as context. Empty line or EOF quits."""
     history: List[dict] = []

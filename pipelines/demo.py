@@ -11,7 +11,8 @@ import time
 from minimind_ray.cli import print_run_summary
 from minimind_ray.config import load_config
 from minimind_ray.console import set_verbose
-from minimind_ray.generate import SamplingConfig, generate_text
+from minimind_ray.generate import generate_text
+from minimind_ray.model.sampling import SamplingParams
 from minimind_ray.raytrain.driver import run
 from minimind_ray.store.weights import build_inference_model
 
@@ -51,7 +52,7 @@ def main(argv=None) -> int:
     print("\n==== the demo model answers (greedy) ====")
     for p in PROMPTS:
         print(f"> {p}")
-        generate_text(model, tok, p, SamplingConfig(max_new_tokens=48, temperature=0.0), out=sys.stdout)
+        generate_text(model, tok, p, SamplingParams(max_new_tokens=48, temperature=0.0), out=sys.stdout)
 
     print_quality(sft_cfg, model, tok)
 

@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from minimind_ray.model.kv_cache import KVCache
-from minimind_ray.rl.rollout import SamplingParams, TorchRollout
+from minimind_ray.model.sampling import SamplingParams
+from minimind_ray.rl.rollout import TorchRollout
 
 Encoded = Tuple[List[int], List[List[int]]]  # (context ids, each choice's continuation ids)
 

@@ -4,14 +4,33 @@
 tokens here, so a seed means the same draw everywhere. MiniMind's order: the logits are divided by the
 temperature, tokens outside the k most likely and outside the smallest set whose probability passes ``top_p``
 (the token that crosses it is kept) are dropped, and the rest are renormalised.
+
+:class:`SamplingParams` is the one description of how to sample a completion, for every caller: ``generate``/``chat``
+(the CLI's flags, whose defaults are MiniMind's 0.85 / 0.85 / 50), the RL rollouts (an algorithm's section) and the
+generation evals.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one completion. The defaults sample the model's own distribution (nothing filtered)."""
+
+    max_new_tokens: int = 256
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0  # 1 = off
+    top_k: int = 0  # 0 = off
+    eos_id: int = 2  # the batched samplers stop a row at it (generate/chat: the tokenizer's)
+    pad_id: int = 0  # what the batched samplers put after a row's EOS
+    repetition_penalty: float = 1.0  # generate/chat only (MiniMind's); the batched samplers refuse another value
+    seed: Optional[int] = None  # generate/chat: the draws' generator; the batched samplers take a seed per row
 
 
 def filter_logits(logits: Tensor, top_k: int = 0, top_p: float = 1.0) -> Tensor:

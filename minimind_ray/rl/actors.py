@@ -27,8 +27,8 @@ from typing import Dict, Optional
 import torch
 from torch import Tensor
 
-from minimind_ray.rl.rollout import (Rollout, RolloutEngine, SamplingParams, merge_requests, sample_completions,
-                                     split_rollout)
+from minimind_ray.model.sampling import SamplingParams
+from minimind_ray.rl.rollout import Rollout, RolloutEngine, merge_requests, sample_completions, split_rollout
 
 
 class RolloutActor:

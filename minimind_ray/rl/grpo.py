@@ -22,8 +22,9 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from minimind_ray.model.sampling import SamplingParams
 from minimind_ray.rl.rewards import RewardTerm, score
-from minimind_ray.rl.rollout import RolloutEngine, SamplingParams, row_seeds, token_logprobs
+from minimind_ray.rl.rollout import RolloutEngine, row_seeds, token_logprobs
 
 ADV_EPS = 1e-4  # MiniMind's: (r - mean) / (std + 1e-4); a group of equal rewards gets advantage 0
 

@@ -154,7 +154,7 @@ class RolloutPlan:
 
     def params(self):
         """The sampling parameters of the algorithm's section."""
-        from minimind_ray.rl.rollout import SamplingParams  # lazy: torch, when a run trains
+        from minimind_ray.model.sampling import SamplingParams  # lazy: torch, when a run trains
 
         s = self.section
         return SamplingParams(s.max_gen_len, s.temperature, s.top_p, s.top_k, self.tokenizer.eos_id,

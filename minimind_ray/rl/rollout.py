@@ -21,17 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from minimind_ray.model.kv_cache import KVCache
-from minimind_ray.model.sampling import sample_tokens
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_new_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    eos_id: int = 2
-    pad_id: int = 0
+from minimind_ray.model.sampling import SamplingParams, sample_tokens
 
 
 @dataclass
@@ -162,6 +152,8 @@ def sample_completions(model, prompt_ids: Tensor, prompt_mask: Tensor, params: S
                        generator: Optional[torch.Generator] = None, seeds: Optional[Tensor] = None) -> Rollout:
     """TorchRollout's work, for any holder of a model (a training worker, a rollout actor)."""
     n, p_len = prompt_ids.shape
+    if params.repetition_penalty != 1.0:
+        raise ValueError(f"repetition_penalty={params.repetition_penalty}: the batched sampler has none (1.0)")
     budget = min(params.max_new_tokens, model.cfg.max_position_embeddings - p_len)
     if budget < 1:
         raise ValueError(f"prompts of {p_len} tokens leave no room under max_position_embeddings="

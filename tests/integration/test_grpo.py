@@ -80,7 +80,8 @@ def test_a_users_run_on_rollout_actors_crashes_resumes_and_equals_the_uninterrup
     import sys
     from pathlib import Path
 
-    from minimind_ray.generate import SamplingConfig, generate_text
+    from minimind_ray.generate import generate_text
+    from minimind_ray.model.sampling import SamplingParams
     from minimind_ray.store.checkpoint import newest_complete
     from minimind_ray.store.weights import build_inference_model
     from minimind_ray.tokenizer import resolve_tokenizer
@@ -139,7 +140,7 @@ def test_a_users_run_on_rollout_actors_crashes_resumes_and_equals_the_uninterrup
     model, lw = build_inference_model(str(run_dir))
     assert all(torch.equal(v, w[k]) for k, v in model.state_dict().items())  # the trained policy, not the base
     tok = resolve_tokenizer(lw.run_config["data"]["tokenizer"], str(shared["cache"]), lw.model_cfg.generation)
-    greedy = SamplingConfig(max_new_tokens=4, temperature=0.0)
+    greedy = SamplingParams(max_new_tokens=4, temperature=0.0)
     policy = build_model(lw.model_cfg)
     policy.load_state_dict(w)
     reply = generate_text(model, tok, "What is 1 plus 2?", greedy)

@@ -215,10 +215,11 @@ def reference(trained):
 
 def greedy_text(reference, messages, n, **sampling):
     """What the library's generate loop replies (the chat template, greedy unless told otherwise)."""
-    from minimind_ray.generate import SamplingConfig, render_prompt, stream_reply
+    from minimind_ray.generate import render_prompt, stream_reply
+    from minimind_ray.model.sampling import SamplingParams
 
     model, tok = reference
-    cfg = SamplingConfig(max_new_tokens=n, **{"temperature": 0.0, **sampling})
+    cfg = SamplingParams(max_new_tokens=n, **{"temperature": 0.0, **sampling})
     return "".join(stream_reply(model, tok, render_prompt(tok, messages), cfg))
 
 

@@ -121,12 +121,13 @@ def test_a_bare_minimind_pth_loads_with_minimind_tokenizers(preset, generation, 
     out = cli("generate", "--weights", str(pth), "--tokenizer", str(tok), "--prompt", "你好", "--temperature", "0",
               "--max-new-tokens", "6", *extra)
     # the CLI inferred the preset and used the tokenizer's template: same text as generating in-process
-    from minimind_ray.generate import SamplingConfig, generate_text
+    from minimind_ray.generate import generate_text
+    from minimind_ray.model.sampling import SamplingParams
     from minimind_ray.tokenizer import load_tokenizer
     from minimind_ray.store.weights import build_inference_model
 
     model, lw = build_inference_model(str(pth))
     assert lw.model_cfg.preset == preset
-    want = generate_text(model, load_tokenizer(str(tok)), "你好", SamplingConfig(max_new_tokens=6, temperature=0.0),
+    want = generate_text(model, load_tokenizer(str(tok)), "你好", SamplingParams(max_new_tokens=6, temperature=0.0),
                          think=True if extra else None)
     assert out == want + "\n"
