@@ -6,6 +6,8 @@ pool of Ray rollout actors and has a crash injected at step 5 (rank 1): it resum
 and must end with the first run's weights, bit for bit, having earned the same reward at every step: every
 completion samples from a seed of its own (step, prompt, index) whoever samples it, and the frozen reference is
 rebuilt from ``init_from``. The run logs GRPO's metrics to MLflow and exports a model the inference verbs load.
+RLOO (issue 48), on the same Ray session, data and tiny model, is held to the same: its actor-pool run with a crash
+ends equal to its in-worker run and exports.
 """
 from __future__ import annotations
 
@@ -147,3 +149,38 @@ def test_a_users_run_on_rollout_actors_crashes_resumes_and_equals_the_uninterrup
     assert reply == generate_text(policy.eval(), tok, "What is 1 plus 2?", greedy)
     exported, _ = build_inference_model(str(exported_pth), preset="tiny")  # MiniMind's fp16 file loads too
     assert all(torch.allclose(v.float(), w[k], atol=1e-2) for k, v in exported.state_dict().items())
+
+
+RLOO = ("train.stage=rloo", "data.format=prompt", "data.max_seq_len=48", "train.lr=3e-3", "train.warmup_steps=1",
+        "train.log_interval=1", "train.rloo.num_generations=4", "train.rloo.max_gen_len=8", "train.rloo.beta=0.1",
+        "train.rloo.rewards=[{name: exact_answer}, {name: 'tests.unit.test_grpo_rewards:double_length', weight: 0.01}]")
+
+
+def test_rloo_trains_on_two_workers_through_the_actor_pool_resumes_bit_for_bit_and_exports(ray_session, shared):
+    """Issue 48: RLOO, added as one module (stages/rloo.py) and one registry name, on the demo's sorting prompts and
+    2 Ray Train workers. A run whose completions the workers sample, and one whose completions a pool of 2 rollout
+    actors samples and whose rank 1 raises at step 3 (the group restarts from the step-2 checkpoint, with new actors):
+    the same reward at every step and the same weights at the end, bit for bit; the second exports MiniMind's
+    rloo_<hidden>.pth, which loads as the trained policy."""
+    from minimind_ray.store.weights import build_inference_model
+
+    def run_rloo(name, *overrides):
+        return run_tiny(shared, name, f"train.init_from={shared['base_pth']}", *RLOO, *overrides, steps=4,
+                        ckpt_every=2)
+
+    clean = run_rloo("rloo-clean")
+    pool = run_rloo("rloo-pool", "train.rollout.engine=actors", "train.rollout.actors=2",
+                    "train.rollout.actor_cpus=0.5", "train.fail_at_step=3", "train.fail_mode=raise", "train.fail_rank=1")
+    _, attempts = sample_record(shared, "rloo-pool")
+    assert attempts == {0, 2}, f"expected one restart from step 2, saw attempts {attempts}"
+    w, w_clean = final_weights(pool), final_weights(clean)
+    assert set(w) == set(w_clean) and all(torch.equal(v, w_clean[k]) for k, v in w.items())
+    base = torch.load(shared["base_pth"], weights_only=True)
+    assert any(not torch.equal(v, base[k]) for k, v in w.items()), "RLOO did not change the policy"
+    for key in ("rl/reward", "rl/reward_double_length", "rl/kl"):
+        hist = loss_history(shared, pool.mlflow_run_id, key)
+        assert [s for s, _ in hist] == [1, 2, 3, 4] and hist == loss_history(shared, clean.mlflow_run_id, key), key
+    exported = pool.exports["pth"]
+    assert exported.endswith("/rloo_64.pth"), pool.exports
+    model, _ = build_inference_model(exported, preset="tiny")
+    assert all(torch.allclose(v.float(), w[k], atol=1e-2) for k, v in model.state_dict().items())  # fp16, as MiniMind

@@ -122,7 +122,7 @@ def same(a, b) -> bool:
 
 def test_overlapped_rollouts_are_one_step_off_policy_and_restore_bit_for_bit(ray_session, prepared, in_worker,
                                                                              tmp_path):
-    """rl/grpo_step.py: with train.rollout.overlap, step t+1's rollouts are sent during step t from the weights step t
+    """rl/plan.py: with train.rollout.overlap, step t+1's rollouts are sent during step t from the weights step t
     sampled with, unless step t is a checkpoint step. Checked step by step against the in-worker sampler: step k
     samples what it samples from step k-1's weights (one step stale), and steps 1 and 4 (after the checkpoint of
     step 3) from their own; a run restored from step 3 samples step 4 from the restored weights, as the

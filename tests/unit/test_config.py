@@ -81,3 +81,23 @@ def test_gpu_recipes_are_valid_once_their_data_exists(recipe, tmp_path):
                 cfg.cluster.max_failures, cfg.cluster.backend, cfg.cluster.num_workers) == \
             (512, 512, 1e-4, 1000, 100, 3, "auto", 4)
         assert accumulation_steps(cfg.train.global_batch_size, cfg.train.micro_batch_size, 4) == 1  # 128 per GPU
+
+
+def test_old_grpo_rollout_keys_are_read_by_the_stages_that_read_train_grpo_only(capsys):
+    """Issue 48: the train.grpo.rollout* -> train.rollout migration is GRPO's section's, run by the records of the
+    stages that read that section (grpo, the agent), with a notice each; another stage's run leaves it alone."""
+    old = ["train.grpo.rollout=actors", "train.grpo.rollout_actors=2", "train.grpo.rollout_overlap=true"]
+    for stage, extra in (("grpo", ["data.format=prompt"]), ("agent", ["data.max_seq_len=320"])):
+        cfg = load_config(None, ["data.train_path=[demo]", "model.preset=tiny", f"train.stage={stage}",
+                                 "train.init_from=.", *extra, *old])
+        assert (cfg.train.rollout.engine, cfg.train.rollout.actors, cfg.train.rollout.overlap) == ("actors", 2, True)
+        notices = [line for line in capsys.readouterr().err.splitlines() if "notice" in line]
+        assert notices == ["[minimind-ray] notice: train.grpo.rollout is now train.rollout.engine (read as "
+                           "train.rollout.engine='actors')",
+                           "[minimind-ray] notice: train.grpo.rollout_actors is now train.rollout.actors (read as "
+                           "train.rollout.actors=2)",
+                           "[minimind-ray] notice: train.grpo.rollout_overlap is now train.rollout.overlap (read as "
+                           "train.rollout.overlap=True)"], stage
+    cfg = load_config(None, ["data.train_path=[demo]", "model.preset=tiny", "train.stage=rloo", "train.init_from=.",
+                             *old])
+    assert cfg.train.rollout == type(cfg.train.rollout)() and "notice" not in capsys.readouterr().err

@@ -1,13 +1,15 @@
-"""RL learns (issue 34): GRPO, PPO and the agent stage each run on the engine (one rank, no Ray) from a randomly
-initialised tiny model, on a reward it can learn in a couple of dozen steps: the share of a completion's characters
-that are ASCII punctuation. About 1% of a random completion's characters are (99 of MiniMind2's 6400 tokens hold
-one); a policy that finds the reward ends near 100% (or at the share of the token it settled on: 1/2 at worst in the
-measured seeds). PPO's critic must learn too: its value loss falls and its values end at the returns.
+"""RL learns (issue 34): GRPO, PPO, the agent stage and RLOO (issue 48) each run on the engine (one rank, no Ray) from a
+randomly initialised tiny model, on a reward it can learn in a couple of dozen steps: the share of a completion's
+characters that are ASCII punctuation. About 1% of a random completion's characters are (99 of MiniMind2's 6400
+tokens hold one); a policy that finds the reward ends near 100% (or at the share of the token it settled on: 1/2 at
+worst in the measured seeds). PPO's critic must learn too: its value loss falls and its values end at the returns.
 
 The mean reward of the last K steps must beat that of the first K by MARGIN. Measured over 5 seeds
 (bench/bench_rl_learns.py; docs/testing.md has the table): the smallest margin was 0.49 (GRPO, PPO) and 0.67
 (agent); with the advantages' sign flipped or the rewards shuffled across completions it was at most +0.11, and with
 PPO's value loss's sign flipped the critic's values ended 5 to 7 away from the returns (0.06 at most when right).
+RLOO, measured the same way with this module's learning_curve (seeds 0-4): 0.98 at the smallest; with its
+leave-one-out advantages negated, or computed from shuffled rewards (seeds 0-2), +0.002 at most.
 The sorting demo's figure in docs/rl.md is measured by bench/bench_grpo.py, not here."""
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from tests.conftest import minimind_tokenizer_dir
 STEPS, K = 24, 5
 MARGIN = 0.25  # half the smallest margin measured over 5 seeds
 PUNCTUATION = frozenset(string.punctuation)
-STAGES = ("grpo", "ppo", "agent")
+STAGES = ("grpo", "ppo", "agent", "rloo")
 
 
 def punctuation_share(text: str) -> float:
@@ -67,6 +69,11 @@ def stage_config(stage: str, base: str, seed: int, steps: int = STEPS):
     if stage == "grpo":
         own = ["train.stage=grpo", "data.format=prompt", "data.max_seq_len=48", "train.global_batch_size=4",
                "train.micro_batch_size=4", *grpo, f"train.grpo.rewards=[{{name: '{me}:punctuation_reward'}}]"]
+    elif stage == "rloo":  # GRPO's groups, no scaling by their std: the advantages normalised over the batch instead
+        own = ["train.stage=rloo", "data.format=prompt", "data.max_seq_len=48", "train.global_batch_size=4",
+               "train.micro_batch_size=4", "train.rloo.num_generations=4", "train.rloo.max_gen_len=8",
+               "train.rloo.temperature=1.0", "train.rloo.beta=0", "train.rloo.normalize_advantages=true",
+               f"train.rloo.rewards=[{{name: '{me}:punctuation_reward'}}]"]
     elif stage == "ppo":  # one completion per prompt: 16 prompts a step
         own = ["train.stage=ppo", "data.format=prompt", "data.max_seq_len=48", "train.global_batch_size=16",
                "train.micro_batch_size=16", "train.ppo.max_gen_len=8", "train.ppo.temperature=1.0",
