@@ -63,6 +63,9 @@ class Stage:
     plugins: Callable[[Any], List[str]] = no_plugins  # the user's 'package.module:function' names its config holds
     beside: Callable[[Any], Dict[str, float]] = nothing_beside  # resources it places beside the workers
     parents: Callable[[Any], Dict[str, Optional[str]]] = no_parents  # weights it starts from besides init_from
+    # parents whose architecture is their own (a teacher): checked before Ray for completeness only, not against the
+    # run's model (preflight.py)
+    own_architecture: Tuple[str, ...] = ()
     metric_group: str = "train"  # its interval metrics' MLflow group: train/<key>, or rl/<key>
     headline: Tuple[str, ...] = ()  # interval metrics the console shows beside the loss
     rl: bool = False  # samples completions from the policy (train.rollout applies)
