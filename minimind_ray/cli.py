@@ -17,6 +17,7 @@ from typing import List, Optional
 from minimind_ray.config_checks import ConfigError, int_at_least as _int_at_least
 from minimind_ray.console import quiet_environment, set_verbose
 from minimind_ray.evals.verb import __doc__ as eval_doc, add_arguments as add_eval_arguments, run_from_args
+from minimind_ray.failures import MISTAKE, Mistake, RunStopped
 from minimind_ray.memory_errors import OutOfMemory
 from minimind_ray.model.config import LoRAConfig
 from minimind_ray.pipeline.config import load_pipeline
@@ -45,7 +46,8 @@ def _load(args, stage: Optional[str] = None):
 
 
 def cmd_train(args) -> int:
-    from minimind_ray.raytrain.driver import RunFinished, run  # lazy: pyarrow, only when this runs
+    from minimind_ray.raytrain.driver import run  # lazy: pyarrow, only when this runs
+    from minimind_ray.raytrain.resume import RunFinished  # lazy: pyarrow, only when this runs
 
     cfg = _load(args, args.verb)
     try:
@@ -97,7 +99,7 @@ def cmd_pipeline(args) -> int:
 def cmd_prepare(args) -> int:
     from minimind_ray.data.prepare import ensure_prepared  # lazy: numpy, pyarrow, only when this runs
     from minimind_ray.tokenizer import resolve_tokenizer
-    from minimind_ray.raytrain.driver import connect_ray  # lazy: pyarrow, only when this runs
+    from minimind_ray.raytrain.session import connect_ray  # lazy: pyarrow, only when this runs
 
     cfg = _load(args)
     if args.out:
@@ -367,14 +369,15 @@ def user_errors() -> tuple:
     file:line), data (DataError), checkpoints (CheckpointError), weights files (WeightsError: truncated,
     non-float, no matching preset), tokenizers (TokenizerFetchError), and the ValueError/OSError a bad
     argument, path or URI raises; a run out of memory (OutOfMemory: the settings to change, the memory
-    seen), and a worker group that could not be restarted within cluster.max_failures (RestartsSpent). Each
-    message names the input, so :func:`main` prints it as one line with exit code 2. Anything else is a bug and keeps its traceback."""
+    seen), a worker group that could not be restarted within cluster.max_failures (RestartsSpent), and a run that
+    ended without a retry (RunStopped: the user's mistake (Mistake), or an error that recurred). Each message names the
+    input, so :func:`main` prints it as one line with exit code 2. Anything else is a bug and keeps its traceback."""
     from minimind_ray.data.manifest import DataError  # lazy: pyarrow, only when this runs
     from minimind_ray.store.checkpoint import CheckpointError  # lazy: pyarrow, torch, only when this runs
-    from minimind_ray.store.pth import WeightsError
+    from minimind_ray.store.pth import WeightsError  # lazy: torch, only when this runs
 
     return (ConfigError, DataError, CheckpointError, WeightsError, TokenizerFetchError, OutOfMemory, RestartsSpent,
-            ValueError, OSError)
+            Mistake, RunStopped, ValueError, OSError)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -386,6 +389,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     except Exception as e:
         if args.debug or not isinstance(e, user_errors()):
             raise
+        if isinstance(e, RunStopped) and e.verdict.kind != MISTAKE and e.verdict.traceback:
+            print(e.verdict.traceback.rstrip(), file=sys.stderr)  # an error that recurred may be a bug: its traceback
         message = " ".join(str(e).split()) or type(e).__name__  # one line, whatever the library wrote
         print(f"{'config error' if isinstance(e, ConfigError) else 'error'}: {message}", file=sys.stderr)
         return 2

@@ -25,7 +25,9 @@ from typing import Any, Dict, List, Optional
 from minimind_ray.config import ConfigError, RunConfig, load_config
 from minimind_ray.fsio import filesystem, is_uri, join, redact, write_text_atomic
 from minimind_ray.pipeline.config import PipelineConfig, StageConfig, is_training, kind_of, stage_digest
-from minimind_ray.raytrain.driver import RunFinished, connect_ray, run, storage_root
+from minimind_ray.raytrain.driver import run
+from minimind_ray.raytrain.resume import RunFinished, storage_root
+from minimind_ray.raytrain.session import connect_ray
 from minimind_ray.raytrain.lineage import TAG_DATA, TAG_MANIFEST, manifest_sha256
 from minimind_ray.serve.launch import add_arguments, serve_from_args
 from minimind_ray.tracking.parents import child_tags, end_run, record, register_version, start_parent
