@@ -19,7 +19,7 @@ import numpy as np
 from minimind_ray.data.formats.base import REASONS, BadRecord, Format, RowEncoder, id_dtype, parse_line, \
     to_arrow, too_long
 
-FORMAT_MODULES = ("pretrain", "sft", "dpo", "rlaif", "prompt", "agent_rl")
+FORMAT_MODULES = ("pretrain", "sft", "dpo", "rlaif", "prompt", "agent_rl", "kto")
 
 REGISTRY: Dict[str, Format] = {}
 for _module in FORMAT_MODULES:
