@@ -69,6 +69,9 @@ class Stage:
     metric_group: str = "train"  # its interval metrics' MLflow group: train/<key>, or rl/<key>
     headline: Tuple[str, ...] = ()  # interval metrics the console shows beside the loss
     rl: bool = False  # samples completions from the policy (train.rollout applies)
+    # its loss is the cross-entropy of the data's target tokens, in nats: the held-out evaluation also gives bits per
+    # byte (engine/evaluate.py); False for a loss that is something else (preferences, a teacher's KL, RL)
+    cross_entropy: bool = False
     # why it cannot train under train.parallelism=fsdp (the refusal names train.parallelism); None: it can. Refused
     # unless its record says otherwise: a model held beside the sharded policy, or a policy sampled one rank at a time,
     # needs more than the engine's wrapper

@@ -32,7 +32,7 @@ def _help() -> list:
 # added to train: since (issue 36, FSDP: how the workers share the model, activation checkpointing, FSDP's resharding),
 # each with a default that keeps every recipe's run as it was (ddp, none, true)
 NEW_SECTIONS = ("train.simpo.", "train.rollout.", "train.parallelism", "train.activation_checkpointing",
-                "train.reshard_after_forward")
+                "train.reshard_after_forward", "train.kto.")  # and KTO's (issue 48)
 # help lines that changed on purpose: the stage list names the new stage; train.grpo.rollout* moved to train.rollout;
 # data.format says what a verb implies when it is not given, data.train_path that one path needs no list (issue 38)
 CHANGED_HELP = {"train.stage", "train.grpo.rollout", "train.grpo.rollout_actors", "train.grpo.rollout_actor_cpus",
@@ -56,7 +56,7 @@ def golden():
     return json.loads(GOLDEN.read_text())
 
 
-NEW_RECIPES = {"simpo_26m.yaml"}  # recipes added since (the new stage's)
+NEW_RECIPES = {"simpo_26m.yaml", "kto_26m.yaml"}  # recipes added since (the new stages')
 
 
 def test_every_recipe_of_the_golden_file_is_still_there(golden):
