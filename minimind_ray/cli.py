@@ -19,7 +19,6 @@ from minimind_ray.console import quiet_environment, set_verbose
 from minimind_ray.evals.verb import __doc__ as eval_doc, add_arguments as add_eval_arguments, run_from_args
 from minimind_ray.failures import MISTAKE, Mistake, RunStopped
 from minimind_ray.memory_errors import OutOfMemory
-from minimind_ray.model.config import LoRAConfig
 from minimind_ray.pipeline.config import load_pipeline
 from minimind_ray.raytrain.restarts import RestartsSpent
 from minimind_ray.raytrain.sweep_config import load_sweep
@@ -198,20 +197,9 @@ def cmd_export(args) -> int:
 
 
 def cmd_merge_lora(args) -> int:
-    from minimind_ray.model.lora import apply_lora, load_lora, merge_lora  # lazy: pyarrow, torch, only when this runs
-    from minimind_ray.store.pth import read_pth, save_pth
-    from minimind_ray.store.weights import build_inference_model  # lazy: pyarrow, torch, only when this runs
+    from minimind_ray.store.weights import merge_lora_file  # lazy: pyarrow, torch, only when this runs
 
-    model, _ = build_inference_model(args.base, args.preset, merge_lora=False)
-    sd = read_pth(args.lora)
-    ranks = [v.shape[0] for k, v in sd.items() if k.endswith("lora.A.weight")]
-    if not ranks:
-        raise ValueError(f"--lora {args.lora}: no '<module>.lora.A.weight' keys; not a LoRA weights file")
-    rank = ranks[0]
-    apply_lora(model, LoRAConfig(rank=rank, alpha=args.alpha))
-    load_lora(model, sd)
-    save_pth(merge_lora(model), args.out)
-    print(f"merged: {args.out}")
+    print(f"merged: {merge_lora_file(args.base, args.lora, args.out, args.preset, args.alpha)}")
     return 0
 
 

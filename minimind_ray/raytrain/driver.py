@@ -262,9 +262,9 @@ def export_and_log(spec: WorkerSpec, result, tokenizer) -> RunResult:
                                       **{k: m.get(k) for k in ("step", "loss")}}
                                      for c, m in (result.best_checkpoints or [])], indent=1))
         if run_id:
-            extra = {str(index): "checkpoints"}
-            if "lora" in out.exports:
-                extra[out.exports["lora"]] = "model/lora"
+            # beside the weights: every other file the export wrote (LoRA's adapters, a critic), under its own name
+            extra = {str(index): "checkpoints", **{path: f"model/{key}" for key, path in out.exports.items()
+                                                   if key not in ("pth", "safetensors")}}
             final = log_final_artifacts(
                 spec.tracking_uri, run_id, pth_path=out.exports.get("pth"),
                 safetensors_path=out.exports.get("safetensors"), tokenizer_dir=tokenizer.path,

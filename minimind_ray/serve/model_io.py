@@ -25,12 +25,11 @@ from typing import Optional, Tuple
 import torch
 
 from minimind_ray.config import from_dict, run_config_of
-from minimind_ray.model.config import LoRAConfig
 from minimind_ray.tracking.config import TrackingConfig
 from minimind_ray.fsio import is_uri
 from minimind_ray.generate import StreamDecoder, generate_tokens, render_prompt  # noqa: F401
 from minimind_ray.model.kv_cache import KVCache  # noqa: F401
-from minimind_ray.model.lora import apply_lora, load_lora, merge_lora
+from minimind_ray.model.lora import ADAPTER_FILE_PREFIX, merge_adapters
 from minimind_ray.model.minimind import build_model
 from minimind_ray.model.sampling import sample_tokens  # noqa: F401
 from minimind_ray.serve.options import is_mlflow_uri
@@ -169,13 +168,7 @@ def _tokenizer_of(lw: LoadedWeights) -> Optional[Tokenizer]:
 
 
 def _add_lora(model, path: str, alpha: Optional[float]):
-    sd = read_pth(path)
-    ranks = [v.shape[0] for k, v in sd.items() if k.endswith("lora.A.weight")]
-    if not ranks:
-        raise ValueError(f"--lora {path}: no '<module>.lora.A.weight' keys; not a LoRA weights file")
-    apply_lora(model, LoRAConfig(rank=ranks[0], alpha=alpha))
-    load_lora(model, sd)
-    return merge_lora(model)
+    return merge_adapters(model, read_pth(path), alpha, f"--lora {path}")
 
 
 # --------------------------------------------------------------------------- MLflow
@@ -233,7 +226,7 @@ def _build_from_download(source: str, uri: str, run_id: str, model_path: str, ds
     model_dir = fetch(model_path)
     files = sorted(model_dir.rglob("*")) if model_dir else []
     tensors = [p for p in files if p.suffix == ".safetensors"]
-    pths = [p for p in files if p.suffix == ".pth" and not p.name.startswith("lora")]
+    pths = [p for p in files if p.suffix == ".pth" and not p.name.startswith(ADAPTER_FILE_PREFIX)]
     config_file = fetch("config/config.yaml")
     if tensors:  # the project's safetensors record the exact architecture (and keep fp32)
         model, _ = build_inference_model(str(tensors[0]), preset)

@@ -35,7 +35,7 @@ import torch
 
 from minimind_ray.fsio import filesystem, is_uri, join
 from minimind_ray.model.config import LoRAConfig, ModelConfig
-from minimind_ray.model.lora import apply_lora, merge_lora as merge
+from minimind_ray.model.lora import adapter_rank, apply_lora, merge_adapters, merge_lora as merge
 from minimind_ray.model.minimind import build_model, clean_state_dict, unwrap_model
 from minimind_ray.model.presets import PRESETS, preset_values
 from minimind_ray.model.rope import YARN, rope_tables
@@ -257,8 +257,8 @@ def apply_weights(model, lw: LoadedWeights, merge_lora: bool = True):
     sd = {k: v.float() for k, v in lw.state_dict.items()}
     has_lora = any(".lora." in k for k in sd)
     if has_lora:
-        lcfg = LoRAConfig(**lw.run_config["train"]["lora"]) if lw.run_config else LoRAConfig(
-            rank=next(v.shape[0] for k, v in sd.items() if k.endswith("lora.A.weight")))
+        recorded = (lw.run_config or {}).get("train", {}).get("lora")  # the adapters' settings, as the run recorded
+        lcfg = LoRAConfig(**recorded) if recorded else LoRAConfig(rank=adapter_rank(sd, lw.source or "weights"))
         apply_lora(model, lcfg)
     try:
         model.load_state_dict(sd, strict=True)
@@ -358,3 +358,14 @@ def set_rope_scaling(model, spec: dict):
 def model_config_json(cfg: ModelConfig) -> str:
     """What our .safetensors records under SAFETENSORS_CONFIG_KEY."""
     return json.dumps(dataclasses.asdict(cfg))
+
+
+def merge_lora_file(base: str, lora: str, out: str, preset: Optional[str] = None, alpha: Optional[float] = None) -> str:
+    """``minimind-ray merge-lora``: the base weights with a file of adapters (MiniMind's lora_*.pth) folded in, saved
+    as a MiniMind .pth at ``out``."""
+    from minimind_ray.store.pth import save_pth  # lazy: only the merge-lora verb writes one
+
+    model, _ = build_inference_model(base, preset, merge_lora=False)
+    save_pth(merge_adapters(model, read_pth(lora), alpha, f"--lora {lora}"), out)
+    return out
+

@@ -183,7 +183,7 @@ def _train_in_process(workdir: Path, recipe: str, *extra):
         random.setstate(py_rng)
     # as the driver's export names it: a LoRA run's adapters are MiniMind's lora_<hidden>.pth
     prefix = "lora" if cfg.train.stage == "lora" else get_stage(cfg.train.stage).export_prefix
-    return cfg, state, Path(export_minimind_pth(state.model, workdir / "export" / recipe, stage=prefix))
+    return cfg, state, Path(export_minimind_pth(state.model, workdir / "export" / recipe, prefix=prefix))
 
 
 # MiniMind's trainer defaults at d65ef2c (trainer/train_*.py argparse): epochs, batch_size (per GPU),
