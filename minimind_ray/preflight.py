@@ -33,8 +33,7 @@ import pyarrow.fs as pafs
 from minimind_ray.cluster_config import worker_threads
 from minimind_ray.config import RunConfig, validate
 from minimind_ray.config_checks import ConfigError
-from minimind_ray.data.config import FORMATS
-from minimind_ray.data.formats import BadRecord, check_record, parse_line
+from minimind_ray.data.formats import FORMATS, BadRecord, check_record, parse_line
 from minimind_ray.data.sources import OverlongLine, iter_records, resolve_sources
 from minimind_ray.engine.memory import GiB, estimate
 from minimind_ray.fsio import filesystem, join, redact
