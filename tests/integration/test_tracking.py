@@ -203,7 +203,7 @@ def test_embedded_default_store(tmp_path, monkeypatch):
     (worker_cwd / "model.pth").write_bytes(b"\0" * 64)
     out = log_final_artifacts(uri, run_id, pth_path=str(worker_cwd / "model.pth"), safetensors_path=None,
                               tokenizer_dir=None, manifest_path=None, registered_model="minimind-pretrain")
-    assert out == {"model_version": "1", "errors": []}
+    assert out == {"model_version": "1", "model_id": out["model_id"], "errors": []}
     finish_run(uri, run_id, "FINISHED")
 
     client = mlflow.MlflowClient(uri)
@@ -211,10 +211,16 @@ def test_embedded_default_store(tmp_path, monkeypatch):
     assert run.info.status == "FINISHED" and run.info.run_name == "embedded"
     assert client.get_experiment(run.info.experiment_id).name == "minimind-pretrain"
     arts = tmp_path / "mlartifacts" / run_id / "artifacts"
-    for f in ("config/config.yaml", "model/model.pth", "plots/loss.png"):
+    for f in ("config/config.yaml", "plots/loss.png"):
         assert (arts / f).is_file(), f
+    # the weights: the run's logged model, beside the runs in the same mlartifacts directory; its version points there
+    model = client.get_logged_model(out["model_id"])
+    assert model.artifact_location == (tmp_path / "mlartifacts" / "models" / out["model_id"] / "artifacts").as_uri()
+    assert (tmp_path / "mlartifacts" / "models" / out["model_id"] / "artifacts" / "model.pth").is_file()
     assert sorted(p.name for p in worker_cwd.iterdir()) == ["model.pth"]  # nothing landed here
-    assert client.get_model_version("minimind-pretrain", "1").run_id == run_id
+    version = client.get_model_version("minimind-pretrain", "1")
+    assert (version.run_id, version.source) == (run_id, model.artifact_location)
+    assert json.loads(model.tags["mlflow.modelVersions"]) == [{"name": "minimind-pretrain", "version": "1"}]
 
 
 def test_server_down_costs_training_nothing(mlflow_server, tmp_path):
