@@ -8,9 +8,10 @@ eval mode plus its tokenizer:
   the project's ``.safetensors``, an HF export folder, or a storage URI of one; the tokenizer is the
   run's own, the HF folder's, or ``--tokenizer``;
 * an MLflow model URI, ``models:/<name>/<version|alias>`` (also ``models:/<name>@<alias>``) or
-  ``runs:/<run_id>/<path>``: the run's model files (the ``.safetensors``, which records its
-  architecture, else the ``.pth`` with the run's ``config/config.yaml``) and its ``tokenizer/`` are
-  downloaded from the tracking server.
+  ``runs:/<run_id>/<path>``: the model files of the run's logged model (or, for a run logged before
+  logged models, its ``model/`` artifacts: the ``.safetensors``, which records its architecture, else
+  the ``.pth`` with the run's ``config/config.yaml``) and the run's ``tokenizer/`` are downloaded from
+  the tracking server.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import torch
 
 from minimind_ray.config import from_dict, run_config_of
 from minimind_ray.tracking.config import TrackingConfig
+from minimind_ray.tracking.models import MODEL_NAME, run_model
 from minimind_ray.fsio import is_uri
 from minimind_ray.generate import StreamDecoder, generate_tokens, render_prompt  # noqa: F401
 from minimind_ray.model.kv_cache import KVCache  # noqa: F401
@@ -178,7 +180,11 @@ _MODELS_URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:/(?P<ref>[^/]+)|@(?P<alia
 
 
 def _mlflow_run_id(source: str, uri: str) -> Tuple[str, str]:
-    """(run id, artifact path of the model files in that run) of a models:/ or runs:/ URI."""
+    """(run id, where the model files are) of a models:/ or runs:/ URI: the artifact location of the run's logged
+    model (tracking/models.py; a version's source), or, for a run whose weights are its own ``model/`` artifacts,
+    that path in the run. The location is read here, with ``uri``: MLflow 3.17 resolves a ``models:/`` URI (and a
+    run's logged model behind ``runs:/<run>/model``) through the process's default tracking URI whatever
+    ``tracking_uri`` it is given."""
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
@@ -187,7 +193,9 @@ def _mlflow_run_id(source: str, uri: str) -> Tuple[str, str]:
         if source.startswith("runs:/"):
             run_id, _, path = source[len("runs:/"):].partition("/")
             client.get_run(run_id)
-            return run_id, path.strip("/") or "model"
+            path = path.strip("/") or MODEL_NAME
+            model = run_model(client, run_id) if path == MODEL_NAME else None
+            return run_id, (model.artifact_location if model is not None and str(model.status) == "READY" else path)
         m = _MODELS_URI.match(source)
         if not m:
             raise ValueError(f"{source}: expected models:/<name>/<version|alias> or models:/<name>@<alias>")
@@ -199,8 +207,9 @@ def _mlflow_run_id(source: str, uri: str) -> Tuple[str, str]:
     except MlflowException as e:
         raise ValueError(f"{source}: not found in the MLflow registry at {uri} ({str(e).splitlines()[0]})") from None
     run_base = client.get_run(mv.run_id).info.artifact_uri.rstrip("/")
-    path = mv.source[len(run_base) + 1:] if mv.source.startswith(run_base + "/") else "model"
-    return mv.run_id, path
+    if mv.source.startswith(run_base + "/"):  # a version of a run's own model/ directory (before logged models)
+        return mv.run_id, mv.source[len(run_base) + 1:]
+    return mv.run_id, mv.source  # a logged model's artifact location (tracking/artifacts.py:register_version)
 
 
 def _from_mlflow(source: str, uri: str, preset: Optional[str]):
@@ -218,6 +227,8 @@ def _build_from_download(source: str, uri: str, run_id: str, model_path: str, ds
 
     def fetch(path: str) -> Optional[Path]:
         try:
+            if ":" in path:  # a logged model's artifact location
+                return Path(download_artifacts(artifact_uri=path, tracking_uri=uri, dst_path=str(dst / MODEL_NAME)))
             return Path(download_artifacts(run_id=run_id, artifact_path=path, tracking_uri=uri,
                                            dst_path=str(dst)))
         except Exception:  # noqa: BLE001 - an optional artifact that is absent

@@ -33,8 +33,8 @@ import openai
 import pytest
 import torch
 
-from tests.skip_budget import missing
 
+from .browser import chromium
 from .helpers import new_shared, run_tiny
 from .serve_fuzz import chat_body, completion_body, raw_bodies
 
@@ -780,23 +780,8 @@ def test_exactly_max_batch_plus_max_queued_concurrent_streams_get_200_and_one_mo
 
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory):
-    chromium, driver_bin = shutil.which("chromium"), shutil.which("chromedriver")
-    if not chromium or not driver_bin:
-        missing("Debian's chromium and chromium-driver are not installed (.ci/run installs them)")
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = chromium
-    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 "--window-size=1366,860", f"--user-data-dir={tmp_path_factory.mktemp('chromium')}"):
-        opts.add_argument(flag)
-    driver = webdriver.Chrome(service=Service(driver_bin), options=opts)
-    try:
+    with chromium(tmp_path_factory.mktemp("chromium")) as driver:
         yield driver
-    finally:
-        driver.quit()
 
 
 def test_the_chat_page_streams_the_greedy_reply_over_two_turns(served, browser, tmp_path):
