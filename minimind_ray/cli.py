@@ -70,10 +70,14 @@ def print_run_summary(res) -> None:
         if res.tracking_uri and res.tracking_uri.startswith("sqlite:///"):
             lines.append(f"MLflow UI:       make ui   (or: mlflow ui --backend-store-uri {res.tracking_uri} --host 127.0.0.1)")
         from minimind_ray.tracking.runs import run_page_url  # lazy: pyarrow, only when this runs
+        from minimind_ray.tracking.ui import run_charts_url  # lazy: pyarrow, only when this runs
 
         page = run_page_url(res.tracking_uri, res.mlflow_run_id)
         if page:  # the 'Model training' view: MLflow 3's UI opens in its GenAI view unless told
             lines.append(f"MLflow run page: {page}")
+        charts = run_charts_url(res.tracking_uri, res.mlflow_run_id)
+        if charts:  # the run's charts with the loss first (MLflow's own tab orders its sections by name)
+            lines.append(f"MLflow charts:   {charts}")
     print("\n".join(redact(line) for line in lines))  # a URI's credentials are never printed
 
 

@@ -120,7 +120,7 @@ def open_tracking(run_cfg: RunConfig, run_dir: str, prepared_dir: str, tags: Dic
         return None, None
     uri = resolve_tracking_uri(run_cfg.tracking)
     try:
-        return uri, start_run(run_cfg, run_cfg.name, run_dir, tags=tags)
+        return uri, start_run(run_cfg, run_cfg.name, run_dir, tags=tags, prepared_dir=prepared_dir)
     except Exception as e:  # a down tracking server must not stop training
         print(redact(f"[{run_cfg.name}] WARNING: MLflow at {uri} unavailable ({type(e).__name__}: {e}); training "
                      f"untracked"), flush=True)
