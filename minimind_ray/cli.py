@@ -243,10 +243,11 @@ def build_parser() -> argparse.ArgumentParser:
                                                  "recipe for every trial (checkpoint.storage_path=/mnt/runs)")
     sp.set_defaults(fn=cmd_sweep)
 
-    sp = sub.add_parser("pipeline", help="stages from data to a served model (prepare, pretrain, sft, ..., eval, "
-                                         "register, serve) as one resumable job (docs/pipeline.md)")
+    sp = sub.add_parser("pipeline", help=f"steps from data to a served model (prepare, training stages: "
+                                         f"{', '.join(STAGES)}; eval, register, serve) as one resumable job "
+                                         f"(docs/pipeline.md)")
     sp.add_argument("--config", required=True, help="pipeline YAML (pipelines/configs/pipeline_*.yaml)")
-    sp.add_argument("overrides", nargs="*", help="dotted overrides for every training stage, e.g. "
+    sp.add_argument("overrides", nargs="*", help="dotted overrides for every training step, e.g. "
                                                  "checkpoint.storage_path=/mnt/runs")
     sp.set_defaults(fn=cmd_pipeline)
 
