@@ -28,6 +28,7 @@ from typing import Any, Dict, List, Optional
 from minimind_ray.config import ConfigError, RunConfig, load_config
 from minimind_ray.fsio import filesystem, is_uri, join, redact, write_text_atomic
 from minimind_ray.pipeline.config import PipelineConfig, StepConfig, is_training, kind_of, step_digest
+from minimind_ray.preflight import adopt_architecture
 from minimind_ray.raytrain.driver import run
 from minimind_ray.raytrain.resume import RunFinished, storage_root
 from minimind_ray.raytrain.session import connect_ray
@@ -134,6 +135,8 @@ def run_pipeline(pipe: PipelineConfig, cli: Optional[List[str]] = None, text: st
             ctx.results[step.name] = result
             if is_training(step):
                 ctx.last_trained = step.name
+                if step.name not in out.skipped:
+                    check_the_next_training_step(ctx, step)
     except BaseException as e:
         if ctx.parent:
             end_run(uri, ctx.parent, "FAILED", tags={"error": f"step {step.name}: {type(e).__name__}: {e}"[:4000]})
@@ -162,9 +165,9 @@ def _run_step(ctx: _Context, step: StepConfig) -> Dict[str, Any]:
     return {"prepare": _prepare, "eval": _eval, "register": _register, "serve": _serve}[kind](ctx, step)
 
 
-def _train(ctx: _Context, step: StepConfig) -> Dict[str, Any]:
-    from minimind_ray.store.checkpoint import newest_complete  # lazy: torch, only when this runs
-
+def _train_config(ctx: _Context, step: StepConfig):
+    """(the training step's RunConfig, the weights it starts from): its recipe, named for the pipeline, from the
+    step its init_from names (``previous``: the last training step's result)."""
     extra = [f"train.stage={kind_of(step)}", f"name={ctx.pipe.name}-{step.name}", "resume=auto"]
     source = None
     if step.init_from == "previous":
@@ -173,7 +176,27 @@ def _train(ctx: _Context, step: StepConfig) -> Dict[str, Any]:
         source = ctx.results[step.init_from]["checkpoint_dir"] if step.init_from in ctx.results else step.init_from
     if source:
         extra.append(f"train.init_from={source}")
-    cfg = ctx.recipe(step, extra)
+    return ctx.recipe(step, extra), source
+
+
+def check_the_next_training_step(ctx: _Context, done: StepConfig) -> None:
+    """When a training step ends, the next training step that starts from it is checked against its weights
+    (preflight.py: the architecture its recipe asks for), before the steps between them run."""
+    later = ctx.pipe.steps[ctx.pipe.steps.index(done) + 1:]
+    nxt = next((s for s in later if is_training(s)), None)
+    if nxt is None or nxt.init_from not in ("previous", done.name):
+        return
+    cfg, _ = _train_config(ctx, nxt)
+    try:
+        adopt_architecture(cfg)
+    except ConfigError as e:
+        raise ConfigError(f"step {nxt.name} (starts from step {done.name}): {e}") from None
+
+
+def _train(ctx: _Context, step: StepConfig) -> Dict[str, Any]:
+    from minimind_ray.store.checkpoint import newest_complete  # lazy: torch, only when this runs
+
+    cfg, source = _train_config(ctx, step)
     try:
         res = run(cfg, tags=ctx.tags(step))
     except RunFinished:  # trained to its end before, but killed before the pipeline wrote that down

@@ -242,3 +242,20 @@ def test_a_file_none_of_whose_first_records_fits_the_format_is_refused_with_its_
     late = _jsonl(tmp_path / "late.jsonl", [{"text": "x"}] * LOOK_RECORDS + [chat])
     with pytest.raises(ConfigError, match=rf"none of its first {LOOK_RECORDS} records is a sft record"):
         look_at_data(load_config(None, [f"data.train_path={late}", "train.stage=sft"]))
+
+
+def test_a_pipeline_checks_the_next_training_step_against_the_weights_a_step_just_made(tmp_path):
+    """The demo pipeline's sft step (demo_sft.yaml writes model.preset: demo) starting from a pretrain result of
+    another architecture is refused when the pretrain step ends, before the steps between them."""
+    from minimind_ray.pipeline.config import load_pipeline
+    from minimind_ray.pipeline.run import _Context, check_the_next_training_step
+
+    pipe = load_pipeline("pipelines/configs/pipeline_demo.yaml")
+    ctx = _Context(pipe, [f"checkpoint.storage_path={tmp_path}"], str(tmp_path), None, "e")
+    pretrain = next(s for s in pipe.steps if s.name == "pretrain")
+    ctx.results["pretrain"], ctx.last_trained = {"checkpoint_dir": str(FIXTURE / "checkpoint_step4")}, "pretrain"
+    with pytest.raises(ConfigError, match=r"^step sft \(starts from step pretrain\): train.init_from: .* is tiny "
+                                          r"\(hidden 32, .*; this run asks demo \(hidden 128"):
+        check_the_next_training_step(ctx, pretrain)
+    grpo = next(s for s in pipe.steps if s.name == "grpo")
+    check_the_next_training_step(ctx, grpo)  # the last training step: nothing after it
