@@ -160,12 +160,24 @@ def rope_scaling_of(args):
     return rope_scaling_spec(args.rope_scaling, args.factor, args.original_max_position_embeddings)
 
 
+def _weights_of(args) -> str:
+    """The weights of ``generate``/``chat``: WEIGHTS or ``--weights`` (the older spelling), exactly one of them."""
+    if args.weights_arg and args.weights:
+        raise ValueError(f"{args.verb}: the weights twice ({args.weights_arg} and --weights {args.weights}): give "
+                         f"WEIGHTS or --weights, not both")
+    if not (args.weights_arg or args.weights):
+        raise ValueError(f"{args.verb}: which weights? give WEIGHTS (a run dir, checkpoint, .pth, HF folder or "
+                         f"storage URI), or --weights")
+    return args.weights_arg or args.weights
+
+
 def cmd_generate(args) -> int:
     from minimind_ray.generate import generate_text  # lazy: torch, only when this runs
     from minimind_ray.store.weights import build_inference_model
 
+    weights = _weights_of(args)
     dev = _device(args)
-    model, lw = build_inference_model(args.weights, args.preset, device=dev, rope_scaling=rope_scaling_of(args))
+    model, lw = build_inference_model(weights, args.preset, device=dev, rope_scaling=rope_scaling_of(args))
     tok = _tokenizer_for(args, lw)
     for prompt in args.prompt:
         if len(args.prompt) > 1:
@@ -179,8 +191,9 @@ def cmd_chat(args) -> int:
     from minimind_ray.generate import chat_loop  # lazy: torch, only when this runs
     from minimind_ray.store.weights import build_inference_model
 
+    weights = _weights_of(args)
     dev = _device(args)
-    model, lw = build_inference_model(args.weights, args.preset, device=dev, rope_scaling=rope_scaling_of(args))
+    model, lw = build_inference_model(weights, args.preset, device=dev, rope_scaling=rope_scaling_of(args))
     chat_loop(model, _tokenizer_for(args, lw), _sampling(args), think=args.think, device=dev)
     return 0
 
@@ -257,7 +270,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(fn=cmd_prepare)
 
     def with_weights(sp, tokenizer=True):
-        sp.add_argument("--weights", required=True, help=".pth, checkpoint dir, run dir or storage URI")
+        sp.add_argument("weights_arg", nargs="?", metavar="WEIGHTS",
+                        help=".pth, checkpoint dir, run dir, HF folder or storage URI")
+        sp.add_argument("--weights", help="the same as WEIGHTS (the older spelling)")
         sp.add_argument("--preset", help="model preset for a bare .pth (default: inferred from shapes)")
         if tokenizer:
             sp.add_argument("--tokenizer", help="minimind2 | minimind3 | auto | builtin | a tokenizer dir "

@@ -242,20 +242,23 @@ def _prepare(ctx: _Context, step: StepConfig) -> Dict[str, Any]:
 
 
 def _eval(ctx: _Context, step: StepConfig) -> Dict[str, Any]:
-    from minimind_ray.evals.run import evaluate_task, metric_items  # lazy: numpy, torch, only when this runs
+    from minimind_ray.evals.run import evaluate_task, metric_items, result_notes  # lazy: numpy, torch
 
     model = ctx.model(step)
     scores: Dict[str, float] = {}
+    notes: Dict[str, str] = {}  # subjects skipped or short of shots, as tags of the step's run
     cache = ctx.recipe(next(s for s in ctx.pipe.steps if s.recipe), []).data.cache_dir
     for task in step.tasks:
         res = evaluate_task(model["checkpoint_dir"], task, cache_dir=cache)
         scores.update(metric_items(res))
-        print(f"[{ctx.pipe.name}] {res['task']}: " + ", ".join(f"{k} {v:.3f}" for k, v in metric_items(res).items()),
-              flush=True)
+        notes.update(result_notes(res))
+        said = "".join(f"; {k.rsplit('/', 1)[1].replace('_', ' ')}: {v}" for k, v in result_notes(res).items())
+        print(f"[{ctx.pipe.name}] {res['task']}: " + ", ".join(f"{k} {v:.3f}" for k, v in metric_items(res).items())
+              + said, flush=True)
     run_id = _step_run(ctx, step, {"minimind.evaluated.run_id": model.get("mlflow_run_id") or "",
                                      "minimind.evaluated.checkpoint": redact(model["checkpoint_dir"])})
     if run_id:
-        record(ctx.uri, run_id, metrics=scores)
+        record(ctx.uri, run_id, metrics=scores, tags=notes)
         end_run(ctx.uri, run_id, "FINISHED")
         if model.get("mlflow_run_id"):  # beside the evaluated run's own curves, at its last step
             record(ctx.uri, model["mlflow_run_id"], metrics=scores, step=int(model.get("metrics", {}).get("step", 0)))

@@ -94,17 +94,28 @@ class ServedModel:
     model: torch.nn.Module  # eval mode, on its device
     tokenizer: Tokenizer
     name: str  # the id /v1/models lists
-    context: int  # the model's position limit (max_position_embeddings)
+    context: int  # the model's position limit (max_position_embeddings: the RoPE table)
+    trained_context: Optional[int] = None  # the run's data.max_seq_len, where the weights record their run
 
 
 def default_name(source: str) -> str:
-    """A readable model id: the registered name and version, the run id, or the file/dir name."""
+    """A readable model id: the registered name and version, the run id, or the file/dir name; a link (a run's
+    ``<stage>-latest``) is followed, so that the id names the run it points to, not the link."""
     if source.startswith("models:/"):
         return source[len("models:/"):].strip("/")
     if source.startswith("runs:/"):
         return source[len("runs:/"):].split("/")[0][:12]
-    stem = Path(source.rstrip("/")).name
+    path = source.rstrip("/")
+    if not is_uri(path) and path:
+        path = os.path.realpath(path)
+    stem = Path(path).name
     return stem[:-4] if stem.endswith(".pth") else stem or "minimind"
+
+
+def trained_context(run_config: Optional[dict]) -> Optional[int]:
+    """The context a run trained at (its recorded ``data.max_seq_len``), None where no run is recorded."""
+    value = ((run_config or {}).get("data") or {}).get("max_seq_len")
+    return int(value) if isinstance(value, int) and value > 0 else None
 
 
 def check_source(source: str, tracking_uri: Optional[str] = None) -> None:
@@ -142,10 +153,10 @@ def load_served_model(source: str, tokenizer: Optional[str] = None, preset: Opti
     file (MiniMind's ``lora_*.pth``) on top of the weights and merges it; ``rope_scaling`` turns YaRN on
     or off (store.weights.set_rope_scaling; None = as the weights record)."""
     if is_mlflow_uri(source):
-        model, tok = _from_mlflow(source, resolve_tracking_uri(TrackingConfig(uri=tracking_uri)), preset)
+        model, tok, trained = _from_mlflow(source, resolve_tracking_uri(TrackingConfig(uri=tracking_uri)), preset)
     else:
         model, lw = build_inference_model(source, preset, merge_lora=True, device="cpu")
-        tok = _tokenizer_of(lw)
+        tok, trained = _tokenizer_of(lw), trained_context(lw.run_config)
     if tokenizer:  # an explicit tokenizer wins over the one that came with the weights
         tok = resolve_tokenizer(tokenizer, "data_cache", model.cfg.generation)
     if tok is None:
@@ -156,7 +167,7 @@ def load_served_model(source: str, tokenizer: Optional[str] = None, preset: Opti
     if rope_scaling is not None:
         set_rope_scaling(model, rope_scaling)
     model = model.to(device).eval()
-    return ServedModel(model, tok, name or default_name(source), model.cfg.max_position_embeddings)
+    return ServedModel(model, tok, name or default_name(source), model.cfg.max_position_embeddings, trained)
 
 
 def _tokenizer_of(lw: LoadedWeights) -> Optional[Tokenizer]:
@@ -213,7 +224,8 @@ def _mlflow_run_id(source: str, uri: str) -> Tuple[str, str]:
 
 
 def _from_mlflow(source: str, uri: str, preset: Optional[str]):
-    """Download model files, config and tokenizer of the run behind ``source`` and build the model."""
+    """Download model files, config and tokenizer of the run behind ``source`` and build the model; (model,
+    tokenizer or None, the context the run trained at or None)."""
     run_id, model_path = _mlflow_run_id(source, uri)
     dst = Path(tempfile.mkdtemp(prefix="mmr-serve-"))
     try:
@@ -239,12 +251,15 @@ def _build_from_download(source: str, uri: str, run_id: str, model_path: str, ds
     tensors = [p for p in files if p.suffix == ".safetensors"]
     pths = [p for p in files if p.suffix == ".pth" and not p.name.startswith(ADAPTER_FILE_PREFIX)]
     config_file = fetch("config/config.yaml")
+    run_config = None
+    if config_file is not None:
+        from omegaconf import OmegaConf
+
+        run_config = OmegaConf.to_container(OmegaConf.load(config_file))
     if tensors:  # the project's safetensors record the exact architecture (and keep fp32)
         model, _ = build_inference_model(str(tensors[0]), preset)
     elif pths and config_file is not None and not preset:  # MiniMind's fp16 .pth + the run's config
-        from omegaconf import OmegaConf
-
-        run_cfg = from_dict(OmegaConf.to_container(OmegaConf.load(config_file)))
+        run_cfg = from_dict(run_config)
         lw = LoadedWeights(load_weights(str(pths[0]), run_cfg.model.preset).state_dict, run_cfg.model, None, None)
         model = apply_weights(build_model(run_cfg.model), lw)
     elif pths:
@@ -254,4 +269,4 @@ def _build_from_download(source: str, uri: str, run_id: str, model_path: str, ds
                                 f"'{model_path}' artifacts")
     tok_dir = fetch("tokenizer")
     tok = load_tokenizer(str(tok_dir)) if tok_dir is not None and (tok_dir / "tokenizer.json").exists() else None
-    return model.eval(), tok
+    return model.eval(), tok, trained_context(run_config)

@@ -241,11 +241,22 @@ def chat(client, messages, **kw):
     return client.chat.completions.create(model="tiny-sft", messages=messages, **kw)
 
 
-def test_models_and_health(served):
+def test_models_and_health(served, trained):
     models = served["client"].models.list().data
     assert [m.id for m in models] == ["tiny-sft"]
     h = health(served["base"])
     assert h["status"] == "ok" and h["model"] == "tiny-sft" and h["engine"]["running"] == 0
+    # issue 47: the context the run trained at (data.max_seq_len: 64) beside the one served (--context)
+    with urllib.request.urlopen(served["base"] + "/v1/models", timeout=30) as r:
+        entry = json.loads(r.read())["data"][0]
+    assert (entry["context_length"], entry["trained_context_length"]) == (CONTEXT, 64)
+    # what `minimind-ray serve` prints once the app is up: the replica's own account, through Serve's handle
+    from minimind_ray.serve.launch import served_info, startup_line
+
+    info = served_info("serve-run")
+    assert info == {"model": "tiny-sft", "weights": trained.run_dir, "context_length": CONTEXT,
+                    "trained_context_length": 64}
+    assert startup_line(info) == f"serving tiny-sft ({trained.run_dir}): context {CONTEXT} tokens, trained at 64"
 
 
 def test_greedy_replies_equal_generate_streamed_or_not(served, reference):
@@ -792,6 +803,7 @@ def test_the_chat_page_streams_the_greedy_reply_over_two_turns(served, browser, 
     wait = WebDriverWait(browser, 120)
     browser.get(served["base"] + "/")
     wait.until(lambda d: "tiny-sft" in d.find_element(By.ID, "model").text)
+    assert browser.find_element(By.ID, "model").text == f"tiny-sft · context {CONTEXT} tokens, trained at 64"
     for field, value in (("temperature", "0"), ("max-tokens", "24")):
         box = browser.find_element(By.ID, field)
         box.clear()
