@@ -17,8 +17,8 @@ from typing import List, Optional
 from minimind_ray.config_checks import ConfigError, int_at_least as _int_at_least
 from minimind_ray.console import quiet_environment, set_verbose
 from minimind_ray.evals.verb import __doc__ as eval_doc, add_arguments as add_eval_arguments, run_from_args
+from minimind_ray.failures import MISTAKE, Mistake, RunStopped
 from minimind_ray.memory_errors import OutOfMemory
-from minimind_ray.model.config import LoRAConfig
 from minimind_ray.pipeline.config import load_pipeline
 from minimind_ray.raytrain.restarts import RestartsSpent
 from minimind_ray.raytrain.sweep_config import load_sweep
@@ -45,7 +45,8 @@ def _load(args, stage: Optional[str] = None):
 
 
 def cmd_train(args) -> int:
-    from minimind_ray.raytrain.driver import RunFinished, run  # lazy: pyarrow, only when this runs
+    from minimind_ray.raytrain.driver import run  # lazy: pyarrow, only when this runs
+    from minimind_ray.raytrain.resume import RunFinished  # lazy: pyarrow, only when this runs
 
     cfg = _load(args, args.verb)
     try:
@@ -69,10 +70,14 @@ def print_run_summary(res) -> None:
         if res.tracking_uri and res.tracking_uri.startswith("sqlite:///"):
             lines.append(f"MLflow UI:       make ui   (or: mlflow ui --backend-store-uri {res.tracking_uri} --host 127.0.0.1)")
         from minimind_ray.tracking.runs import run_page_url  # lazy: pyarrow, only when this runs
+        from minimind_ray.tracking.ui import run_charts_url  # lazy: pyarrow, only when this runs
 
         page = run_page_url(res.tracking_uri, res.mlflow_run_id)
         if page:  # the 'Model training' view: MLflow 3's UI opens in its GenAI view unless told
             lines.append(f"MLflow run page: {page}")
+        charts = run_charts_url(res.tracking_uri, res.mlflow_run_id)
+        if charts:  # the run's charts with the loss first (MLflow's own tab orders its sections by name)
+            lines.append(f"MLflow charts:   {charts}")
     print("\n".join(redact(line) for line in lines))  # a URI's credentials are never printed
 
 
@@ -97,7 +102,7 @@ def cmd_pipeline(args) -> int:
 def cmd_prepare(args) -> int:
     from minimind_ray.data.prepare import ensure_prepared  # lazy: numpy, pyarrow, only when this runs
     from minimind_ray.tokenizer import resolve_tokenizer
-    from minimind_ray.raytrain.driver import connect_ray  # lazy: pyarrow, only when this runs
+    from minimind_ray.raytrain.session import connect_ray  # lazy: pyarrow, only when this runs
 
     cfg = _load(args)
     if args.out:
@@ -155,12 +160,24 @@ def rope_scaling_of(args):
     return rope_scaling_spec(args.rope_scaling, args.factor, args.original_max_position_embeddings)
 
 
+def _weights_of(args) -> str:
+    """The weights of ``generate``/``chat``: WEIGHTS or ``--weights`` (the older spelling), exactly one of them."""
+    if args.weights_arg and args.weights:
+        raise ValueError(f"{args.verb}: the weights twice ({args.weights_arg} and --weights {args.weights}): give "
+                         f"WEIGHTS or --weights, not both")
+    if not (args.weights_arg or args.weights):
+        raise ValueError(f"{args.verb}: which weights? give WEIGHTS (a run dir, checkpoint, .pth, HF folder or "
+                         f"storage URI), or --weights")
+    return args.weights_arg or args.weights
+
+
 def cmd_generate(args) -> int:
     from minimind_ray.generate import generate_text  # lazy: torch, only when this runs
     from minimind_ray.store.weights import build_inference_model
 
+    weights = _weights_of(args)
     dev = _device(args)
-    model, lw = build_inference_model(args.weights, args.preset, device=dev, rope_scaling=rope_scaling_of(args))
+    model, lw = build_inference_model(weights, args.preset, device=dev, rope_scaling=rope_scaling_of(args))
     tok = _tokenizer_for(args, lw)
     for prompt in args.prompt:
         if len(args.prompt) > 1:
@@ -174,8 +191,9 @@ def cmd_chat(args) -> int:
     from minimind_ray.generate import chat_loop  # lazy: torch, only when this runs
     from minimind_ray.store.weights import build_inference_model
 
+    weights = _weights_of(args)
     dev = _device(args)
-    model, lw = build_inference_model(args.weights, args.preset, device=dev, rope_scaling=rope_scaling_of(args))
+    model, lw = build_inference_model(weights, args.preset, device=dev, rope_scaling=rope_scaling_of(args))
     chat_loop(model, _tokenizer_for(args, lw), _sampling(args), think=args.think, device=dev)
     return 0
 
@@ -196,20 +214,9 @@ def cmd_export(args) -> int:
 
 
 def cmd_merge_lora(args) -> int:
-    from minimind_ray.model.lora import apply_lora, load_lora, merge_lora  # lazy: pyarrow, torch, only when this runs
-    from minimind_ray.store.pth import read_pth, save_pth
-    from minimind_ray.store.weights import build_inference_model  # lazy: pyarrow, torch, only when this runs
+    from minimind_ray.store.weights import merge_lora_file  # lazy: pyarrow, torch, only when this runs
 
-    model, _ = build_inference_model(args.base, args.preset, merge_lora=False)
-    sd = read_pth(args.lora)
-    ranks = [v.shape[0] for k, v in sd.items() if k.endswith("lora.A.weight")]
-    if not ranks:
-        raise ValueError(f"--lora {args.lora}: no '<module>.lora.A.weight' keys; not a LoRA weights file")
-    rank = ranks[0]
-    apply_lora(model, LoRAConfig(rank=rank, alpha=args.alpha))
-    load_lora(model, sd)
-    save_pth(merge_lora(model), args.out)
-    print(f"merged: {args.out}")
+    print(f"merged: {merge_lora_file(args.base, args.lora, args.out, args.preset, args.alpha)}")
     return 0
 
 
@@ -249,10 +256,11 @@ def build_parser() -> argparse.ArgumentParser:
                                                  "recipe for every trial (checkpoint.storage_path=/mnt/runs)")
     sp.set_defaults(fn=cmd_sweep)
 
-    sp = sub.add_parser("pipeline", help="stages from data to a served model (prepare, pretrain, sft, ..., eval, "
-                                         "register, serve) as one resumable job (docs/pipeline.md)")
+    sp = sub.add_parser("pipeline", help=f"steps from data to a served model (prepare, training stages: "
+                                         f"{', '.join(STAGES)}; eval, register, serve) as one resumable job "
+                                         f"(docs/pipeline.md)")
     sp.add_argument("--config", required=True, help="pipeline YAML (pipelines/configs/pipeline_*.yaml)")
-    sp.add_argument("overrides", nargs="*", help="dotted overrides for every training stage, e.g. "
+    sp.add_argument("overrides", nargs="*", help="dotted overrides for every training step, e.g. "
                                                  "checkpoint.storage_path=/mnt/runs")
     sp.set_defaults(fn=cmd_pipeline)
 
@@ -262,7 +270,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(fn=cmd_prepare)
 
     def with_weights(sp, tokenizer=True):
-        sp.add_argument("--weights", required=True, help=".pth, checkpoint dir, run dir or storage URI")
+        sp.add_argument("weights_arg", nargs="?", metavar="WEIGHTS",
+                        help=".pth, checkpoint dir, run dir, HF folder or storage URI")
+        sp.add_argument("--weights", help="the same as WEIGHTS (the older spelling)")
         sp.add_argument("--preset", help="model preset for a bare .pth (default: inferred from shapes)")
         if tokenizer:
             sp.add_argument("--tokenizer", help="minimind2 | minimind3 | auto | builtin | a tokenizer dir "
@@ -367,14 +377,15 @@ def user_errors() -> tuple:
     file:line), data (DataError), checkpoints (CheckpointError), weights files (WeightsError: truncated,
     non-float, no matching preset), tokenizers (TokenizerFetchError), and the ValueError/OSError a bad
     argument, path or URI raises; a run out of memory (OutOfMemory: the settings to change, the memory
-    seen), and a worker group that could not be restarted within cluster.max_failures (RestartsSpent). Each
-    message names the input, so :func:`main` prints it as one line with exit code 2. Anything else is a bug and keeps its traceback."""
+    seen), a worker group that could not be restarted within cluster.max_failures (RestartsSpent), and a run that
+    ended without a retry (RunStopped: the user's mistake (Mistake), or an error that recurred). Each message names the
+    input, so :func:`main` prints it as one line with exit code 2. Anything else is a bug and keeps its traceback."""
     from minimind_ray.data.manifest import DataError  # lazy: pyarrow, only when this runs
     from minimind_ray.store.checkpoint import CheckpointError  # lazy: pyarrow, torch, only when this runs
-    from minimind_ray.store.pth import WeightsError
+    from minimind_ray.store.pth import WeightsError  # lazy: torch, only when this runs
 
     return (ConfigError, DataError, CheckpointError, WeightsError, TokenizerFetchError, OutOfMemory, RestartsSpent,
-            ValueError, OSError)
+            Mistake, RunStopped, ValueError, OSError)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -386,6 +397,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     except Exception as e:
         if args.debug or not isinstance(e, user_errors()):
             raise
+        if isinstance(e, RunStopped) and e.verdict.kind != MISTAKE and e.verdict.traceback:
+            print(e.verdict.traceback.rstrip(), file=sys.stderr)  # an error that recurred may be a bug: its traceback
         message = " ".join(str(e).split()) or type(e).__name__  # one line, whatever the library wrote
         print(f"{'config error' if isinstance(e, ConfigError) else 'error'}: {message}", file=sys.stderr)
         return 2

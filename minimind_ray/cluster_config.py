@@ -20,7 +20,13 @@ class ClusterConfig:
     use_gpu: Optional[bool] = _f(None, "one GPU per worker; None = when the cluster has GPUs")
     cpus_per_worker: float = _f(1.0, "logical CPUs reserved per worker", gt=0)
     backend: str = _f("auto", "torch.distributed backend: auto (nccl with GPUs, else gloo) | nccl | gloo")
-    max_failures: int = _f(3, "worker-group restarts before the run fails")
+    max_failures: int = _f(3, "worker-group restarts before the run fails (faults: a lost worker or node, a failed "
+                              "collective, storage errors; docs/reliability.md)")
+    retry_mistakes: bool = _f(False, "retry a failure of the user's input (weights, data, a reward or tool plug-in) like "
+                                     "a fault, within max_failures (a flaky plug-in); by default it ends the run at once")
+    check_local_fit: bool = _f(True, "a Ray this run starts on this machine: refuse, before it starts, more training "
+                                     "workers than 2 per core (or than its GPUs), or a memory estimate above its "
+                                     "memory (docs/training.md); false: start them anyway")
     resource_timeout_s: float = _f(60.0, "fail if the cluster cannot place the worker group within this time; a "
                                          "restart waits this long for its full group before an elastic run goes on "
                                          "smaller (RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S, unless exported)", gt=0)

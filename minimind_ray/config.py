@@ -14,7 +14,7 @@ import dataclasses
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, ClassVar, FrozenSet, List, Optional
 
 from omegaconf import OmegaConf
 
@@ -52,6 +52,9 @@ class RunConfig:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    # The dotted fields the user wrote (the YAML recipe, the overrides), set by load_config; not a config field. The
+    # driver's check before Ray reads it: with no model.* written, the architecture comes from train.init_from.
+    written: ClassVar[FrozenSet[str]] = frozenset()
 
 
 # --------------------------------------------------------------------------- loading
@@ -86,6 +89,7 @@ def load_config(path: Optional[str] = None, overrides: Optional[List[str]] = Non
     except Exception as e:  # omegaconf's errors: re-raise as ours, naming the key
         raise ConfigError(omegaconf_message(e)) from None
     cfg: RunConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    cfg.written = frozenset(flatten(OmegaConf.to_container(user)))  # type: ignore[misc]
     stage = STAGES.get(cfg.train.stage)  # an unknown one is refused by validate()
     for notice in stage.old_keys(cfg) if stage else []:  # its section's renamed keys (train.grpo.rollout*)
         print(f"[minimind-ray] notice: {notice}", file=sys.stderr)

@@ -6,7 +6,10 @@ and above on this process), and one line saying where the full logs are. Ray's a
 log files (the session's ``logs/`` directory: every worker's and actor's output, ``ray-data.log``, Serve's logs):
 Ray's start banner, Ray Data's progress, Ray Train's ``TrainingReport`` dumps, Serve's component and access lines,
 the C++ notices of Ray's core worker (the ``PreemptionWatcher ... max_restarts`` line). A failure is never hidden:
-the command's own error line says its cause, as before.
+the command's own error line says its cause, as before. The workers' lines that are ours are printed as they were
+written, without Ray's ``(RayTrainWorker pid=...)`` prefix; where the output is not a terminal (piped, a file, a CI
+log) colour codes are stripped from them, and Ray's own prefixes (``--verbose``) come without colour
+(``RAY_COLOR_PREFIX=0``, Ray's switch).
 
 The switches are Ray's and MLflow's own: ``ray.init(logging_level=...)`` for the driver's Ray loggers, a filter in
 front of the handler that prints the workers' forwarded lines (Ray's log monitor), a filter on Ray Data's console
@@ -27,6 +30,7 @@ VERBOSE_ENV = "MINIMIND_RAY_VERBOSE"
 OURS = re.compile(r"\[(minimind-ray|fault-injection)\]|^\[[A-Za-z][\w.\-]*\] ")
 # warnings of Ray's that say nothing wrong: the notice of the switch this module pulls, a deprecation of Ray's own use
 NOISE = re.compile(r"Progress bars (for operators )?disabled|exclude_resources|is deprecated")
+ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")  # a CSI sequence: colours (ESC [ 36 m), cursor moves, erases
 
 
 def verbose() -> bool:
@@ -75,20 +79,58 @@ def quiet_handlers(logger: str) -> list:
     return handlers
 
 
+def _terminal(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False
+
+
+def plain(line: str, stream: Any) -> str:
+    """``line`` as ``stream`` should get it: its ANSI colour codes stripped unless the stream is a terminal."""
+    return line if _terminal(stream) else ANSI.sub("", line)
+
+
 def _forward_ours(original):
-    """Ray's printer of the workers' lines, given only minimind-ray's lines of each batch."""
+    """In place of Ray's printer of the workers' lines: minimind-ray's lines of each batch, printed plainly (no
+    ``(RayTrainWorker pid=...)`` prefix Ray's printer would add, no colour codes when not a terminal) to the
+    stream Ray would print them to, after Ray's own deduplication of lines repeated across workers; the rest
+    dropped (they are in Ray's log files). ``original`` stays the fallback where Ray's printer parts are not
+    found."""
     def handle(data: Dict[str, Any]) -> None:
         lines = [line for line in data.get("lines", ()) if OURS.search(line)]
-        if lines:
+        if not lines:
+            return
+        try:
+            from ray._private import worker  # lazy: Ray, connected already when a batch arrives
+
+            dedup = worker.stderr_deduplicator if data.get("is_err") else worker.stdout_deduplicator
+        except (ImportError, AttributeError):  # another Ray: its printer, prefixes and all
             original(dict(data, lines=lines))
+            return
+        sink = sys.stderr if data.get("is_err") else sys.stdout
+        batch = dict(data, lines=[plain(line, sink) for line in lines])
+        for part in dedup.deduplicate(batch):  # the first of a repeated line now, "[repeated Nx ...]" later
+            for line in part.get("lines", ()):
+                print(plain(line, sink), file=sink)
+        sink.flush()
     handle.minimind_quiet = True  # type: ignore[attr-defined]
     return handle
+
+
+def plain_colours() -> None:
+    """Ray's own switch for the prefixes of the lines it prints (``RAY_COLOR_PREFIX=0``: no colour codes, read as it
+    prints), set when this process's output is not a terminal; a value the user exported wins."""
+    if not (_terminal(sys.stdout) and _terminal(sys.stderr)):
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
 
 
 def after_ray_start(context: Any = None) -> Optional[str]:
     """Once this process is connected to Ray: only minimind-ray's lines of the workers reach the terminal, Ray's
     Python loggers here say warnings and errors, and one line says where the full logs are (returned). Nothing
-    when verbose, or when this Ray's printer is already filtered (a second call)."""
+    when verbose (but Ray's prefixes without colour codes when the output is not a terminal), or when this Ray's
+    printer is already filtered (a second call)."""
+    plain_colours()
     if verbose():
         return None
     quiet_environment()

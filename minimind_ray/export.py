@@ -29,7 +29,7 @@ from torch import nn
 from minimind_ray.config import run_config_of
 from minimind_ray.fsio import atomic_write, torch_save_atomic, write_text_atomic
 from minimind_ray.model.config import ModelConfig
-from minimind_ray.model.lora import merge_lora, save_lora
+from minimind_ray.model.lora import ADAPTER_FILE_PREFIX, merge_lora, save_lora
 from minimind_ray.model.minimind import clean_state_dict, unwrap_model
 from minimind_ray.model.rope import YARN
 from minimind_ray.stages import get_stage
@@ -52,8 +52,8 @@ def _has_lora(model: nn.Module) -> bool:
     return any(".lora." in name for name, _ in model.named_parameters())
 
 
-def export_minimind_pth(model: nn.Module, out_dir, stage: str = "pretrain") -> str:
-    """Write ``{out_dir}/{stage}_{hidden_size}[_moe].pth``, MiniMind's trainer naming.
+def export_minimind_pth(model: nn.Module, out_dir, prefix: str = "pretrain") -> str:
+    """Write ``{out_dir}/{prefix}_{hidden_size}[_moe].pth``, MiniMind's trainer naming (a stage's ``export_prefix``).
 
     A model carrying LoRA adapters is written as MiniMind's LoRA trainer writes it: the
     adapter weights only (``merge_lora`` first for a full model).
@@ -61,7 +61,7 @@ def export_minimind_pth(model: nn.Module, out_dir, stage: str = "pretrain") -> s
     raw = unwrap_model(model)
     cfg: ModelConfig = raw.cfg
     os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(str(out_dir), f"{stage}_{cfg.hidden_size}{'_moe' if cfg.use_moe else ''}.pth")
+    path = os.path.join(str(out_dir), f"{prefix}_{cfg.hidden_size}{'_moe' if cfg.use_moe else ''}.pth")
     if _has_lora(raw):
         save_lora(raw, path)
     else:
@@ -214,12 +214,12 @@ def _export_model(model: nn.Module, out_dir: Path, stage: str, formats, tokenize
     out_dir.mkdir(parents=True, exist_ok=True)
     paths: Dict[str, str] = {}
     if _has_lora(model):
-        paths["lora"] = export_minimind_pth(model, out_dir, stage="lora")
+        paths["lora"] = export_minimind_pth(model, out_dir, prefix=ADAPTER_FILE_PREFIX)
         if lora == "separate":
             return paths
         model = merge_lora(model)
     if "minimind" in formats:
-        paths["pth"] = export_minimind_pth(model, out_dir, stage=stage)
+        paths["pth"] = export_minimind_pth(model, out_dir, prefix=stage)
     if "safetensors" in formats:  # the ModelConfig travels in the metadata, so the file loads back as it was
         raw = unwrap_model(model)
         paths["safetensors"] = _write_safetensors(raw, out_dir / "model.safetensors", {

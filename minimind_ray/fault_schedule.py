@@ -11,7 +11,9 @@ from typing import List
 from minimind_ray.config_checks import ConfigError, need
 
 
-FAULT_KINDS = ("raise", "exit", "sigkill", "hang", "oom", "slow", "lost_report")
+FAULT_KINDS = ("raise", "exit", "sigkill", "hang", "oom", "slow", "lost_report", "bug")
+# bug: at that step the rank raises the same plain exception on every attempt (never marked as fired), as a bug in the
+# code would; not a fault: the retry rule (failures.py) ends the run when the next attempt fails the same way
 # lost_report: at a checkpoint step, the rank's process dies once the checkpoint is complete in storage but before its
 # report reaches Ray Train, so Ray never registers that checkpoint (what a hard crash can do at any checkpoint)
 # Where in the worker group's start a 'start:<phase>:<rank>' entry SIGKILLs a worker process, in the order Ray Train

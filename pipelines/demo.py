@@ -57,7 +57,7 @@ def main(argv=None) -> int:
     print_quality(sft_cfg, model, tok)
 
     print(f"\n==== done in {time.time() - t0:.0f}s ====")
-    print(f"chat with it:    .venv/bin/minimind-ray chat --weights {sft.run_dir}")
+    print(f"chat with it:    .venv/bin/minimind-ray chat {sft.run_dir}")
     print(f"serve it:        .venv/bin/minimind-ray serve {sft.run_dir}   "
           f"(OpenAI API + chat page on http://127.0.0.1:8000/)")
     print(f"export it:       .venv/bin/minimind-ray export {sft.run_dir} --out outputs/demo-export")

@@ -8,12 +8,9 @@ from typing import List, Tuple
 
 from minimind_ray.config_checks import ConfigError, config_field as _f, need
 from minimind_ray.data.demo import DEMO_FILES
+from minimind_ray.data.formats import FORMATS, describe  # the one format list: the registry of data/formats/
 from minimind_ray.fsio import is_uri
 
-# Record formats of the data pipeline (minimind_ray/data/formats.py says what each holds).
-FORMATS: Tuple[str, ...] = ("pretrain", "sft", "dpo", "rlaif", "prompt", "agent_rl")
-# Formats that hold prompts to sample completions for (RL), not text to imitate.
-RL_FORMATS: Tuple[str, ...] = ("rlaif", "prompt", "agent_rl")
 PROMPT_FORMATS: Tuple[str, ...] = ("rlaif", "prompt")  # single-turn prompts (grpo, ppo)
 
 
@@ -21,7 +18,7 @@ PROMPT_FORMATS: Tuple[str, ...] = ("rlaif", "prompt")  # single-turn prompts (gr
 class DataConfig:
     """Where the data is and how records become token sequences."""
 
-    format: str = _f("pretrain", "record format: pretrain {text} | sft {conversations} | dpo {chosen, rejected} | rlaif {conversations ending with the assistant turn to generate} | prompt {prompt, answer} | agent_rl {conversations with tools, gt} (MiniMind's agent_rl.jsonl); not given: the verb's own (pretrain: pretrain, sft, lora and distill: sft, dpo and simpo: dpo, grpo and ppo: rlaif, agent: agent_rl)")
+    format: str = _f("pretrain", f"record format: {describe()}; not given: the verb's own (its stage's first format: docs/data.md, 'Sources')")
     train_path: List[str] = _f([], "one or a list of jsonl(.gz)/parquet files, directories, globs or URIs (data.train_path=x.jsonl or '[a.jsonl,b.jsonl]'); or a prepared directory with manifest.json; 'demo' = the built-in corpus (its file of data.format), 'demo:<name>' = one of its files (tool_sft, mc_eval, ...)")
     tokenizer: str = _f("auto", "'auto' = MiniMind's tokenizer of model.generation; 'minimind2' | 'minimind3' (fetched by name, sha256-checked; offline: MINIMIND_RAY_TOKENIZER_MIRROR); 'builtin' = trained on the demo corpus; or a directory with tokenizer.json")
     max_seq_len: int = _f(512, "tokens per training sequence", ge=8)

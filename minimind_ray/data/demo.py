@@ -30,8 +30,8 @@ import random
 import zlib
 from typing import Dict, List
 
-_VERSION = 4  # 2: sorting in the SFT mix, sorting RL prompts, tool-call chats, eval sets; 3: sorting subjects;
-#            4: the tool chats add three or four digits
+_VERSION = 5  # 2: sorting in the SFT mix, sorting RL prompts, tool-call chats, eval sets; 3: sorting subjects;
+#            4: the tool chats add three or four digits; 5: kto.jsonl (the other files as in 4)
 
 COUNTRIES = [  # (English, Chinese, capital, 首都)
     ("France", "法国", "Paris", "巴黎"), ("China", "中国", "Beijing", "北京"), ("Japan", "日本", "Tokyo", "东京"),
@@ -185,6 +185,13 @@ def _dpo_record(rng: random.Random) -> dict:
     _, bad = _qa(rng, lang, wrong=True)
     return {"chosen": [{"role": "user", "content": q}, {"role": "assistant", "content": good}],
             "rejected": [{"role": "user", "content": q}, {"role": "assistant", "content": bad}]}
+
+
+def _kto_record(rng: random.Random) -> dict:
+    """An unpaired judged reply (KTO): a question answered rightly (desirable) or plausibly but wrongly, half each."""
+    lang, desirable = rng.choice(("en", "zh")), rng.random() < 0.5
+    q, a = _qa(rng, lang, wrong=not desirable)
+    return {"conversations": [{"role": "user", "content": q}, {"role": "assistant", "content": a}], "label": desirable}
 
 
 # ---- the RL demo task: sorting single digits. One token per digit in the builtin tokenizer, so the skill
@@ -356,7 +363,8 @@ def _write_jsonl(path: str, records) -> None:
     os.replace(tmp, path)
 
 
-DEMO_FILES = ("pretrain", "sft", "dpo", "prompt", "tool_sft", "sort_heldout", "mc_eval", *AGENT_FILES)  # demo:<name>
+DEMO_FILES = ("pretrain", "sft", "dpo", "kto", "prompt", "tool_sft", "sort_heldout", "mc_eval",
+              *AGENT_FILES)  # demo:<name>
 
 
 def resolve_demo_path(path: str, data_format: str, cache_dir: str) -> str:
@@ -372,17 +380,17 @@ def resolve_demo_path(path: str, data_format: str, cache_dir: str) -> str:
 
 def write_demo_corpus(out_dir: str, seed: int = 0, n_pretrain: int = 40000, n_sft: int = 10000,
                       n_dpo: int = 2000, n_prompt: int = 2000) -> Dict[str, str]:
-    """Write pretrain.jsonl, sft.jsonl, dpo.jsonl and prompt.jsonl (the RL demo's sorting prompts) into
-    ``out_dir``, beside them tool_sft.jsonl (calculator tool calls, SFT format) and the two evaluation sets no
-    training file holds: ``SORT_HELDOUT`` (held-out sorting prompts, a ``gen`` task) and ``MC_EVAL``
-    (multiple choice); return their paths by name (pretrain, sft, dpo, prompt, tool_sft, sort_heldout,
-    mc_eval): a recipe's ``demo:<name>``.
+    """Write pretrain.jsonl, sft.jsonl, dpo.jsonl, kto.jsonl (as many judged replies as DPO pairs, half of them
+    desirable) and prompt.jsonl (the RL demo's sorting prompts) into ``out_dir``, beside them tool_sft.jsonl
+    (calculator tool calls, SFT format) and the two evaluation sets no training file holds: ``SORT_HELDOUT``
+    (held-out sorting prompts, a ``gen`` task) and ``MC_EVAL`` (multiple choice); return their paths by name
+    (pretrain, sft, dpo, kto, prompt, tool_sft, sort_heldout, mc_eval): a recipe's ``demo:<name>``.
 
     The defaults give about 1M pretrain tokens with the builtin tokenizer (5 MB),
     enough that a small model learns the facts rather than memorising documents.
     """
     out_dir = os.path.abspath(out_dir)
-    paths = {name: os.path.join(out_dir, f"{name}.jsonl") for name in ("pretrain", "sft", "dpo", "prompt")}
+    paths = {name: os.path.join(out_dir, f"{name}.jsonl") for name in ("pretrain", "sft", "dpo", "kto", "prompt")}
     paths["tool_sft"] = os.path.join(out_dir, "tool_sft.jsonl")
     paths["sort_heldout"] = os.path.join(out_dir, SORT_HELDOUT)
     paths["mc_eval"] = os.path.join(out_dir, MC_EVAL)
@@ -395,8 +403,8 @@ def write_demo_corpus(out_dir: str, seed: int = 0, n_pretrain: int = 40000, n_sf
             if json.load(f) == stamp:
                 return paths
     os.makedirs(out_dir, exist_ok=True)
-    for (name, make), n in zip((("pretrain", _pretrain_record), ("sft", _sft_record), ("dpo", _dpo_record)),
-                               (n_pretrain, n_sft, n_dpo)):
+    for (name, make), n in zip((("pretrain", _pretrain_record), ("sft", _sft_record), ("dpo", _dpo_record),
+                                ("kto", _kto_record)), (n_pretrain, n_sft, n_dpo, n_dpo)):
         rng = random.Random(f"{seed}-{name}")
         _write_jsonl(paths[name], (make(rng) for _ in range(n)))
     _write_sort_tasks(paths, seed, n_prompt)

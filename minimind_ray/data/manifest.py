@@ -15,6 +15,7 @@ from typing import Dict
 
 import pyarrow.fs as pafs
 
+from minimind_ray.data.formats import get_format
 from minimind_ray.fsio import filesystem, join, write_bytes_atomic
 
 MANIFEST = "manifest.json"
@@ -87,9 +88,9 @@ def verify_shards(path: str, manifest: dict) -> None:
 
 def row_settings(data_cfg) -> dict:
     """The settings that shape the prepared rows, as the manifest records them and a run must match.
-    Packing applies to pretrain only, so it is recorded as it takes effect."""
+    Packing applies to the formats that pack (pretrain) only, so it is recorded as it takes effect."""
     return {"format": data_cfg.format, "max_seq_len": data_cfg.max_seq_len,
-            "pack": bool(data_cfg.pack and data_cfg.format == "pretrain")}
+            "pack": bool(data_cfg.pack and get_format(data_cfg.format).packs)}
 
 
 def check_tokenizer(manifest: dict, path: str, tokenizer_hash: str, whose: str, remedy: str) -> None:

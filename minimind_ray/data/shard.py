@@ -48,7 +48,7 @@ class _ShardWriter:
     """Writes one shard in row groups of exactly ``block_rows`` rows, to a temporary name
     renamed on close, so that a retried task never leaves a half-written shard."""
 
-    def __init__(self, out_dir: str, chunk_index: int, encoder: formats.Encoder, block_rows: int):
+    def __init__(self, out_dir: str, chunk_index: int, encoder: formats.RowEncoder, block_rows: int):
         self.fs, root = filesystem(out_dir)
         self.name = f"part-{chunk_index:05d}.parquet"
         self.path = f"{root}/{self.name}"

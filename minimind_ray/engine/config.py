@@ -49,7 +49,8 @@ class LoopConfig:
     hang_at_step: Optional[int] = _f(None, "fault injection: this rank sleeps forever before the all-reduce of this step")
     faults: List[str] = _f([], "fault schedule, each fired once per run: 'step:kind:rank' with kind raise | exit | "
                                "sigkill | hang | oom | lost_report (at a checkpoint step: SIGKILL once the checkpoint is "
-                               "in storage, before Ray Train registers it), 'step:slow:rank:seconds' (a straggler that "
+                               "in storage, before Ray Train registers it) | bug (raised on every attempt, as a bug "
+                               "would: not a fault), 'step:slow:rank:seconds' (a straggler that "
                                "must not fail the run), or 'start:phase:rank': SIGKILL while the worker group starts, "
                                "phase actor | backend | launch")
     collective_timeout_s: float = _f(600.0, "a collective that takes longer fails the worker group (hung-rank detection)", gt=0)

@@ -11,8 +11,8 @@ compares models of one tokenizer only; bits per byte is per unit of text, so it 
 differ (MiniMind2's and minimind-3's 6,400-token vocabularies) on the same text. The bytes of each id come from the
 prepared data (its manifest's ``token_bytes``, written by the tokenizer at prepare time) or from the tokenizer
 itself (tokenizer.py:Tokenizer.token_bytes); special tokens spell no bytes, and their loss counts (a document's end
-is information about the text). Defined for the cross-entropy objective (pretrain, SFT, LoRA data): other objectives'
-losses are not nats per token.
+is information about the text). Defined for a stage whose loss is the cross-entropy (its record's ``cross_entropy``:
+pretrain, SFT, LoRA): other objectives' losses are not nats per token.
 """
 from __future__ import annotations
 
@@ -24,8 +24,9 @@ from typing import Dict, Iterable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from minimind_ray.stages.objective import Objective
 from minimind_ray.engine.step import to_device
+from minimind_ray.stages import get_stage
+from minimind_ray.stages.objective import Objective
 
 
 @dataclass
@@ -36,21 +37,16 @@ class EvalSums:
     batches: int = 0  # micro-batches evaluated
 
 
-def counts_bytes(objective: Objective) -> bool:
-    """Whether bits per byte means something for this objective: its loss is the cross-entropy of the base class,
-    nats summed over target tokens (a subclass that overrides ``loss_sum`` computes something else)."""
-    return type(objective).loss_sum is Objective.loss_sum
-
-
 @torch.no_grad()
 def eval_sums(model, objective: Objective, batches: Iterable[Dict[str, torch.Tensor]], limit: int = 0,
               device="cpu", autocast=None, token_bytes: Optional[Sequence[int]] = None) -> EvalSums:
     """The sums on up to ``limit`` micro-batches (0 = all). ``token_bytes``: the UTF-8 bytes of each token id
-    (bits per byte), or None."""
+    (bits per byte; given only where the objective's loss is the cross-entropy of the batches' ``targets``), or
+    None."""
     model.eval()
     sums = EvalSums()
     table = None
-    if token_bytes is not None and counts_bytes(objective):
+    if token_bytes is not None:
         table = torch.as_tensor(token_bytes, dtype=torch.int64, device=torch.device(device))
     for i, mb in enumerate(batches):
         if limit and i >= limit:
@@ -90,9 +86,10 @@ def evaluate_state(state) -> Dict[str, float]:
     ev = TrainStream(state.dataset, split="eval", global_batch_size=mb * state.world,
                      micro_batch_size=mb, world_size=state.world, rank=state.rank,
                      seed=cfg.train.seed, shuffle=False, prefetch_steps=0)
+    token_bytes = state.dataset.token_bytes if get_stage(cfg.train.stage).cross_entropy else None
     try:
         sums = eval_sums(state.model, state.objective, ev.eval_batches(), limit=cfg.train.eval_batches,
-                         device=state.device, autocast=state.autocast, token_bytes=state.dataset.token_bytes)
+                         device=state.device, autocast=state.autocast, token_bytes=token_bytes)
     finally:
         ev.close()
     if getattr(state, "sharded", False):

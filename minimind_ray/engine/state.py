@@ -25,6 +25,7 @@ from minimind_ray.engine.metrics import CommTimer
 from minimind_ray.engine.parallel import (checkpoint_blocks, load_sharded_state, load_whole_state, shard_model,
                                           sharded_state)
 from minimind_ray.engine.step import autocast_for, bf16_compute, lr_lambda
+from minimind_ray.failures import reading
 from minimind_ray.model.minimind import build_model
 from minimind_ray.stages import build_objective
 from minimind_ray.stages.objective import Objective
@@ -126,7 +127,8 @@ class TrainState:
         random.seed(t.seed + rank)
         objective = build_objective(cfg)
         if t.init_from:  # also on restore: DPO's reference is a copy of the *initial* weights
-            load_model_weights(model, t.init_from, strict=True)
+            with reading(f"train.init_from={t.init_from}"):
+                load_model_weights(model, t.init_from, strict=True)
         objective.setup(model, device)  # freezes / builds frozen models from the initial weights
         sharded = t.parallelism == "fsdp" and dist.is_available() and dist.is_initialized()  # one rank too (Ray Train)
         if not sharded:  # FSDP moves each block to the device as it shards it: the GPU never holds the whole model
@@ -146,7 +148,8 @@ class TrainState:
         params = [p for p in model.parameters() if p.requires_grad]  # after sharding: the DTensor shards
         optimizer = torch.optim.AdamW(params, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay)
 
-        dataset = PreparedDataset(prepared_dir, eval_fraction=cfg.data.eval_fraction)
+        with reading(f"the prepared data {prepared_dir}"):
+            dataset = PreparedDataset(prepared_dir, eval_fraction=cfg.data.eval_fraction)
         stream = TrainStream(dataset, split="train", global_batch_size=t.global_batch_size,
                              micro_batch_size=t.micro_batch_size, world_size=world, rank=rank, seed=t.seed,
                              shuffle=cfg.data.shuffle, shuffle_window_blocks=cfg.data.shuffle_window_blocks,

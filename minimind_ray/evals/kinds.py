@@ -125,23 +125,38 @@ class LetterTask(ChoiceTask):
         build = PromptBuilder(cfg, tokenizer)
         names = subject_names(cfg.data)
         items = []
-        for subject, scored, dev in letter_subjects(cfg, self.scored_dir, self.scored_suffix, self.dev_suffix):
+        subjects = letter_subjects(cfg, self.scored_dir, self.scored_suffix, self.dev_suffix)
+        for subject, scored, dev in subjects:
             template = self.description if cfg.description is None else cfg.description
             description = template.format(subject=subject_name(subject, names))
             shots = []
             if cfg.shots:
-                if not os.path.exists(dev):
-                    raise DataError(f"{dev}: no such file ({cfg.shots} shots come from the dev split)")
-                dev_rows = letter_rows(dev, BadRows("skip"), self.question_col, self.answer_col)
-                if len(dev_rows) < cfg.shots:
-                    raise DataError(f"{dev}: {cfg.shots} shots asked, {len(dev_rows)} usable rows there")
+                dev_rows = self.dev_rows(dev)
+                if isinstance(dev_rows, str):  # no shots for it: skipped, and said (docs/evaluation.md)
+                    bad.skip_subject(subject, f"{dev}: {dev_rows} ({cfg.shots} shots come from the dev split)")
+                    continue
+                if len(dev_rows) < cfg.shots:  # lm-eval's first_n gives what there is: so do we, and say so
+                    bad.short_shots(subject, cfg.shots, len(dev_rows), dev)
                 shots = [(self.letter_text(r), r["answer"]) for r, _ in dev_rows[:cfg.shots]]
             rows = letter_rows(scored, bad, self.question_col, self.answer_col)
             for rec, where in rows[:cfg.limit] if cfg.limit else rows:
                 items.append(MCItem(subject, build.context(description, shots, self.letter_text(rec)),
                                     [build.continuation(x) for x in "ABCD"], list("ABCD"), "ABCD".index(rec["answer"]),
                                     where))
+        if len(bad.skipped) == len(subjects):
+            raise DataError(f"{cfg.data}: no subject has dev rows for {cfg.shots} shots: "
+                            + ", ".join(f"{s} ({why})" for s, why in bad.skipped.items()))
         return items, bad
+
+    def dev_rows(self, dev: str):
+        """A subject's usable dev rows (bad ones left out), or why it has none: 'no such file', 'empty file',
+        'no usable dev row'."""
+        if not os.path.exists(dev):
+            return "no such file"
+        if os.path.getsize(dev) == 0:
+            return "empty file"
+        rows = letter_rows(dev, BadRows("skip"), self.question_col, self.answer_col)
+        return rows or "no usable dev row"
 
     def letter_text(self, rec: dict) -> str:
         return self.question.format(**{**rec, "question": rec["question"].strip()})

@@ -18,6 +18,7 @@ import json
 import logging
 from typing import Dict, Optional, Tuple
 
+from minimind_ray.data.formats import REGISTRY, get_format
 from minimind_ray.engine.evaluate import eval_metrics, eval_sums
 from minimind_ray.evals.config import EvalTaskConfig
 from minimind_ray.evals.registry import EvalTask
@@ -100,13 +101,14 @@ class Loss(EvalTask):
                 log.warning("eval: cannot check that %s was tokenized with the weights' tokenizer: %s", data, whose)
             else:
                 check_tokenizer(ds.manifest, data, want, whose, "prepare the data with the weights' tokenizer")
-        if ds.format not in ("pretrain", "sft"):
-            raise ValueError(f"{data}: eval loss is defined for pretrain/sft data, not {ds.format!r}")
+        if not get_format(ds.format).cross_entropy:  # its record says whether its targets are text to imitate
+            raise ValueError(f"{data}: eval loss is defined for "
+                             f"{'/'.join(n for n, f in REGISTRY.items() if f.cross_entropy)} data, not {ds.format!r}")
         n = ds.num_sequences(split)
         if n == 0:
             raise DataError(f"{data}: the {'eval split' if split == 'eval' else 'data'} holds no sequences: nothing "
                             f"to evaluate")
-        objective = Objective(lw.run_config)  # pretrain and SFT data: the cross-entropy over the data's targets
+        objective = Objective(lw.run_config)  # the cross-entropy over the data's targets
         # eval_batches reads micro_batch_size rows at a time, the last batch shorter; the stream only needs its
         # batch sizes to fit one batch into the split, so a split smaller than a micro-batch is one short batch
         mb = min(self.cfg.batch_size, n)

@@ -111,6 +111,7 @@ class Target:
                 per_item[i] = row
         summary = kind.summarise(items, per_item, tok)
         summary.update({"bad_records": bad.report(), "bad_samples": dict(bad.samples)})
+        summary.update(getattr(bad, "shot_report", dict)())  # subjects skipped or short of shots (tasks.BadRows)
         if self.log_samples:
             summary["samples_log"] = [{"doc_id": i, **r} for i, r in enumerate(kind.samples(items, summary))]
         return summary
@@ -139,6 +140,19 @@ def evaluate_task(weights: str, task: EvalTaskConfig, *, preset: Optional[str] =
     n = summary.get("n")
     return {"task": task_name(task), "kind": task.task, **summary, "seconds": seconds,
             "questions_per_s": n / seconds if n is not None and seconds > 0 else None, "config": asdict(task)}
+
+
+def result_notes(result: dict) -> Dict[str, str]:
+    """What a result says besides its scores, as MLflow tags: ``eval/<name>/skipped_subjects`` (the subjects left
+    out for want of dev rows for the shots) and ``eval/<name>/short_shots`` ("law 2 of 5"), each only when there is
+    one (the reasons: the result's ``skipped_subjects`` and ``short_shots``)."""
+    name, notes = result["task"], {}
+    if result.get("skipped_subjects"):
+        notes[f"eval/{name}/skipped_subjects"] = ", ".join(result["skipped_subjects"])[:5000]
+    if result.get("short_shots"):
+        notes[f"eval/{name}/short_shots"] = ", ".join(f"{s} {v['used']} of {v['asked']}"
+                                                       for s, v in result["short_shots"].items())[:5000]
+    return notes
 
 
 def metric_items(result: dict) -> Dict[str, float]:

@@ -79,10 +79,14 @@ class ToolCallItem:
 
 
 class BadRows:
-    """The bad-record policy for benchmark files: count per reason with a few file:line samples, or stop."""
+    """The bad-record policy for benchmark files: count per reason with a few file:line samples, or stop; and what
+    the shots lacked: the subjects left out for want of dev rows (``skipped``), and those given fewer shots than
+    asked (``short``), whatever the policy (:meth:`shot_report`)."""
 
     def __init__(self, policy: str):
         self.policy, self.counts, self.samples = policy, Counter(), defaultdict(list)
+        self.skipped: Dict[str, str] = {}  # subject -> why it has no shots ('dev/x_dev.csv: no such file (...)')
+        self.short: Dict[str, dict] = {}  # subject -> {asked, used, file}
 
     def bad(self, where: str, reason: str, detail: str) -> None:
         if self.policy == "strict":
@@ -93,6 +97,16 @@ class BadRows:
 
     def report(self) -> Dict[str, int]:
         return dict(sorted(self.counts.items()))
+
+    def skip_subject(self, subject: str, why: str) -> None:
+        self.skipped[subject] = why
+
+    def short_shots(self, subject: str, asked: int, used: int, path: str) -> None:
+        self.short[subject] = {"asked": asked, "used": used, "file": path}
+
+    def shot_report(self) -> dict:
+        """``skipped_subjects`` and ``short_shots`` of the result, each only when there is one."""
+        return {k: dict(v) for k, v in (("skipped_subjects", self.skipped), ("short_shots", self.short)) if v}
 
 
 def check_text(values: Dict[str, str]) -> None:
@@ -245,10 +259,14 @@ def jsonl_contexts(cfg: EvalTaskConfig, tokenizer, parse: Callable[[dict], dict]
     build = PromptBuilder(cfg, tokenizer)
     records = jsonl_records(cfg.data, bad, parse)
     shot_pool = records if not cfg.fewshot_data else jsonl_records(cfg.fewshot_data, BadRows("skip"), parse)
-    if cfg.shots and cfg.shots > len(shot_pool) - (0 if cfg.fewshot_data else 1):
-        raise DataError(f"{cfg.fewshot_data or cfg.data}: {cfg.shots} shots asked, {len(shot_pool)} records there")
-    description = cfg.description or ""
     subject = task_name(cfg)
+    available = len(shot_pool) - (0 if cfg.fewshot_data else 1)  # from the same file: never the question itself
+    if cfg.shots and available < cfg.shots:  # as lm-eval's first_n: the shots there are (said in the result)
+        if available <= 0:
+            raise DataError(f"{cfg.fewshot_data or cfg.data}: {cfg.shots} shots asked, no usable record to take "
+                            f"them from")
+        bad.short_shots(subject, cfg.shots, available, cfg.fewshot_data or cfg.data)
+    description = cfg.description or ""
     out = []
     for i, (rec, where) in enumerate(records[:cfg.limit] if cfg.limit else records):
         try:

@@ -96,8 +96,12 @@ def task_from_args(args) -> EvalTaskConfig:
 
 def format_table(res: dict) -> str:
     """The result as its kind prints it (for the benchmarks: one row per subject, then the whole task), with the
-    bad rows skipped and the pace."""
+    subjects skipped for want of shots, those given fewer, the bad rows skipped and the pace."""
     lines = [task_for(EvalTaskConfig(**res["config"])).table(res)]
+    for subject, why in res.get("skipped_subjects", {}).items():
+        lines.append(f"skipped {subject}: {why}")
+    for subject, s in res.get("short_shots", {}).items():
+        lines.append(f"{subject}: {s['used']} of {s['asked']} shots (all that {s['file']} has)")
     if res.get("bad_records"):
         lines.append(f"bad rows skipped: {res['bad_records']}  e.g. {next(iter(res['bad_samples'].values()))[0]}")
     if res.get("questions_per_s"):

@@ -146,3 +146,24 @@ def merge_lora(model: nn.Module) -> nn.Module:
     for name, m in _adapters(root).items():
         _replace(root, name, m.merged())
     return model
+
+
+# MiniMind's file name for adapters alone: lora_<hidden>.pth (its train_lora.py), which export writes beside the weights
+ADAPTER_FILE_PREFIX = "lora"
+
+
+def adapter_rank(sd: Dict[str, Tensor], where: str) -> int:
+    """The rank of the adapters in a state dict (their A matrices' rows); ValueError naming ``where`` without any."""
+    ranks = [v.shape[0] for k, v in sd.items() if k.endswith("lora.A.weight")]
+    if not ranks:
+        raise ValueError(f"{where}: no '<module>.lora.A.weight' keys; not a LoRA weights file")
+    return ranks[0]
+
+
+def merge_adapters(model: nn.Module, sd: Dict[str, Tensor], alpha: Optional[float] = None,
+                   where: str = "the adapters") -> nn.Module:
+    """Attach adapters of ``sd``'s rank to a model without any, load them, fold them in (merge-lora, serve --lora)."""
+    apply_lora(model, LoRAConfig(rank=adapter_rank(sd, where), alpha=alpha))
+    load_lora(model, sd)
+    return merge_lora(model)
+

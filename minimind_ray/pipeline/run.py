@@ -1,18 +1,21 @@
-"""``minimind-ray pipeline``: stages from data to a served model as one job that a rerun resumes (docs/pipeline.md).
+"""``minimind-ray pipeline``: steps from data to a served model as one job that a rerun resumes (docs/pipeline.md).
+
+A pipeline's steps are prepare, the training stages (any of ``stages/``), eval, register and serve; "step" is the
+pipeline's word, "stage" the training one's.
 
     the pipeline's parent MLflow run (created, or reopened by the same command)
-    for each stage, in order:
+    for each step, in order:
         finished before (recorded in <storage>/<name>/pipeline.json with the same settings)  -> skipped
         prepare             the Ray Data job of its recipe's data; a child run with the manifest and its hash
-        pretrain/sft/...    raytrain/driver.py:run(recipe + overrides, name=<pipeline>-<stage>, resume=auto,
-                            train.init_from = the previous training stage's last checkpoint): a child run, tagged
+        pretrain/sft/...    raytrain/driver.py:run(recipe + overrides, name=<pipeline>-<step>, resume=auto,
+                            train.init_from = the previous training step's last checkpoint): a child run, tagged
                             with its data's manifest hash and the run it started from
-        eval                evals/run.py:evaluate_task on a stage's checkpoint: a child run with eval/<task>/*, the
+        eval                evals/run.py:evaluate_task on a step's checkpoint: a child run with eval/<task>/*, the
                             scores also logged on the evaluated run
-        register            the stage's model in the MLflow registry, the version tagged with its lineage
+        register            the step's model in the MLflow registry, the version tagged with its lineage
         serve               minimind-ray serve on that model, until stopped
-    the state is written after each stage, atomically: a killed pipeline run again skips the finished stages and
-    the unfinished training stage resumes from its newest checkpoint (the run's own resume rule)
+    the state is written after each step, atomically: a killed pipeline run again skips the finished steps and
+    the unfinished training step resumes from its newest checkpoint (the run's own resume rule)
 """
 from __future__ import annotations
 
@@ -24,15 +27,19 @@ from typing import Any, Dict, List, Optional
 
 from minimind_ray.config import ConfigError, RunConfig, load_config
 from minimind_ray.fsio import filesystem, is_uri, join, redact, write_text_atomic
-from minimind_ray.pipeline.config import PipelineConfig, StageConfig, is_training, kind_of, stage_digest
-from minimind_ray.raytrain.driver import RunFinished, connect_ray, run, storage_root
+from minimind_ray.pipeline.config import PipelineConfig, StepConfig, is_training, kind_of, step_digest
+from minimind_ray.preflight import adopt_architecture
+from minimind_ray.raytrain.driver import run
+from minimind_ray.raytrain.resume import RunFinished, storage_root
+from minimind_ray.raytrain.session import connect_ray
 from minimind_ray.raytrain.lineage import TAG_DATA, TAG_MANIFEST, manifest_sha256
 from minimind_ray.serve.launch import add_arguments, serve_from_args
 from minimind_ray.tracking.parents import child_tags, end_run, record, register_version, start_parent
 from minimind_ray.tracking.runs import resolve_tracking_uri
 
 STATE = "pipeline.json"
-TAG_PIPELINE, TAG_STAGE = "minimind.pipeline", "minimind.pipeline.stage"
+# the MLflow tags keep the names they had when a pipeline's steps were called stages: older runs search the same
+TAG_PIPELINE, TAG_STEP = "minimind.pipeline", "minimind.pipeline.stage"
 
 
 @dataclass
@@ -41,13 +48,13 @@ class PipelineResult:
     state_path: str
     parent_run_id: Optional[str]
     tracking_uri: Optional[str]
-    stages: Dict[str, Dict[str, Any]] = field(default_factory=dict)
+    steps: Dict[str, Dict[str, Any]] = field(default_factory=dict)
     skipped: List[str] = field(default_factory=list)
     wall_s: float = 0.0
 
 
 class _Context:
-    """What the stages share: the pipeline, the command line's overrides, MLflow, the results so far."""
+    """What the steps share: the pipeline, the command line's overrides, MLflow, the results so far."""
 
     def __init__(self, pipe: PipelineConfig, cli: List[str], storage: str, uri: Optional[str], experiment: str):
         self.pipe, self.cli, self.storage, self.uri, self.experiment = pipe, cli, storage, uri, experiment
@@ -55,32 +62,35 @@ class _Context:
         self.results: Dict[str, Dict[str, Any]] = {}
         self.last_trained: Optional[str] = None
 
-    def recipe(self, stage: StageConfig, extra: List[str]) -> RunConfig:
-        """The stage's recipe with the pipeline's overrides, the pipeline's experiment, then the stage's own."""
+    def recipe(self, step: StepConfig, extra: List[str]) -> RunConfig:
+        """The step's recipe with the pipeline's overrides, the pipeline's experiment, then the step's own."""
         exp = [f"tracking.experiment={self.experiment}"]
-        return load_config(stage.recipe, [*self.pipe.overrides, *exp, *extra, *stage.overrides, *self.cli])
+        return load_config(step.recipe, [*self.pipe.overrides, *exp, *extra, *step.overrides, *self.cli])
 
-    def model(self, stage: StageConfig) -> Dict[str, Any]:
-        return self.results[self.last_trained if stage.model == "previous" else stage.model]
+    def model(self, step: StepConfig) -> Dict[str, Any]:
+        return self.results[self.last_trained if step.model == "previous" else step.model]
 
-    def tags(self, stage: StageConfig) -> Dict[str, str]:
-        return child_tags(self.parent, "pipeline", **{TAG_PIPELINE: self.pipe.name, TAG_STAGE: stage.name})
+    def tags(self, step: StepConfig) -> Dict[str, str]:
+        return child_tags(self.parent, "pipeline", **{TAG_PIPELINE: self.pipe.name, TAG_STEP: step.name})
 
 
 def _read_state(path: str) -> dict:
     try:
         fs, p = filesystem(path)
         with fs.open_input_stream(p) as f:
-            return json.loads(f.read())
+            state = json.loads(f.read())
     except FileNotFoundError:
-        return {"stages": {}}
+        return {"steps": {}}
     except (OSError, ValueError) as e:
         raise ConfigError(f"{path}: the pipeline's state cannot be read ({e}); move it away to start anew") from None
+    if "stages" in state and "steps" not in state:  # written before the steps were called so: it resumes
+        state["steps"] = state.pop("stages")
+    return state
 
 
 def _first_config(pipe: PipelineConfig, cli: List[str]) -> RunConfig:
     """The first recipe's config with the pipeline's overrides: where runs are stored, where MLflow is."""
-    first = next(s for s in pipe.stages if s.recipe)
+    first = next(s for s in pipe.steps if s.recipe)
     return load_config(first.recipe, [*pipe.overrides, *first.overrides, *cli])
 
 
@@ -97,7 +107,7 @@ def run_pipeline(pipe: PipelineConfig, cli: Optional[List[str]] = None, text: st
     if uri:
         try:
             ctx.parent = start_parent(uri, experiment, "pipeline", pipe.name, storage,
-                                      {"stages": " -> ".join(s.name for s in pipe.stages),
+                                      {"steps": " -> ".join(s.name for s in pipe.steps),
                                        "overrides": " ".join([*pipe.overrides, *cli])}, text,
                                       timeout_s=first.tracking.timeout_s)
         except Exception as e:  # a down tracking server must not stop the pipeline
@@ -106,30 +116,32 @@ def run_pipeline(pipe: PipelineConfig, cli: Optional[List[str]] = None, text: st
     out = PipelineResult(name=pipe.name, state_path=state_path, parent_run_id=ctx.parent, tracking_uri=uri)
     upstream = ""
     try:
-        for stage in pipe.stages:
-            digest = upstream = stage_digest(stage, pipe, cli, upstream)
-            done = state["stages"].get(stage.name)
-            if done and done.get("digest") == digest and kind_of(stage) != "serve":
-                print(f"[{pipe.name}] stage {stage.name}: finished before, skipped", flush=True)
-                out.skipped.append(stage.name)
+        for step in pipe.steps:
+            digest = upstream = step_digest(step, pipe, cli, upstream)
+            done = state["steps"].get(step.name)
+            if done and done.get("digest") == digest and kind_of(step) != "serve":
+                print(f"[{pipe.name}] step {step.name}: finished before, skipped", flush=True)
+                out.skipped.append(step.name)
                 result = done
             else:
                 if done:
-                    print(f"[{pipe.name}] stage {stage.name}: its settings changed since it finished; running it "
+                    print(f"[{pipe.name}] step {step.name}: its settings changed since it finished; running it "
                           f"again", flush=True)
-                print(f"[{pipe.name}] stage {stage.name} ({kind_of(stage)})", flush=True)
-                result = {**_run_stage(ctx, stage), "digest": digest, "kind": kind_of(stage), "done_at": time.time()}
-                if kind_of(stage) != "serve":
-                    state["stages"][stage.name] = result
+                print(f"[{pipe.name}] step {step.name} ({kind_of(step)})", flush=True)
+                result = {**_run_step(ctx, step), "digest": digest, "kind": kind_of(step), "done_at": time.time()}
+                if kind_of(step) != "serve":
+                    state["steps"][step.name] = result
                     write_text_atomic(state_path, json.dumps(state, indent=1, default=str))
-            ctx.results[stage.name] = result
-            if is_training(stage):
-                ctx.last_trained = stage.name
+            ctx.results[step.name] = result
+            if is_training(step):
+                ctx.last_trained = step.name
+                if step.name not in out.skipped:
+                    check_the_next_training_step(ctx, step)
     except BaseException as e:
         if ctx.parent:
-            end_run(uri, ctx.parent, "FAILED", tags={"error": f"stage {stage.name}: {type(e).__name__}: {e}"[:4000]})
+            end_run(uri, ctx.parent, "FAILED", tags={"error": f"step {step.name}: {type(e).__name__}: {e}"[:4000]})
         raise
-    out.stages = ctx.results
+    out.steps = ctx.results
     if ctx.parent:
         end_run(uri, ctx.parent, "FINISHED", tags=_summary_tags(ctx))
     out.wall_s = time.monotonic() - t0
@@ -140,38 +152,58 @@ def _summary_tags(ctx: _Context) -> Dict[str, str]:
     tags = {}
     for name, r in ctx.results.items():
         if r.get("mlflow_run_id"):
-            tags[f"stage.{name}.run_id"] = r["mlflow_run_id"]
+            tags[f"stage.{name}.run_id"] = r["mlflow_run_id"]  # (the tag's first name, as TAG_STEP)
         if r.get("registered_model"):
             tags["registered_model"] = f"models:/{r['registered_model']}/{r['model_version']}"
     return tags
 
 
-def _run_stage(ctx: _Context, stage: StageConfig) -> Dict[str, Any]:
-    kind = kind_of(stage)
-    if is_training(stage):
-        return _train(ctx, stage)
-    return {"prepare": _prepare, "eval": _eval, "register": _register, "serve": _serve}[kind](ctx, stage)
+def _run_step(ctx: _Context, step: StepConfig) -> Dict[str, Any]:
+    kind = kind_of(step)
+    if is_training(step):
+        return _train(ctx, step)
+    return {"prepare": _prepare, "eval": _eval, "register": _register, "serve": _serve}[kind](ctx, step)
 
 
-def _train(ctx: _Context, stage: StageConfig) -> Dict[str, Any]:
-    from minimind_ray.store.checkpoint import newest_complete  # lazy: torch, only when this runs
-
-    extra = [f"train.stage={kind_of(stage)}", f"name={ctx.pipe.name}-{stage.name}", "resume=auto"]
+def _train_config(ctx: _Context, step: StepConfig):
+    """(the training step's RunConfig, the weights it starts from): its recipe, named for the pipeline, from the
+    step its init_from names (``previous``: the last training step's result)."""
+    extra = [f"train.stage={kind_of(step)}", f"name={ctx.pipe.name}-{step.name}", "resume=auto"]
     source = None
-    if stage.init_from == "previous":
+    if step.init_from == "previous":
         source = ctx.results[ctx.last_trained]["checkpoint_dir"] if ctx.last_trained else None
-    elif stage.init_from != "none":
-        source = ctx.results[stage.init_from]["checkpoint_dir"] if stage.init_from in ctx.results else stage.init_from
+    elif step.init_from != "none":
+        source = ctx.results[step.init_from]["checkpoint_dir"] if step.init_from in ctx.results else step.init_from
     if source:
         extra.append(f"train.init_from={source}")
-    cfg = ctx.recipe(stage, extra)
+    return ctx.recipe(step, extra), source
+
+
+def check_the_next_training_step(ctx: _Context, done: StepConfig) -> None:
+    """When a training step ends, the next training step that starts from it is checked against its weights
+    (preflight.py: the architecture its recipe asks for), before the steps between them run."""
+    later = ctx.pipe.steps[ctx.pipe.steps.index(done) + 1:]
+    nxt = next((s for s in later if is_training(s)), None)
+    if nxt is None or nxt.init_from not in ("previous", done.name):
+        return
+    cfg, _ = _train_config(ctx, nxt)
     try:
-        res = run(cfg, tags=ctx.tags(stage))
+        adopt_architecture(cfg)
+    except ConfigError as e:
+        raise ConfigError(f"step {nxt.name} (starts from step {done.name}): {e}") from None
+
+
+def _train(ctx: _Context, step: StepConfig) -> Dict[str, Any]:
+    from minimind_ray.store.checkpoint import newest_complete  # lazy: torch, only when this runs
+
+    cfg, source = _train_config(ctx, step)
+    try:
+        res = run(cfg, tags=ctx.tags(step))
     except RunFinished:  # trained to its end before, but killed before the pipeline wrote that down
 
         run_dir = join(storage_root(cfg), cfg.name)
         latest = newest_complete(run_dir)
-        print(f"[{ctx.pipe.name}] stage {stage.name}: its run {cfg.name} had finished; using {latest.location} "
+        print(f"[{ctx.pipe.name}] step {step.name}: its run {cfg.name} had finished; using {latest.location} "
               f"(its exports and registered version may be missing: the driver was stopped before writing them)",
               flush=True)
         return {"run_name": cfg.name, "run_dir": run_dir, "checkpoint_dir": latest.location,
@@ -182,25 +214,25 @@ def _train(ctx: _Context, stage: StageConfig) -> Dict[str, Any]:
             "model_version": res.metrics.get("model_version")}
 
 
-def _stage_run(ctx: _Context, stage: StageConfig, tags: Dict[str, str]) -> Optional[str]:
-    """The MLflow run of a stage that trains nothing (prepare, eval): a child, reopened on a rerun."""
+def _step_run(ctx: _Context, step: StepConfig, tags: Dict[str, str]) -> Optional[str]:
+    """The MLflow run of a step that trains nothing (prepare, eval): a child, reopened on a rerun."""
     if not (ctx.uri and ctx.parent):
         return None
 
-    return start_parent(ctx.uri, ctx.experiment, f"pipeline-{kind_of(stage)}", f"{ctx.pipe.name}-{stage.name}",
-                        ctx.storage, {}, "", tags={**ctx.tags(stage), **tags})
+    return start_parent(ctx.uri, ctx.experiment, f"pipeline-{kind_of(step)}", f"{ctx.pipe.name}-{step.name}",
+                        ctx.storage, {}, "", tags={**ctx.tags(step), **tags})
 
 
-def _prepare(ctx: _Context, stage: StageConfig) -> Dict[str, Any]:
+def _prepare(ctx: _Context, step: StepConfig) -> Dict[str, Any]:
     from minimind_ray.data.prepare import ensure_prepared  # lazy: numpy, only when this runs
     from minimind_ray.tokenizer import resolve_tokenizer  # lazy: tokenizers, only when this runs
 
-    cfg = ctx.recipe(stage, [])
+    cfg = ctx.recipe(step, [])
     tok = resolve_tokenizer(cfg.data.tokenizer, cfg.data.cache_dir, cfg.model.generation)
     connect_ray(cfg)
     prepared = ensure_prepared(cfg.data, tok)
     sha = manifest_sha256(prepared)
-    run_id = _stage_run(ctx, stage, {TAG_DATA: redact(prepared), TAG_MANIFEST: sha or ""})
+    run_id = _step_run(ctx, step, {TAG_DATA: redact(prepared), TAG_MANIFEST: sha or ""})
     if run_id:
         files = {} if is_uri(prepared) else {os.path.join(prepared, "manifest.json"): "data"}
         record(ctx.uri, run_id, files=files)
@@ -209,56 +241,59 @@ def _prepare(ctx: _Context, stage: StageConfig) -> Dict[str, Any]:
     return {"prepared_dir": prepared, "manifest_sha256": sha, "mlflow_run_id": run_id}
 
 
-def _eval(ctx: _Context, stage: StageConfig) -> Dict[str, Any]:
-    from minimind_ray.evals.run import evaluate_task, metric_items  # lazy: numpy, torch, only when this runs
+def _eval(ctx: _Context, step: StepConfig) -> Dict[str, Any]:
+    from minimind_ray.evals.run import evaluate_task, metric_items, result_notes  # lazy: numpy, torch
 
-    model = ctx.model(stage)
+    model = ctx.model(step)
     scores: Dict[str, float] = {}
-    cache = ctx.recipe(next(s for s in ctx.pipe.stages if s.recipe), []).data.cache_dir
-    for task in stage.tasks:
+    notes: Dict[str, str] = {}  # subjects skipped or short of shots, as tags of the step's run
+    cache = ctx.recipe(next(s for s in ctx.pipe.steps if s.recipe), []).data.cache_dir
+    for task in step.tasks:
         res = evaluate_task(model["checkpoint_dir"], task, cache_dir=cache)
         scores.update(metric_items(res))
-        print(f"[{ctx.pipe.name}] {res['task']}: " + ", ".join(f"{k} {v:.3f}" for k, v in metric_items(res).items()),
-              flush=True)
-    run_id = _stage_run(ctx, stage, {"minimind.evaluated.run_id": model.get("mlflow_run_id") or "",
+        notes.update(result_notes(res))
+        said = "".join(f"; {k.rsplit('/', 1)[1].replace('_', ' ')}: {v}" for k, v in result_notes(res).items())
+        print(f"[{ctx.pipe.name}] {res['task']}: " + ", ".join(f"{k} {v:.3f}" for k, v in metric_items(res).items())
+              + said, flush=True)
+    run_id = _step_run(ctx, step, {"minimind.evaluated.run_id": model.get("mlflow_run_id") or "",
                                      "minimind.evaluated.checkpoint": redact(model["checkpoint_dir"])})
     if run_id:
-        record(ctx.uri, run_id, metrics=scores)
+        record(ctx.uri, run_id, metrics=scores, tags=notes)
         end_run(ctx.uri, run_id, "FINISHED")
         if model.get("mlflow_run_id"):  # beside the evaluated run's own curves, at its last step
             record(ctx.uri, model["mlflow_run_id"], metrics=scores, step=int(model.get("metrics", {}).get("step", 0)))
     return {"scores": scores, "mlflow_run_id": run_id, "model": model.get("run_name")}
 
 
-def _register(ctx: _Context, stage: StageConfig) -> Dict[str, Any]:
-    model = ctx.model(stage)
-    name = stage.registered_model or f"minimind-{ctx.pipe.name}"
+def _register(ctx: _Context, step: StepConfig) -> Dict[str, Any]:
+    model = ctx.model(step)
+    name = step.registered_model or f"minimind-{ctx.pipe.name}"
     if not (ctx.uri and model.get("mlflow_run_id")):
-        print(f"[{ctx.pipe.name}] stage {stage.name}: nothing to register (untracked)", flush=True)
+        print(f"[{ctx.pipe.name}] step {step.name}: nothing to register (untracked)", flush=True)
         return {}
     version = register_version(ctx.uri, name, model["mlflow_run_id"], {
-        TAG_PIPELINE: ctx.pipe.name, "minimind.pipeline.run_id": ctx.parent or "", TAG_STAGE: model["run_name"]})
+        TAG_PIPELINE: ctx.pipe.name, "minimind.pipeline.run_id": ctx.parent or "", TAG_STEP: model["run_name"]})
     print(f"[{ctx.pipe.name}] registered models:/{name}/{version} (run {model['mlflow_run_id']})", flush=True)
     return {"registered_model": name, "model_version": version, "mlflow_run_id": model["mlflow_run_id"],
             "model": model["run_name"]}
 
 
-def _serve(ctx: _Context, stage: StageConfig) -> Dict[str, Any]:
+def _serve(ctx: _Context, step: StepConfig) -> Dict[str, Any]:
     import argparse
 
-    model = ctx.model(stage)
-    p = argparse.ArgumentParser(prog="serve stage")
+    model = ctx.model(step)
+    p = argparse.ArgumentParser(prog="serve step")
     add_arguments(p)
-    args = p.parse_args([model["checkpoint_dir"], *stage.serve_args])
+    args = p.parse_args([model["checkpoint_dir"], *step.serve_args])
     args.rope_scaling = None  # as the weights record (the serve verb's default)
     serve_from_args(args)
     return {"served": model["checkpoint_dir"]}
 
 
 def print_pipeline(out: PipelineResult) -> None:
-    print(f"\n==== pipeline {out.name}: {len(out.stages)} stages ({len(out.skipped)} finished before), "
+    print(f"\n==== pipeline {out.name}: {len(out.steps)} steps ({len(out.skipped)} finished before), "
           f"{out.wall_s:.0f}s ====")
-    for name, r in out.stages.items():
+    for name, r in out.steps.items():
         what = r.get("checkpoint_dir") or r.get("prepared_dir") or r.get("scores") or \
             (f"models:/{r['registered_model']}/{r['model_version']}" if r.get("registered_model") else "")
         print(f"{name:<12} {r.get('kind', ''):<9} {redact(str(what))}  MLflow {r.get('mlflow_run_id') or '-'}")

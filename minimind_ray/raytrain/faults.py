@@ -32,6 +32,7 @@ import pyarrow.fs as pafs
 import torch
 
 from minimind_ray.config import RunConfig  # the Ray layer is above the config: it runs what a RunConfig says
+from minimind_ray.failures import FailurePolicy, RunStopped
 from minimind_ray.fault_schedule import FaultSpec, fault_schedule, start_faults
 from minimind_ray.fsio import filesystem, join, write_bytes_atomic
 from minimind_ray.raytrain.oom import stop_on_out_of_memory
@@ -83,8 +84,11 @@ class FaultInjector:
                      {"t": now, "rank": self.rank, "step": self.step, "error": repr(error)[:300], "where": where[-6:]})
 
     def before_step(self, step: int) -> None:
-        """raise / exit / sigkill / oom / slow: before the step reads its data."""
+        """raise / exit / sigkill / oom / slow: before the step reads its data; bug: on every attempt."""
         self.step = step
+        if any(f.kind == "bug" for f in self.pending.get(step, [])):  # not claimed: it recurs, as a bug does
+            raise RuntimeError(f"simulated bug at step {step}: the 'bug' entry of the fault schedule, raised on every "
+                               f"attempt")
         for f in self._due(step, ("slow", "raise", "oom", "exit", "sigkill")):
             print(f"[fault-injection] rank {self.rank}: {f.kind} at step {step}", flush=True)
             if f.kind == "slow":  # a straggler: the others wait in the step's first collective, nobody fails
@@ -248,18 +252,26 @@ class LaunchFault:
         return _fire_at_launch, (self.faults,)
 
 
-def failure_callback(sink, progress_run: str, run_dir: Optional[str]):
+def failure_callback(sink, progress_run: str, run_dir: Optional[str], retry_mistakes: bool = False):
     """A Ray Train callback (it runs in the controller): tells the driver's console that workers failed,
-    and records when, for the chaos benchmark. A worker out of memory ends the run instead of a restart
-    (raytrain/oom.py: the same micro-batch would run out again)."""
-    from ray.train import UserCallback
+    and records when, for the chaos benchmark. A failure that would recur ends the run instead of a restart: a worker
+    out of memory (raytrain/oom.py: the same micro-batch would run out again), the user's mistake, or an error that
+    failed the previous attempt the same way (failures.py)."""
+    from ray.train import ControllerError, UserCallback
 
     class FailureNotice(UserCallback):
+        def __init__(self):
+            self.policy = FailurePolicy(retry_mistakes)  # lives as long as this fit's controller
+
         def after_exception(self, run_context, worker_exceptions):
             errors = {r: repr(e)[:500] for r, e in worker_exceptions.items()}
             try:
                 stop_on_out_of_memory(worker_exceptions)
                 stop_when_not_placed(worker_exceptions)
+                try:
+                    self.policy.decide(worker_exceptions)
+                except RunStopped as stop:  # Ray Train retries worker-group errors, never a controller error
+                    raise ControllerError(stop) from None
             except Exception:
                 self._record(errors)
                 raise
@@ -342,3 +354,23 @@ class SampleLog:
         self.f.write(json.dumps({"step": step, "rank": self.rank, "world": self.world,
                                  "attempt": self.attempt, "t": time.time(), "ids": ids}) + "\n")
         self.f.flush()
+
+
+@dataclass
+class FaultWiring:
+    """Everything of the fault machinery a run's trainer carries, decided once: the start faults' launch hook (in the
+    WorkerSpec), the torch backend (a faulty one with a backend start fault), and the controller's callbacks (the
+    failure policy and the console's notice, the start and lost-report faults)."""
+
+    launch: Optional[LaunchFault]
+    torch_config: object
+    callbacks: list
+
+
+def fault_wiring(cfg: RunConfig, run_dir: str, backend: str, sink, progress_run: str) -> FaultWiring:
+    starts = StartFaults.of(cfg, run_dir)  # train.faults' start:<phase>:<rank> entries
+    return FaultWiring(
+        launch=LaunchFault(starts) if starts and starts.has("launch") else None,
+        torch_config=torch_config(starts, backend=backend, timeout_s=int(cfg.train.collective_timeout_s)),
+        callbacks=[failure_callback(sink, progress_run, run_dir, cfg.cluster.retry_mistakes),
+                   *start_fault_callbacks(starts), *lost_report_callbacks(cfg)])

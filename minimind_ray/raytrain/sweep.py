@@ -28,7 +28,8 @@ from minimind_ray.config import ConfigError, RunConfig, load_config, to_yaml
 from minimind_ray.console import verbose
 from minimind_ray.fsio import filesystem, is_uri, join, redact, write_text_atomic
 from minimind_ray.raytrain import driver
-from minimind_ray.raytrain.driver import connect_ray, storage_root
+from minimind_ray.raytrain.resume import RunFinished, storage_root
+from minimind_ray.raytrain.session import connect_ray
 from minimind_ray.raytrain.runtime_env import side_cpus
 from minimind_ray.raytrain.sweep_config import SweepConfig, check_against_recipe, reported_metric, trial_overrides
 from minimind_ray.tracking import parents
@@ -125,7 +126,7 @@ def _trial(params: Dict[str, Any], ctx: Dict[str, Any]) -> None:
                                                       TAG_PARAMS: json.dumps(params, sort_keys=True, default=str)})
     try:
         res = driver.run(cfg, tags=tags, callbacks=[_score_report(key)] if key else [], report_every_eval=bool(key))
-    except driver.RunFinished:  # trained to its end by an earlier attempt that Tune did not record: not trained again
+    except RunFinished:  # trained to its end by an earlier attempt that Tune did not record: not trained again
         final = _read_json(record)
         if final is None:
             raise

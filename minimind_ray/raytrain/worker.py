@@ -2,8 +2,10 @@
 from the newest complete checkpoint, loop the engine, hand checkpoints and metrics over."""
 from __future__ import annotations
 
+import contextlib
 import json
 import tempfile
+import traceback
 from pathlib import Path
 from typing import Optional, Tuple
 
@@ -13,6 +15,7 @@ import torch.distributed as dist
 from minimind_ray.console import own_lines
 from minimind_ray.engine.loop import Hooks, run
 from minimind_ray.engine.state import TrainState
+from minimind_ray.failures import STEP_ATTR, TRACEBACK_ATTR, reading
 from minimind_ray.fsio import filesystem
 from minimind_ray.raytrain.faults import FaultInjector, SampleLog
 from minimind_ray.raytrain.oom import quiet_out_of_memory_tracebacks
@@ -158,6 +161,9 @@ def train_loop_per_worker(spec: WorkerSpec) -> None:
         _train(spec, rank, world, device, faults)
     except Exception as e:
         faults.record_failure(e)  # a chaos run's record of where this rank failed; a no-op otherwise
+        with contextlib.suppress(AttributeError, TypeError):  # what the controller compares and the driver logs
+            setattr(e, STEP_ATTR, faults.step)  # (failures.signature, the run's error.log)
+            setattr(e, TRACEBACK_ATTR, traceback.format_exc()[-20000:])
         raise
 
 
@@ -167,7 +173,8 @@ def _train(spec: WorkerSpec, rank: int, world: int, device: torch.device, faults
     stored, registered = restore_point(spec, rank, world)
     meta = None
     if stored is not None:
-        meta = state.restore(stored)
+        with reading(f"checkpoint {stored.location} (the run's own, restored)"):  # a run whose settings changed under it
+            meta = state.restore(stored)
         run_id = meta.mlflow_run_id or run_id
         if rank == 0:
             print(f"[minimind-ray] restored step {meta.step} (saved by {meta.world_size} workers, now {world}; "

@@ -26,6 +26,7 @@ No reward draws random numbers: scoring never moves the sampling RNG that checkp
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from minimind_ray.config_checks import ConfigError, config_field as _f, need
+from minimind_ray.failures import plugin_call
 from minimind_ray.plugins import callable_object
 
 BUILTIN_REWARDS = ("length", "think_format", "repetition", "exact_answer", "close_answer", "permutation_answer",
@@ -159,13 +161,17 @@ class RewardTerm:
     fn: RewardFn
     args: dict
 
+    plugin: Optional[str] = None  # a user's 'module:function': what it raises is the user's mistake (failures.py)
+
     def __call__(self, prompts: List[str], completions: List[str], answers: List[str]) -> List[float]:
-        values = [float(v) for v in self.fn(prompts, completions, answers, **self.args)]
-        if len(values) != len(completions):
-            raise ValueError(f"reward {self.label!r} returned {len(values)} values for {len(completions)} completions")
-        bad = [v for v in values if not math.isfinite(v)]
-        if bad:
-            raise ValueError(f"reward {self.label!r} returned a non-finite value ({bad[0]})")
+        with plugin_call(f"reward plug-in {self.plugin}") if self.plugin else contextlib.nullcontext():
+            values = [float(v) for v in self.fn(prompts, completions, answers, **self.args)]
+            if len(values) != len(completions):
+                raise ValueError(f"reward {self.label!r} returned {len(values)} values for {len(completions)} "
+                                 f"completions")
+            bad = [v for v in values if not math.isfinite(v)]
+            if bad:
+                raise ValueError(f"reward {self.label!r} returned a non-finite value ({bad[0]})")
         return values
 
 
@@ -185,13 +191,14 @@ def build_rewards(specs, device=None, run_name: Optional[str] = None) -> List[Re
         elif spec.name in RULES:
             fn, label = RULES[spec.name], spec.name
         else:
-            fn = load_callable(spec.name)
+            with plugin_call(f"reward plug-in {spec.name}"):
+                fn = load_callable(spec.name)
             label = re.sub(r"\W", "_", spec.name.partition(":")[2])
         base, k = label, 2
         while label in labels:  # the same reward twice (other args): reward_length, reward_length_2
             label, k = f"{base}_{k}", k + 1
         labels.add(label)
-        terms.append(RewardTerm(label, float(spec.weight), fn, args))
+        terms.append(RewardTerm(label, float(spec.weight), fn, args, plugin=spec.name if ":" in spec.name else None))
     return terms
 
 

@@ -27,6 +27,7 @@ import sys
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from minimind_ray.failures import Mistake
 from minimind_ray.plugins import callable_object
 
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
@@ -195,9 +196,12 @@ class ToolBox:
             if self.proc is None or self.proc.poll() is not None:
                 self._start()
             loaded = self._request({"load": function}, STARTUP_S)
-            if loaded is None or "error" in loaded:
-                raise RuntimeError(f"train.agent.tools: {name} ({function}) cannot be loaded on this worker: "
-                                   f"{(loaded or {}).get('error', 'timed out')}")
+            if loaded is None:  # the tool worker did not answer in time: a loaded machine, retried like a fault
+                raise TimeoutError(f"train.agent.tools: {name} ({function}): the tool worker did not load it within "
+                                   f"{STARTUP_S:g} s")
+            if "error" in loaded:  # the user's module: the same on every attempt
+                raise Mistake(f"train.agent.tools: {name} ({function})",
+                              f"cannot be loaded on this worker: {loaded['error']}")
             self.loaded.add(function)
 
     def _start(self) -> None:

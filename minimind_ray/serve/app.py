@@ -113,6 +113,7 @@ class ChatServer:
         self.tok, self.name = served.tokenizer, served.name
         self.pieces = TokenPieces(self.tok)
         self.context = min(self.opts.context or served.context, served.context)
+        self.trained_context = served.trained_context  # the run's data.max_seq_len (None: not recorded)
         self.engine = Engine(served.model, self.tok.eos_id, self.opts.max_batch, self.context, device)
         self.limit = self.opts.max_batch + self.opts.queued()  # rows running + waiting
         self.streams = 0  # streamed responses being sent (their chunks coalesce more when there are many)
@@ -120,9 +121,16 @@ class ChatServer:
         self.metrics = ServeMetrics(self.name, self.engine.load)
         self.page = PAGE.read_text(encoding="utf-8")
         self.created = int(time.time())
-        log.info("serving %s (%s) on %s, context %d, max batch %d, %d more may wait, timeout %s s, API key %s",
-                 self.name, self.opts.weights, device, self.context, self.opts.max_batch, self.opts.queued(),
-                 self.opts.request_timeout_s, "required" if self.key_hash else "not required")
+        log.info("serving %s (%s) on %s, context %d (trained at %s), max batch %d, %d more may wait, timeout %s s, "
+                 "API key %s", self.name, self.opts.weights, device, self.context, self.trained_context or "?",
+                 self.opts.max_batch, self.opts.queued(), self.opts.request_timeout_s,
+                 "required" if self.key_hash else "not required")
+
+    def describe(self) -> dict:
+        """What this replica serves, for the command's startup line (serve/launch.py:served_info, through Serve's
+        handle): the model id, the weights, the context it serves and the one its run trained at."""
+        return {"model": self.name, "weights": self.opts.weights, "context_length": self.context,
+                "trained_context_length": self.trained_context}
 
     async def check_health(self) -> None:
         """Serve's replica health check: a dead engine thread makes Serve replace the replica."""
@@ -158,7 +166,8 @@ class ChatServer:
         self.metrics.request("/v1/models", 200)
         return {"object": "list", "data": [{
             "id": self.name, "object": "model", "created": self.created, "owned_by": "minimind-ray",
-            "context_length": self.context, "max_tokens_cap": self.opts.max_tokens_cap}]}
+            "context_length": self.context, "trained_context_length": self.trained_context,
+            "max_tokens_cap": self.opts.max_tokens_cap}]}
 
     @app.post(CHAT)
     async def chat_completions(self, request: Request):

@@ -164,6 +164,26 @@ def deploy(opts: ServeOptions, quiet: bool = False) -> str:
     return f"http://{host}:{opts.port}{opts.route_prefix.rstrip('/')}"
 
 
+def served_info(app_name: str, timeout_s: float = 60.0) -> Optional[dict]:
+    """What the app's replica says it serves (app.py:ChatServer.describe, through Serve's handle): its model id,
+    weights, the context it serves and the one its run trained at; None where it cannot say."""
+    from ray import serve
+
+    try:
+        return serve.get_app_handle(app_name).describe.remote().result(timeout_s=timeout_s)
+    except Exception:  # noqa: BLE001 - the startup line is a courtesy: the weights alone then
+        return None
+
+
+def startup_line(info: dict) -> str:
+    """``serving sft-20261204-0a1b2c (/runs/sft-latest): context 32768 tokens, trained at 128``: the model id (a
+    ``-latest`` link's run), the weights as given, the context served (the RoPE table, or --context) and the one
+    the run trained at (data.max_seq_len; past it the model has seen no positions)."""
+    trained = info.get("trained_context_length")
+    return (f"serving {info['model']} ({info['weights']}): context {info['context_length']} tokens"
+            + (f", trained at {trained}" if trained else " (trained context not recorded in these weights)"))
+
+
 class _NotExisting(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         return not record.getMessage().startswith("Connecting to existing Serve app")
@@ -185,7 +205,8 @@ def serve_from_args(args: argparse.Namespace) -> int:
     stop = threading.Event()
     try:
         url = deploy(opts)
-        print(f"\nserving {opts.weights}")
+        info = served_info(opts.app_name)
+        print("\n" + (startup_line(info) if info else f"serving {opts.weights}"))
         print(f"  chat page:        {url}/")
         print(f"  OpenAI base URL:  {url}/v1   (model id: GET {url}/v1/models)")
         print(f"  health:           {url}/health")

@@ -8,9 +8,10 @@ eval mode plus its tokenizer:
   the project's ``.safetensors``, an HF export folder, or a storage URI of one; the tokenizer is the
   run's own, the HF folder's, or ``--tokenizer``;
 * an MLflow model URI, ``models:/<name>/<version|alias>`` (also ``models:/<name>@<alias>``) or
-  ``runs:/<run_id>/<path>``: the run's model files (the ``.safetensors``, which records its
-  architecture, else the ``.pth`` with the run's ``config/config.yaml``) and its ``tokenizer/`` are
-  downloaded from the tracking server.
+  ``runs:/<run_id>/<path>``: the model files of the run's logged model (or, for a run logged before
+  logged models, its ``model/`` artifacts: the ``.safetensors``, which records its architecture, else
+  the ``.pth`` with the run's ``config/config.yaml``) and the run's ``tokenizer/`` are downloaded from
+  the tracking server.
 """
 from __future__ import annotations
 
@@ -25,12 +26,12 @@ from typing import Optional, Tuple
 import torch
 
 from minimind_ray.config import from_dict, run_config_of
-from minimind_ray.model.config import LoRAConfig
 from minimind_ray.tracking.config import TrackingConfig
+from minimind_ray.tracking.models import MODEL_NAME, run_model
 from minimind_ray.fsio import is_uri
 from minimind_ray.generate import StreamDecoder, generate_tokens, render_prompt  # noqa: F401
 from minimind_ray.model.kv_cache import KVCache  # noqa: F401
-from minimind_ray.model.lora import apply_lora, load_lora, merge_lora
+from minimind_ray.model.lora import ADAPTER_FILE_PREFIX, merge_adapters
 from minimind_ray.model.minimind import build_model
 from minimind_ray.model.sampling import sample_tokens  # noqa: F401
 from minimind_ray.serve.options import is_mlflow_uri
@@ -93,17 +94,28 @@ class ServedModel:
     model: torch.nn.Module  # eval mode, on its device
     tokenizer: Tokenizer
     name: str  # the id /v1/models lists
-    context: int  # the model's position limit (max_position_embeddings)
+    context: int  # the model's position limit (max_position_embeddings: the RoPE table)
+    trained_context: Optional[int] = None  # the run's data.max_seq_len, where the weights record their run
 
 
 def default_name(source: str) -> str:
-    """A readable model id: the registered name and version, the run id, or the file/dir name."""
+    """A readable model id: the registered name and version, the run id, or the file/dir name; a link (a run's
+    ``<stage>-latest``) is followed, so that the id names the run it points to, not the link."""
     if source.startswith("models:/"):
         return source[len("models:/"):].strip("/")
     if source.startswith("runs:/"):
         return source[len("runs:/"):].split("/")[0][:12]
-    stem = Path(source.rstrip("/")).name
+    path = source.rstrip("/")
+    if not is_uri(path) and path:
+        path = os.path.realpath(path)
+    stem = Path(path).name
     return stem[:-4] if stem.endswith(".pth") else stem or "minimind"
+
+
+def trained_context(run_config: Optional[dict]) -> Optional[int]:
+    """The context a run trained at (its recorded ``data.max_seq_len``), None where no run is recorded."""
+    value = ((run_config or {}).get("data") or {}).get("max_seq_len")
+    return int(value) if isinstance(value, int) and value > 0 else None
 
 
 def check_source(source: str, tracking_uri: Optional[str] = None) -> None:
@@ -141,10 +153,10 @@ def load_served_model(source: str, tokenizer: Optional[str] = None, preset: Opti
     file (MiniMind's ``lora_*.pth``) on top of the weights and merges it; ``rope_scaling`` turns YaRN on
     or off (store.weights.set_rope_scaling; None = as the weights record)."""
     if is_mlflow_uri(source):
-        model, tok = _from_mlflow(source, resolve_tracking_uri(TrackingConfig(uri=tracking_uri)), preset)
+        model, tok, trained = _from_mlflow(source, resolve_tracking_uri(TrackingConfig(uri=tracking_uri)), preset)
     else:
         model, lw = build_inference_model(source, preset, merge_lora=True, device="cpu")
-        tok = _tokenizer_of(lw)
+        tok, trained = _tokenizer_of(lw), trained_context(lw.run_config)
     if tokenizer:  # an explicit tokenizer wins over the one that came with the weights
         tok = resolve_tokenizer(tokenizer, "data_cache", model.cfg.generation)
     if tok is None:
@@ -155,7 +167,7 @@ def load_served_model(source: str, tokenizer: Optional[str] = None, preset: Opti
     if rope_scaling is not None:
         set_rope_scaling(model, rope_scaling)
     model = model.to(device).eval()
-    return ServedModel(model, tok, name or default_name(source), model.cfg.max_position_embeddings)
+    return ServedModel(model, tok, name or default_name(source), model.cfg.max_position_embeddings, trained)
 
 
 def _tokenizer_of(lw: LoadedWeights) -> Optional[Tokenizer]:
@@ -169,13 +181,7 @@ def _tokenizer_of(lw: LoadedWeights) -> Optional[Tokenizer]:
 
 
 def _add_lora(model, path: str, alpha: Optional[float]):
-    sd = read_pth(path)
-    ranks = [v.shape[0] for k, v in sd.items() if k.endswith("lora.A.weight")]
-    if not ranks:
-        raise ValueError(f"--lora {path}: no '<module>.lora.A.weight' keys; not a LoRA weights file")
-    apply_lora(model, LoRAConfig(rank=ranks[0], alpha=alpha))
-    load_lora(model, sd)
-    return merge_lora(model)
+    return merge_adapters(model, read_pth(path), alpha, f"--lora {path}")
 
 
 # --------------------------------------------------------------------------- MLflow
@@ -185,7 +191,11 @@ _MODELS_URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:/(?P<ref>[^/]+)|@(?P<alia
 
 
 def _mlflow_run_id(source: str, uri: str) -> Tuple[str, str]:
-    """(run id, artifact path of the model files in that run) of a models:/ or runs:/ URI."""
+    """(run id, where the model files are) of a models:/ or runs:/ URI: the artifact location of the run's logged
+    model (tracking/models.py; a version's source), or, for a run whose weights are its own ``model/`` artifacts,
+    that path in the run. The location is read here, with ``uri``: MLflow 3.17 resolves a ``models:/`` URI (and a
+    run's logged model behind ``runs:/<run>/model``) through the process's default tracking URI whatever
+    ``tracking_uri`` it is given."""
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
@@ -194,7 +204,9 @@ def _mlflow_run_id(source: str, uri: str) -> Tuple[str, str]:
         if source.startswith("runs:/"):
             run_id, _, path = source[len("runs:/"):].partition("/")
             client.get_run(run_id)
-            return run_id, path.strip("/") or "model"
+            path = path.strip("/") or MODEL_NAME
+            model = run_model(client, run_id) if path == MODEL_NAME else None
+            return run_id, (model.artifact_location if model is not None and str(model.status) == "READY" else path)
         m = _MODELS_URI.match(source)
         if not m:
             raise ValueError(f"{source}: expected models:/<name>/<version|alias> or models:/<name>@<alias>")
@@ -206,12 +218,14 @@ def _mlflow_run_id(source: str, uri: str) -> Tuple[str, str]:
     except MlflowException as e:
         raise ValueError(f"{source}: not found in the MLflow registry at {uri} ({str(e).splitlines()[0]})") from None
     run_base = client.get_run(mv.run_id).info.artifact_uri.rstrip("/")
-    path = mv.source[len(run_base) + 1:] if mv.source.startswith(run_base + "/") else "model"
-    return mv.run_id, path
+    if mv.source.startswith(run_base + "/"):  # a version of a run's own model/ directory (before logged models)
+        return mv.run_id, mv.source[len(run_base) + 1:]
+    return mv.run_id, mv.source  # a logged model's artifact location (tracking/artifacts.py:register_version)
 
 
 def _from_mlflow(source: str, uri: str, preset: Optional[str]):
-    """Download model files, config and tokenizer of the run behind ``source`` and build the model."""
+    """Download model files, config and tokenizer of the run behind ``source`` and build the model; (model,
+    tokenizer or None, the context the run trained at or None)."""
     run_id, model_path = _mlflow_run_id(source, uri)
     dst = Path(tempfile.mkdtemp(prefix="mmr-serve-"))
     try:
@@ -225,6 +239,8 @@ def _build_from_download(source: str, uri: str, run_id: str, model_path: str, ds
 
     def fetch(path: str) -> Optional[Path]:
         try:
+            if ":" in path:  # a logged model's artifact location
+                return Path(download_artifacts(artifact_uri=path, tracking_uri=uri, dst_path=str(dst / MODEL_NAME)))
             return Path(download_artifacts(run_id=run_id, artifact_path=path, tracking_uri=uri,
                                            dst_path=str(dst)))
         except Exception:  # noqa: BLE001 - an optional artifact that is absent
@@ -233,14 +249,17 @@ def _build_from_download(source: str, uri: str, run_id: str, model_path: str, ds
     model_dir = fetch(model_path)
     files = sorted(model_dir.rglob("*")) if model_dir else []
     tensors = [p for p in files if p.suffix == ".safetensors"]
-    pths = [p for p in files if p.suffix == ".pth" and not p.name.startswith("lora")]
+    pths = [p for p in files if p.suffix == ".pth" and not p.name.startswith(ADAPTER_FILE_PREFIX)]
     config_file = fetch("config/config.yaml")
+    run_config = None
+    if config_file is not None:
+        from omegaconf import OmegaConf
+
+        run_config = OmegaConf.to_container(OmegaConf.load(config_file))
     if tensors:  # the project's safetensors record the exact architecture (and keep fp32)
         model, _ = build_inference_model(str(tensors[0]), preset)
     elif pths and config_file is not None and not preset:  # MiniMind's fp16 .pth + the run's config
-        from omegaconf import OmegaConf
-
-        run_cfg = from_dict(OmegaConf.to_container(OmegaConf.load(config_file)))
+        run_cfg = from_dict(run_config)
         lw = LoadedWeights(load_weights(str(pths[0]), run_cfg.model.preset).state_dict, run_cfg.model, None, None)
         model = apply_weights(build_model(run_cfg.model), lw)
     elif pths:
@@ -250,4 +269,4 @@ def _build_from_download(source: str, uri: str, run_id: str, model_path: str, ds
                                 f"'{model_path}' artifacts")
     tok_dir = fetch("tokenizer")
     tok = load_tokenizer(str(tok_dir)) if tok_dir is not None and (tok_dir / "tokenizer.json").exists() else None
-    return model.eval(), tok
+    return model.eval(), tok, trained_context(run_config)

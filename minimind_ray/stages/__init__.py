@@ -14,7 +14,7 @@ from typing import Dict, Tuple
 
 from minimind_ray.stages.stage import MemoryTerms, Stage
 
-STAGE_MODULES = ("pretrain", "sft", "lora", "dpo", "distill", "grpo", "ppo", "agent", "simpo", "rloo")
+STAGE_MODULES = ("pretrain", "sft", "lora", "dpo", "distill", "grpo", "ppo", "agent", "simpo", "kto", "rloo")
 
 STAGES: Dict[str, Stage] = {}
 for _module in STAGE_MODULES:

@@ -18,7 +18,7 @@ class DistillObjective(Objective):
     def setup(self, model: nn.Module, device: torch.device) -> None:
         d = self.cfg.train.distill
         tcfg = ModelConfig(**preset_values(d.teacher_preset)) if d.teacher_preset else self.cfg.model
-        self.teacher = load_frozen(tcfg, d.teacher_weights, device)
+        self.teacher = load_frozen(tcfg, d.teacher_weights, device, "train.distill.teacher_weights")
 
     def loss_sum(self, model, batch):
         d = self.cfg.train.distill

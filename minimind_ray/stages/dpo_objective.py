@@ -18,7 +18,8 @@ class DPOObjective(Objective):
 
     def setup(self, model: nn.Module, device: torch.device) -> None:
         ref = self.cfg.train.dpo.reference
-        self.reference = load_frozen(self.cfg.model, ref, device) if ref else frozen_copy(model).to(device)
+        self.reference = (load_frozen(self.cfg.model, ref, device, "train.dpo.reference") if ref
+                          else frozen_copy(model).to(device))
 
     def weight(self, batch: Batch) -> int:
         return int(batch["chosen_input_ids"].shape[0])

@@ -32,6 +32,6 @@ def memory(cfg, policy, count) -> MemoryTerms:
 
 
 STAGE = Stage("lora", "LoRA adapters on a frozen base", formats=("sft", "pretrain"), objective=objective,
-              export_prefix="full_sft", section=LoRAConfig, memory=memory,
+              export_prefix="full_sft", section=LoRAConfig, memory=memory, cross_entropy=True,
               fsdp_refusal="its adapters are a few MB that DDP already holds on every worker; a sharded frozen "
                            "base with adapters is not built")

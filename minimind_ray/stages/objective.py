@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minimind_ray.failures import reading
+
 Batch = Dict[str, torch.Tensor]
 
 
@@ -113,12 +115,14 @@ def frozen_copy(model: nn.Module) -> nn.Module:
     return ref
 
 
-def load_frozen(cfg_model, weights: str, device: torch.device) -> nn.Module:
-    """A frozen model of ``cfg_model`` with ``weights`` (a teacher, a reference given by path), on ``device``."""
+def load_frozen(cfg_model, weights: str, device: torch.device, field: str) -> nn.Module:
+    """A frozen model of ``cfg_model`` with ``weights`` (a teacher, a reference given by path: the config ``field``
+    that names it), on ``device``. Weights that cannot be loaded are the user's mistake (failures.py)."""
     from minimind_ray.model.minimind import build_model  # lazy: only the stages with a frozen model load one
-    from minimind_ray.store.weights import load_model_weights
+    from minimind_ray.store.weights import load_model_weights  # lazy: pyarrow, only the stages with a frozen model
 
     m = build_model(cfg_model)
-    load_model_weights(m, weights)
+    with reading(f"{field}={weights}"):
+        load_model_weights(m, weights)
     m.to(device)
     return frozen_copy(m)

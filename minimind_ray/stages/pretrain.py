@@ -11,4 +11,4 @@ def objective(cfg):
 
 
 STAGE = Stage("pretrain", "next-token pretraining on raw text", formats=("pretrain",), objective=objective,
-              export_prefix="pretrain", fsdp_refusal=None)
+              export_prefix="pretrain", fsdp_refusal=None, cross_entropy=True)

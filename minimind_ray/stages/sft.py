@@ -12,4 +12,4 @@ def objective(cfg):
 
 
 STAGE = Stage("sft", "full supervised fine-tuning on conversations", formats=("sft",), objective=objective,
-              export_prefix="full_sft", fsdp_refusal=None)
+              export_prefix="full_sft", fsdp_refusal=None, cross_entropy=True)

@@ -67,12 +67,18 @@ class Stage:
     plugins: Callable[[Any], List[str]] = no_plugins  # the user's 'package.module:function' names its config holds
     beside: Callable[[Any], Dict[str, float]] = nothing_beside  # resources it places beside the workers
     parents: Callable[[Any], Dict[str, Optional[str]]] = no_parents  # weights it starts from besides init_from
+    # parents whose architecture is their own (a teacher): checked before Ray for completeness only, not against the
+    # run's model (preflight.py)
+    own_architecture: Tuple[str, ...] = ()
     # keys of its section from before a rename, moved to where they are now (the run's config, before validation):
     # one notice per key moved (GRPO's train.grpo.rollout* -> train.rollout)
     old_keys: Callable[[Any], List[str]] = no_old_keys
     metric_group: str = "train"  # its interval metrics' MLflow group: train/<key>, or rl/<key>
     headline: Tuple[str, ...] = ()  # interval metrics the console shows beside the loss
     rl: bool = False  # samples completions from the policy (train.rollout applies)
+    # its loss is the cross-entropy of the data's target tokens, in nats: the held-out evaluation also gives bits per
+    # byte (engine/evaluate.py); False for a loss that is something else (preferences, a teacher's KL, RL)
+    cross_entropy: bool = False
     # why it cannot train under train.parallelism=fsdp (the refusal names train.parallelism); None: it can. Refused
     # unless its record says otherwise: a model held beside the sharded policy, or a policy sampled one rank at a time,
     # needs more than the engine's wrapper

@@ -35,7 +35,7 @@ import torch
 
 from minimind_ray.fsio import filesystem, is_uri, join
 from minimind_ray.model.config import LoRAConfig, ModelConfig
-from minimind_ray.model.lora import apply_lora, merge_lora as merge
+from minimind_ray.model.lora import adapter_rank, apply_lora, merge_adapters, merge_lora as merge
 from minimind_ray.model.minimind import build_model, clean_state_dict, unwrap_model
 from minimind_ray.model.presets import PRESETS, preset_values
 from minimind_ray.model.rope import YARN, rope_tables
@@ -114,7 +114,7 @@ def infer_model_config(sd: Dict[str, torch.Tensor], where: str = "the weights") 
 # --------------------------------------------------------------------------- files
 
 
-def _read_bytes(source: str) -> bytes:
+def read_bytes(source: str) -> bytes:
     fs, path = filesystem(source)
     with fs.open_input_stream(path) as f:
         return f.read()
@@ -131,7 +131,7 @@ def _read_safetensors(source: str) -> Tuple[Dict[str, torch.Tensor], Dict[str, s
     """(tensors, the file's metadata): read from bytes, so a URI works like a path."""
     from safetensors.torch import load
 
-    data = _read_bytes(source)
+    data = read_bytes(source)
     try:
         tensors = load(data)
         header = json.loads(data[8:8 + int.from_bytes(data[:8], "little")])  # the format's own header
@@ -164,7 +164,7 @@ def model_config_from_hf(hf: dict, where: str) -> ModelConfig:
         raise WeightsError(f"{where}: not a config.json of an HF export ({one_line(e)})") from None
 
 
-def _is_hf_folder(source: str) -> bool:
+def is_hf_folder(source: str) -> bool:
     fs, path = filesystem(source)
     infos = fs.get_file_info([f"{path.rstrip('/')}/{HF_CONFIG}", f"{path.rstrip('/')}/{HF_WEIGHTS}"])
     return all(i.type == pafs.FileType.File for i in infos)
@@ -173,7 +173,7 @@ def _is_hf_folder(source: str) -> bool:
 def _read_hf_folder(source: str) -> LoadedWeights:
     where = join(source, HF_CONFIG)
     try:
-        hf = json.loads(_read_bytes(where))
+        hf = json.loads(read_bytes(where))
     except ValueError as e:
         raise WeightsError(f"{where}: not valid JSON ({e})") from None
     if not isinstance(hf, dict):
@@ -209,7 +209,7 @@ def _read_file(source: str, assumed: Optional[ModelConfig]) -> LoadedWeights:
             return LoadedWeights(_retie(sd, mc.tie_word_embeddings), mc, None, None, recorded=True)
         sd = _retie(sd, True)  # written without the config: tied unless it holds an lm_head
     else:
-        sd = read_pth(source, _read_bytes(source))
+        sd = read_pth(source, read_bytes(source))
     return LoadedWeights(sd, assumed or infer_model_config(sd, source), None, None)
 
 
@@ -218,7 +218,7 @@ def _load(source: str, assumed: Optional[ModelConfig]) -> LoadedWeights:
     info = fs.get_file_info(path)
     if info.type == pafs.FileType.NotFound:
         raise FileNotFoundError(f"{source}: no such file or directory")
-    if info.type == pafs.FileType.Directory and _is_hf_folder(source):
+    if info.type == pafs.FileType.Directory and is_hf_folder(source):
         lw = _read_hf_folder(source)
     elif info.type == pafs.FileType.Directory:
         ck = resolve_checkpoint(source)
@@ -257,8 +257,8 @@ def apply_weights(model, lw: LoadedWeights, merge_lora: bool = True):
     sd = {k: v.float() for k, v in lw.state_dict.items()}
     has_lora = any(".lora." in k for k in sd)
     if has_lora:
-        lcfg = LoRAConfig(**lw.run_config["train"]["lora"]) if lw.run_config else LoRAConfig(
-            rank=next(v.shape[0] for k, v in sd.items() if k.endswith("lora.A.weight")))
+        recorded = (lw.run_config or {}).get("train", {}).get("lora")  # the adapters' settings, as the run recorded
+        lcfg = LoRAConfig(**recorded) if recorded else LoRAConfig(rank=adapter_rank(sd, lw.source or "weights"))
         apply_lora(model, lcfg)
     try:
         model.load_state_dict(sd, strict=True)
@@ -358,3 +358,14 @@ def set_rope_scaling(model, spec: dict):
 def model_config_json(cfg: ModelConfig) -> str:
     """What our .safetensors records under SAFETENSORS_CONFIG_KEY."""
     return json.dumps(dataclasses.asdict(cfg))
+
+
+def merge_lora_file(base: str, lora: str, out: str, preset: Optional[str] = None, alpha: Optional[float] = None) -> str:
+    """``minimind-ray merge-lora``: the base weights with a file of adapters (MiniMind's lora_*.pth) folded in, saved
+    as a MiniMind .pth at ``out``."""
+    from minimind_ray.store.pth import save_pth  # lazy: only the merge-lora verb writes one
+
+    model, _ = build_inference_model(base, preset, merge_lora=False)
+    save_pth(merge_adapters(model, read_pth(lora), alpha, f"--lora {lora}"), out)
+    return out
+

@@ -1,4 +1,5 @@
-"""Metric names in MLflow: grouped by a prefix, so the run page shows its sections in this order of interest:
+"""Metric names in MLflow: grouped by a prefix, one chart section each; in this order of interest (the run's chart
+view, tracking/ui.py, shows them so; MLflow 3.17's run page sorts them by name, docs/tracking.md):
 
     train/  loss, loss_interval, lr, grad_norm, aux_loss, epoch, and a stage's own sums (DPO margins, distillation ce/kl)
     eval/   loss, ppl, bpb (the held-out split) and eval/<task>/<metric> (benchmark tasks, minimind_ray/evals)

@@ -28,6 +28,7 @@ from urllib.parse import unquote
 
 from minimind_ray.config_checks import flatten
 from minimind_ray.tracking.config import TrackingConfig
+from minimind_ray.tracking.datasets import log_prepared_data
 from minimind_ray.fsio import redact, redact_obj, redact_text
 
 log = logging.getLogger(__name__)
@@ -225,7 +226,7 @@ def _find_run(client, experiment_id: str, run_name: str, storage_dir: str):
     return next((r for r in runs if r.data.tags.get(TAG_STORAGE) == storage_dir), None)
 
 
-def start_run(cfg, run_name: str, storage_dir: str, tags: dict) -> str:
+def start_run(cfg, run_name: str, storage_dir: str, tags: dict, prepared_dir: Optional[str] = None) -> str:
     """Create the MLflow run of a training run (``cfg``: its RunConfig), or reopen it on a driver-level resume.
 
     A Ray Train V2 run resumes when it is started again with the same name and storage path,
@@ -235,7 +236,9 @@ def start_run(cfg, run_name: str, storage_dir: str, tags: dict) -> str:
     as ``config/config.resume-<n>.yaml`` and the changed keys are logged as a warning.
 
     ``tags`` (world size, device type, ...) are (re)set either way, since a resume may run on
-    another cluster. Raises if the store cannot be reached (one request of
+    another cluster. ``prepared_dir`` (the prepared data the run reads) becomes the run's dataset input
+    (tracking/datasets.py), logged once: a resume that reads the same data adds nothing, and a failure to log it
+    is a warning, never the run's end. Raises if the store cannot be reached (one request of
     ``cfg.tracking.timeout_s``): the caller decides whether to train untracked.
     """
     from mlflow.entities import Param
@@ -266,6 +269,7 @@ def start_run(cfg, run_name: str, storage_dir: str, tags: dict) -> str:
                             ", ".join(changed))
                 client.log_text(run_id, config_yaml, f"config/config.resume-{resumes}.yaml")
             log_tags(client, run_id, all_tags)
+            log_prepared_data(client, run, prepared_dir)
             log.info("reopened MLflow run %s (%s) in experiment %r", run_id, run_name, experiment)
             return run_id
 
@@ -277,6 +281,7 @@ def start_run(cfg, run_name: str, storage_dir: str, tags: dict) -> str:
         for i in range(0, len(items), _MAX_PARAMS_PER_BATCH):
             client.log_batch(run_id, params=items[i:i + _MAX_PARAMS_PER_BATCH])
         client.log_text(run_id, config_yaml, "config/config.yaml")
+        log_prepared_data(client, run, prepared_dir)
         log.info("created MLflow run %s (%s) in experiment %r at %s", run_id, run_name, experiment, redact(uri))
         return run_id
 
@@ -290,9 +295,11 @@ def log_tags(client, run_id: str, tags: Dict[str, str]) -> None:
 
 
 def run_page_url(uri: Optional[str], run_id: str, ui: str = "http://127.0.0.1:5000", timeout_s: float = 5.0) -> Optional[str]:
-    """The run's metrics page in the MLflow UI, in its 'Model training' view (MLflow 3.17's UI starts in its GenAI view
+    """The run's page in the MLflow UI, its Overview (the data it read, its logged model with the model's loss, the
+    registered version, its metrics), in the 'Model training' view (MLflow 3.17's UI starts in its GenAI view
     whatever the experiment's kind; ``?workflowType=machine_learning`` opens the other). ``ui``: where ``make ui``
-    serves a sqlite store; an http tracking URI is its own UI. None when the run cannot be read."""
+    serves a sqlite store; an http tracking URI is its own UI. None when the run cannot be read. The run's charts
+    with the loss first are tracking/ui.py:run_charts_url."""
     if not uri:
         return None
     base = uri.rstrip("/") if uri.startswith(("http://", "https://")) else ui
@@ -301,7 +308,7 @@ def run_page_url(uri: Optional[str], run_id: str, ui: str = "http://127.0.0.1:50
             exp = mlflow_client(uri).get_run(run_id).info.experiment_id
     except Exception:  # noqa: BLE001 - a link is a convenience
         return None
-    return redact(f"{base}/#/experiments/{exp}/runs/{run_id}/model-metrics?workflowType=machine_learning")
+    return redact(f"{base}/#/experiments/{exp}/runs/{run_id}?workflowType=machine_learning")
 
 
 def set_tags(uri: str, run_id: str, tags: Dict[str, str], timeout_s: float = 10.0) -> None:

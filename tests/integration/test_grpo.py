@@ -151,6 +151,41 @@ def test_a_users_run_on_rollout_actors_crashes_resumes_and_equals_the_uninterrup
     assert all(torch.allclose(v.float(), w[k], atol=1e-2) for k, v in exported.state_dict().items())
 
 
+def test_a_reward_plug_in_that_raises_ends_the_run_after_one_attempt_in_one_line(ray_session, shared, tmp_path):
+    """Issue 47: a user's reward term that raises is the user's mistake, not a fault. As a user runs it (their module,
+    ``minimind-ray grpo`` on the running cluster): exit 2, one line naming the plug-in and its error, no traceback on
+    the console, one attempt (the controller saw one failure), and the traceback kept in the run's error.log."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from minimind_ray.raytrain.faults import worker_failures_since
+
+    (tmp_path / "my_rewards.py").write_text("def broken(prompts, completions, answers):\n    raise KeyError('gt')\n")
+    repo = Path(__file__).resolve().parents[2]
+    overrides = ["name=grpo-broken-reward", "train.max_steps=4", "checkpoint.interval=2", "train.global_batch_size=16",
+                 "train.micro_batch_size=4", f"data.cache_dir={shared['cache']}",
+                 f"checkpoint.storage_path={tmp_path / 'runs'}", f"tracking.uri={shared['mlflow']}",
+                 f"train.init_from={shared['base_pth']}", *[o for o in GRPO if not o.startswith("train.grpo.rewards=")],
+                 "train.grpo.rewards=[{name: 'my_rewards:broken'}]"]
+    env = {**os.environ, "PYTHONPATH": ".", "RAY_ADDRESS": ray_session.get_runtime_context().gcs_address}
+    cli = Path(sys.executable).with_name("minimind-ray")
+    proc = subprocess.run([str(cli), "grpo", "--config", str(repo / "pipelines/configs/tiny.yaml"), *overrides],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    run_dir = tmp_path / "runs" / "grpo-broken-reward"
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stdout + proc.stderr, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and re.fullmatch(
+        rf"error: reward plug-in my_rewards:broken: KeyError: 'gt' \(rank [01] at step 1; not retried: the same input "
+        rf"would fail again; traceback: {re.escape(str(run_dir / 'error.log'))}\)", errors[0]), errors
+    assert worker_failures_since(str(run_dir), 0) == 1  # one attempt: no restart
+    log = (run_dir / "error.log").read_text()
+    assert "Traceback (most recent call last)" in log and "raise KeyError('gt')" in log
+
+
 RLOO = ("train.stage=rloo", "data.format=prompt", "data.max_seq_len=48", "train.lr=3e-3", "train.warmup_steps=1",
         "train.log_interval=1", "train.rloo.num_generations=4", "train.rloo.max_gen_len=8", "train.rloo.beta=0.1",
         "train.rloo.rewards=[{name: exact_answer}, {name: 'tests.unit.test_grpo_rewards:double_length', weight: 0.01}]")

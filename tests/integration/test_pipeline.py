@@ -1,6 +1,6 @@
 """One job from data to a registered model (issue 23): pipelines/configs/pipeline_demo.yaml at miniature size
 (tiny preset, a few steps per stage, 1 worker), its driver SIGKILLed during its second training stage (SFT) after a
-checkpoint, then the same command run again: the finished stages are skipped, SFT resumes from its checkpoint, the
+checkpoint, then the same command run again: the finished steps are skipped, SFT resumes from its checkpoint, the
 rest runs, and MLflow holds one parent run whose children carry the lineage from the data to the registered model.
 
 The pretrain stage's data settings are those of the session's tiny_baseline, so its prepared data and the built-in
@@ -33,12 +33,12 @@ def _miniature(base: Path, cache: Path) -> Path:
                          "checkpoint.interval=4", "cluster.num_workers=1", "eval.tasks=[]", "train.eval_interval=0",
                          f"checkpoint.storage_path={base / 'runs'}", f"data.cache_dir={cache}",
                          f"tracking.uri=sqlite:///{base}/mlflow.db"]
-    stages = {s["name"]: s for s in pipe["stages"]}
-    stages["sft"]["overrides"] = [f"train.max_steps={SFT_STEPS}", "train.faults=[6:slow:0:120]"]
-    stages["grpo"]["overrides"] = ["train.max_steps=2", "train.grpo.num_generations=4", "checkpoint.interval=2"]
-    for t in stages["eval"]["tasks"]:
+    steps = {s["name"]: s for s in pipe["steps"]}
+    steps["sft"]["overrides"] = [f"train.max_steps={SFT_STEPS}", "train.faults=[6:slow:0:120]"]
+    steps["grpo"]["overrides"] = ["train.max_steps=2", "train.grpo.num_generations=4", "checkpoint.interval=2"]
+    for t in steps["eval"]["tasks"]:
         t["limit"] = 40
-    stages["register"]["registered_model"] = "minimind-mini-demo"
+    steps["register"]["registered_model"] = "minimind-mini-demo"
     path = base / "pipeline.yaml"
     path.write_text(yaml.safe_dump(pipe, sort_keys=False))
     return path
@@ -70,10 +70,10 @@ def test_the_demo_pipeline_resumes_after_its_driver_is_killed_and_records_its_li
     second = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     out = second.stdout + second.stderr
     assert second.returncode == 0, out[-5000:]
-    assert "stage prepare: finished before, skipped" in out and "stage pretrain: finished before, skipped" in out
+    assert "step prepare: finished before, skipped" in out and "step pretrain: finished before, skipped" in out
     assert f"resuming run mini-demo-sft from step 4 of {SFT_STEPS}" in out
 
-    state = json.loads((tmp_path / "runs" / "mini-demo" / "pipeline.json").read_text())["stages"]
+    state = json.loads((tmp_path / "runs" / "mini-demo" / "pipeline.json").read_text())["steps"]
     assert list(state) == ["prepare", "pretrain", "sft", "grpo", "eval", "register"]
 
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")

@@ -4,7 +4,7 @@ MiniMind's tokenizer fetched by name (through the test mirror), to step 2, with 
 
 The chain is the user's (pretrain through Ray Train, the later stages on the in-process engine each worker
 runs): pretrain -> its exported ``pretrain_512.pth`` starts SFT -> SFT's
-``full_sft_512.pth`` starts LoRA, DPO, SimPO and distillation (whose teacher, ``full_sft_768.pth``, is a
+``full_sft_512.pth`` starts LoRA, DPO, SimPO, KTO and distillation (whose teacher, ``full_sft_768.pth``, is a
 freshly initialised 104M minimind2 here). Sequences are cut to 64 tokens so a 26M step costs seconds.
 
 The minimind-3 recipes (MiniMind @ d65ef2c) chain the same way under MiniMind's current file names, with the
@@ -52,6 +52,9 @@ def _write_minimind_data(d: Path) -> None:
     dpo = [{"chosen": _conversation(i, "A short, correct answer."), "rejected": _conversation(i, "No.")}
            for i in range(16)]
     (d / "dpo.jsonl").write_text("".join(json.dumps(r) + "\n" for r in dpo))
+    # KTO's data as kto_26m.yaml says to make it from dpo.jsonl: each chosen conversation desirable, each rejected not
+    (d / "kto.jsonl").write_text("".join(json.dumps({"conversations": r[k], "label": k == "chosen"}) + "\n"
+                                         for r in dpo for k in ("chosen", "rejected")))
 
 
 CPU = ["cluster.use_gpu=false", "cluster.num_workers=1", "cluster.cpus_per_worker=1", "train.max_steps=2",
@@ -96,8 +99,10 @@ def test_every_26m_recipe_runs_from_a_user_directory(ray_session, workdir, monke
     save_pth(build_model(ModelConfig(**preset_values("minimind2")), seed=3), str(workdir / "out" / "full_sft_768.pth"))
 
     for recipe, export_as in (("lora_26m", "lora_512.pth"), ("dpo_26m", "dpo_512.pth"),
-                              ("simpo_26m", "simpo_512.pth"), ("distill_26m", "full_dist_512.pth")):
-        cfg, state, pth = _train_in_process(workdir, recipe, "data.eval_fraction=0", "train.global_batch_size=2")
+                              ("simpo_26m", "simpo_512.pth"), ("kto_26m", "kto_512.pth"),
+                              ("distill_26m", "full_dist_512.pth")):
+        rows = ["train.micro_batch_size=2"] if recipe == "kto_26m" else []  # KTO's KL pairs: 2 rows a micro-batch
+        cfg, state, pth = _train_in_process(workdir, recipe, "data.eval_fraction=0", "train.global_batch_size=2", *rows)
         assert state.step == 2 and cfg.model.preset == "minimind2-small" and pth.name == export_as, recipe
         if recipe == "lora_26m":  # MiniMind's LoRA file: the adapters alone
             assert read_pth(str(pth)) and all(".lora." in k for k in read_pth(str(pth)))
@@ -178,7 +183,7 @@ def _train_in_process(workdir: Path, recipe: str, *extra):
         random.setstate(py_rng)
     # as the driver's export names it: a LoRA run's adapters are MiniMind's lora_<hidden>.pth
     prefix = "lora" if cfg.train.stage == "lora" else get_stage(cfg.train.stage).export_prefix
-    return cfg, state, Path(export_minimind_pth(state.model, workdir / "export" / recipe, stage=prefix))
+    return cfg, state, Path(export_minimind_pth(state.model, workdir / "export" / recipe, prefix=prefix))
 
 
 # MiniMind's trainer defaults at d65ef2c (trainer/train_*.py argparse): epochs, batch_size (per GPU),

@@ -73,6 +73,10 @@ def test_the_same_command_resumes_after_the_driver_is_killed(ray_session, tiny_b
     assert any(line.startswith("[minimind-ray] Ray's own logs: ") for line in console), console
     internal = [line for line in console if RAY_INTERNAL.search(line)]
     assert not internal, internal
+    # piped (issue 47): the workers' own lines as they wrote them, no "(RayTrainWorker pid=...)" prefix, no colour codes
+    assert any(line.startswith("[minimind-ray] world 2 on ") for line in console), console
+    prefixed = [line for line in console if "\x1b[" in line or re.match(r"\(\w+ pid=\d+", line)]
+    assert not prefixed, prefixed
 
     ckpts = {s: p for s, p in checkpoints_in(run_dir)}
     w = torch.load(Path(ckpts[STEPS]) / MODEL, weights_only=True)

@@ -33,8 +33,8 @@ import openai
 import pytest
 import torch
 
-from tests.skip_budget import missing
 
+from .browser import chromium
 from .helpers import new_shared, run_tiny
 from .serve_fuzz import chat_body, completion_body, raw_bodies
 
@@ -242,11 +242,22 @@ def chat(client, messages, **kw):
     return client.chat.completions.create(model="tiny-sft", messages=messages, **kw)
 
 
-def test_models_and_health(served):
+def test_models_and_health(served, trained):
     models = served["client"].models.list().data
     assert [m.id for m in models] == ["tiny-sft"]
     h = health(served["base"])
     assert h["status"] == "ok" and h["model"] == "tiny-sft" and h["engine"]["running"] == 0
+    # issue 47: the context the run trained at (data.max_seq_len: 64) beside the one served (--context)
+    with urllib.request.urlopen(served["base"] + "/v1/models", timeout=30) as r:
+        entry = json.loads(r.read())["data"][0]
+    assert (entry["context_length"], entry["trained_context_length"]) == (CONTEXT, 64)
+    # what `minimind-ray serve` prints once the app is up: the replica's own account, through Serve's handle
+    from minimind_ray.serve.launch import served_info, startup_line
+
+    info = served_info("serve-run")
+    assert info == {"model": "tiny-sft", "weights": trained.run_dir, "context_length": CONTEXT,
+                    "trained_context_length": 64}
+    assert startup_line(info) == f"serving tiny-sft ({trained.run_dir}): context {CONTEXT} tokens, trained at 64"
 
 
 def test_greedy_replies_equal_generate_streamed_or_not(served, reference):
@@ -781,23 +792,8 @@ def test_exactly_max_batch_plus_max_queued_concurrent_streams_get_200_and_one_mo
 
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory):
-    chromium, driver_bin = shutil.which("chromium"), shutil.which("chromedriver")
-    if not chromium or not driver_bin:
-        missing("Debian's chromium and chromium-driver are not installed (.ci/run installs them)")
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = chromium
-    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 "--window-size=1366,860", f"--user-data-dir={tmp_path_factory.mktemp('chromium')}"):
-        opts.add_argument(flag)
-    driver = webdriver.Chrome(service=Service(driver_bin), options=opts)
-    try:
+    with chromium(tmp_path_factory.mktemp("chromium")) as driver:
         yield driver
-    finally:
-        driver.quit()
 
 
 def test_the_chat_page_streams_the_greedy_reply_over_two_turns(served, browser, tmp_path):
@@ -808,6 +804,7 @@ def test_the_chat_page_streams_the_greedy_reply_over_two_turns(served, browser, 
     wait = WebDriverWait(browser, 120)
     browser.get(served["base"] + "/")
     wait.until(lambda d: "tiny-sft" in d.find_element(By.ID, "model").text)
+    assert browser.find_element(By.ID, "model").text == f"tiny-sft · context {CONTEXT} tokens, trained at 64"
     for field, value in (("temperature", "0"), ("max-tokens", "24")):
         box = browser.find_element(By.ID, field)
         box.clear()

@@ -3,6 +3,7 @@
 tokenizer), a run's relative tokenizer pinned by the driver, and the one-line refusals before Ray starts."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -93,3 +94,34 @@ def test_a_runs_relative_tokenizer_is_pinned_to_an_absolute_folder_in_the_driver
     assert pin_tokenizer("runs/r", None) == str(tmp_path / "tok")
     assert pin_tokenizer("runs/r", "tok") == str(tmp_path / "tok")  # a relative --tokenizer too
     assert pin_tokenizer("runs/r", "minimind3") == "minimind3"  # a name means the same everywhere
+
+
+def test_a_latest_link_serves_under_its_runs_name_with_the_context_it_trained_at(tmp_path, tok_dir, monkeypatch):
+    """Issue 47: `serve runs/sft-latest` names the model after the run the link points to, not `sft-latest`, and
+    says the context the run trained at (data.max_seq_len) beside the one the RoPE table reaches."""
+    from minimind_ray.config import load_config, to_dict
+    from minimind_ray.engine.state import RNGState
+    from minimind_ray.serve.model_io import default_name
+    from minimind_ray.store import checkpoint as ckpt_io
+
+    cfg = load_config(str(REPO / "pipelines" / "configs" / "tiny.yaml"), [f"data.tokenizer={tok_dir}"])
+    model = build_model(cfg.model, seed=5)
+    run = tmp_path / "runs" / "sft-20261204-0a1b2c"
+    ck = run / "checkpoint_000001"
+    ckpt_io.write_rank_files(ck, 0, RNGState().state_dict())
+    ckpt_io.write_shared_files(ck, model_state=model.state_dict(), train_state={},
+                               meta=ckpt_io.CheckpointMeta(step=1, epoch=0, data_state={}, world_size=1, stage="sft",
+                                                           total_steps=1, config=to_dict(cfg), prepared_dir=None))
+    link = ckpt_io.mark_latest(str(run), "sft")
+    assert link == str(tmp_path / "runs" / "sft-latest")
+    monkeypatch.chdir(tmp_path)
+    for source in (link, "runs/sft-latest/", os.path.abspath(link)):
+        assert default_name(source) == "sft-20261204-0a1b2c", source
+    served = load_served_model(link)
+    assert served.name == "sft-20261204-0a1b2c"
+    assert (served.context, served.trained_context) == (cfg.model.max_position_embeddings, cfg.data.max_seq_len)
+    assert served.trained_context == 64 < served.context
+    from minimind_ray.export import export_hf
+
+    hf = load_served_model(export_hf(model, tok_dir, tmp_path / "hf", dtype=torch.float32))
+    assert hf.trained_context is None and hf.context == cfg.model.max_position_embeddings  # an HF folder: unknown

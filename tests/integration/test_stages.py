@@ -1,4 +1,4 @@
-"""SFT, LoRA, DPO and distillation on the same loop, tiny preset.
+"""SFT, LoRA, DPO, distillation, SimPO and KTO on the same loop, tiny preset.
 
 LoRA runs on real Ray (2 gloo workers: DDP over a model whose base is frozen), then exported and merged. Every
 stage, LoRA included, also runs on one in-process engine, the code each Ray Train worker runs, stopped after step 4
@@ -19,7 +19,8 @@ import torch
 from minimind_ray.config import load_config
 from minimind_ray.model.minimind import build_model
 
-from .helpers import final_weights, new_shared_with_base_weights, run_tiny, sample_record
+from .helpers import final_weights, loss_history, new_shared_with_base_weights, run_tiny, sample_record
+from .test_training import LOSS_ATOL_ACROSS_WORLD_SIZES, WEIGHT_ATOL_ACROSS_WORLD_SIZES
 
 pytestmark = pytest.mark.integration
 
@@ -261,3 +262,72 @@ def test_simpo_trains_on_two_workers_and_exports_as_its_own_stage(ray_session, s
     w = torch.load(exported, weights_only=True)
     base = torch.load(shared["base_pth"], weights_only=True)
     assert set(w) == set(base) and any(not torch.equal(w[k].float(), base[k]) for k in base)
+
+
+
+def _judged_replies(d: Path) -> Path:
+    """The 64 hand-made pairs unpaired into KTO's format, as TRL unpairs them: each right sum a desirable reply,
+    each refusal an undesirable one."""
+    d.mkdir(exist_ok=True)
+    records = [{"conversations": p[side], "label": side == "chosen"}
+               for p in map(json.loads, _preference_pairs(d).read_text().splitlines()) for side in ("chosen", "rejected")]
+    f = d / "judged.jsonl"
+    f.write_text("\n".join(json.dumps(r, ensure_ascii=False) for r in records) + "\n")
+    return f
+
+
+KTO = ("train.stage=kto", "data.format=kto", "train.lr=3e-3", "train.kto.beta=0.5")
+
+
+@pytest.fixture(scope="module")
+def kto_in_process(ray_session, shared, tmp_path_factory):
+    """KTO on one in-process engine (global batch 8 = 2 micro-batches of 4), straight and stopped at step 4 then
+    restored: (the data file, the checkpoint of step 4, what run_in_process returns)."""
+    d = tmp_path_factory.mktemp("kto")
+    f = _judged_replies(d)
+    return f, d / "ck", run_in_process(shared, d, *KTO, f"data.train_path=[{f}]")
+
+
+def test_kto_learns_the_labels_and_resumes_bit_for_bit(kto_in_process):
+    """KTO (stages/kto.py, data/formats/kto.py: added by their modules and one line in each registry) on the
+    in-process engine, straight and stopped at step 4 then restored: the same weights, losses and KL points, bit for
+    bit (the restored engine rebuilt the same frozen reference). The judged replies move to their label's side of
+    the KL point, which leaves 0 once the policy leaves the reference; the checkpoint holds the policy only."""
+    from minimind_ray.store.checkpoint import open_checkpoint
+
+    _, ck, (straight, seen, resumed, halves) = kto_in_process
+    assert _same_weights(straight, resumed) and halves.series("loss") == seen.series("loss")
+    assert halves.series("kl") == seen.series("kl")
+    kl, acc, signed = seen.series("kl"), seen.series("reward_accuracy"), seen.series("signed_reward")
+    assert [s for s, _ in kl] == list(range(1, STEPS + 1))
+    assert kl[0][1] == 0.0 and any(v > 0 for _, v in kl), kl  # policy == reference at step 1
+    assert signed[-1][1] > signed[0][1] + 0.5 and acc[-1][1] >= 0.9, (signed, acc)
+    w = open_checkpoint(ck).model_state()
+    assert set(w) == set(build_model(load_config("pipelines/configs/tiny.yaml").model).state_dict())
+
+
+def test_kto_on_two_workers_takes_the_steps_of_one_and_exports_as_its_own_stage(ray_session, shared, kto_in_process):
+    """The `kto` verb's run on Ray Train, 2 gloo workers of one micro-batch each, against the in-process engine's 1
+    worker of two: the KL point of each step is the global batch's (all-reduced before any loss), so every step's loss
+    and KL point and the final weights match to the cross-world-size tolerances (test_training.py); each step trains
+    the same 8 replies, and the model is exported as kto_<hidden>.pth."""
+    f, _, (straight, seen, _, _) = kto_in_process
+    res = run_stage(shared, "kto", *KTO, f"data.train_path=[{f}]", "train.global_batch_size=8",
+                    "train.micro_batch_size=4", "train.log_interval=1")
+    per_step, attempts = sample_record(shared, "kto")
+    assert attempts == {0} and sorted(per_step) == list(range(1, STEPS + 1))
+    assert all(len(ids) == 8 for ids in per_step.values())
+    for key in ("loss", "kl"):
+        two = loss_history(shared, res.mlflow_run_id, f"train/{key}")
+        assert [s for s, _ in two] == [s for s, _ in seen.series(key)], key
+        for (s, a), (_, b) in zip(two, seen.series(key)):
+            assert abs(a - b) <= LOSS_ATOL_ACROSS_WORLD_SIZES, f"{key} at step {s}: {a} on 2 workers, {b} on 1"
+    assert any(v > 0 for _, v in seen.series("kl"))  # so the comparison above covers the all-reduced point
+    w, one = final_weights(res), straight.model.state_dict()
+    for k in one:
+        torch.testing.assert_close(w[k], one[k], atol=WEIGHT_ATOL_ACROSS_WORLD_SIZES, rtol=0)
+    exported = Path(res.exports["pth"])
+    assert exported.name == "kto_64.pth", res.exports
+    base = torch.load(shared["base_pth"], weights_only=True)
+    e = torch.load(exported, weights_only=True)
+    assert set(e) == set(base) and any(not torch.equal(e[k].float(), base[k]) for k in base)

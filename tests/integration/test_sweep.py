@@ -53,7 +53,7 @@ def test_asha_stops_weak_trials_and_the_sweep_resumes_after_its_driver_is_killed
     from minimind_ray.config import load_config
 
     ray_dir = tempfile.mkdtemp(prefix="mmrs", dir="/tmp")  # short: Ray's unix sockets live under it
-    # (the driver's local Ray gives the dashboard's modules 120 s to start and the dashboard 200 s: driver.connect_ray)
+    # (the driver's local Ray gives the dashboard's modules 120 s to start and the dashboard 200 s: session.connect_ray)
     env = {**os.environ, "RAY_TMPDIR": ray_dir}
     env.pop("RAY_ADDRESS", None)
     cmd = [sys.executable, "-m", "pipelines.sweep", "--config", "pipelines/configs/sweep_tiny.yaml",

@@ -8,9 +8,11 @@ No Ray: the worker side is exercised in-process. About 40 s, most of it two serv
 """
 from __future__ import annotations
 
+import json
 import statistics
 import time
 import uuid
+from pathlib import Path
 
 import mlflow
 import pytest
@@ -114,15 +116,15 @@ def test_worker_restart_logs_each_step_once(mlflow_server, tmp_path):
     assert len(_history(mlflow_server, run_id, "lr")) == 10
 
 
-def test_final_artifacts_registry_and_failed_run(mlflow_server, tmp_path):
+def test_final_artifacts_registry_and_failed_run(mlflow_server, tmp_path, monkeypatch):
     uri = mlflow_server.uri
     run_id = start_run(_cfg(uri), f"run-{_uid()}", str(tmp_path), TAGS)
     logger = RunLogger(uri, run_id, timeout_s=5)
     for step in range(1, 21):
-        logger.log_metrics({"loss": 8.0 / step}, step)
+        logger.log_metrics({"train/loss": 8.0 / step, "perf/tokens_per_s": 100.0}, step)  # the names the worker logs
         if step % 10 == 0:
-            logger.log_metrics({"eval_loss": 9.0 / step}, step)
-    assert logger.close(timeout_s=20)["metrics_logged"] == 22
+            logger.log_metrics({"eval/loss": 9.0 / step}, step)
+    assert logger.close(timeout_s=20)["metrics_logged"] == 42
 
     (tmp_path / "model.pth").write_bytes(b"\0" * 1024)
     (tmp_path / "model.safetensors").write_bytes(b"\0" * 1024)
@@ -135,19 +137,42 @@ def test_final_artifacts_registry_and_failed_run(mlflow_server, tmp_path):
     kw = dict(pth_path=str(tmp_path / "model.pth"), safetensors_path=str(tmp_path / "model.safetensors"),
               tokenizer_dir=str(tok), manifest_path=str(tmp_path / "manifest.json"), registered_model=model_name)
     out = log_final_artifacts(uri, run_id, **kw)
-    assert out == {"model_version": "1", "errors": []}
-    assert log_final_artifacts(uri, run_id, **kw)["model_version"] == "1"  # a second call reuses it
+    model_id = out["model_id"]
+    assert out == {"model_version": "1", "model_id": model_id, "errors": []} and model_id.startswith("m-")
+    again = log_final_artifacts(uri, run_id, **kw)  # a second call reuses the model and its version
+    assert (again["model_version"], again["model_id"]) == ("1", model_id)
 
-    assert {"config", "model", "tokenizer", "data", "plots"} <= set(_artifacts(mlflow_server, run_id))
-    assert set(_artifacts(mlflow_server, run_id, "model")) == {"model/model.pth", "model/model.safetensors"}
+    # the weights are the run's logged model, stored once: not in the run's own artifacts, but what runs:/<run>/model
+    # resolves to (MLflow finds a run's logged model through the process's tracking URI: `mlflow artifacts download`
+    # with MLFLOW_TRACKING_URI set, as docs/tracking.md says; serve reads its location itself)
+    assert {"config", "tokenizer", "data", "plots"} <= set(_artifacts(mlflow_server, run_id))
+    assert "model" not in _artifacts(mlflow_server, run_id)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    got = Path(mlflow.artifacts.download_artifacts(f"runs:/{run_id}/model", dst_path=str(tmp_path / "dl"),
+                                                   tracking_uri=uri))
+    assert sorted(p.name for p in got.iterdir()) == ["model.pth", "model.safetensors"]
+    model = _api(mlflow_server, "GET", f"logged-models/{model_id}")["model"]
+    assert (model["info"]["name"], model["info"]["source_run_id"], model["info"]["status"]) == (
+        "model", run_id, "LOGGED_MODEL_READY")
+    # the model's metrics: the run's last loss points, linked (the run's history keeps each point once)
+    assert {(m["key"], m["step"], m["value"]) for m in model["data"]["metrics"]} == {("train/loss", 20, 0.4),
+                                                                                     ("eval/loss", 20, 0.45)}
+    run = _api(mlflow_server, "GET", "runs/get", params={"run_id": run_id})["run"]
+    assert run["outputs"]["model_outputs"] == [{"model_id": model_id, "step": 20}]
+    assert len(_history(mlflow_server, run_id, "train/loss")) == 20
+
+    assert {"config/config.yaml"} <= set(_artifacts(mlflow_server, run_id, "config"))
     assert set(_artifacts(mlflow_server, run_id, "tokenizer")) == {"tokenizer/tokenizer.json",
                                                                    "tokenizer/tokenizer_config.json"}
     assert int(_artifacts(mlflow_server, run_id, "plots")["plots/loss.png"]["file_size"]) > 1000
     _api(mlflow_server, "GET", "registered-models/get", params={"name": model_name})
     versions = _api(mlflow_server, "GET", "model-versions/search",
                     params={"filter": f"name='{model_name}'"})["model_versions"]
-    assert [(v["version"], v["run_id"]) for v in versions] == [("1", run_id)]
-    assert versions[0]["source"].endswith(f"/{run_id}/artifacts/model")
+    # the version is the logged model's: its files are the version's source, and the model lists the version
+    assert [(v["version"], v["run_id"], v["source"]) for v in versions] == [("1", run_id, model["info"]["artifact_uri"])]
+    assert model["info"]["artifact_uri"].endswith(f"/models/{model_id}/artifacts")
+    tags = {t["key"]: t["value"] for t in _api(mlflow_server, "GET", f"logged-models/{model_id}")["model"]["info"]["tags"]}
+    assert [(e["name"], str(e["version"])) for e in json.loads(tags["mlflow.modelVersions"])] == [(model_name, "1")]
 
     error = "Traceback (most recent call last):\n" + "x" * 6000 + "\nValueError: boom at step 7"
     finish_run(uri, run_id, "FAILED", error=error)
@@ -178,7 +203,7 @@ def test_embedded_default_store(tmp_path, monkeypatch):
     (worker_cwd / "model.pth").write_bytes(b"\0" * 64)
     out = log_final_artifacts(uri, run_id, pth_path=str(worker_cwd / "model.pth"), safetensors_path=None,
                               tokenizer_dir=None, manifest_path=None, registered_model="minimind-pretrain")
-    assert out == {"model_version": "1", "errors": []}
+    assert out == {"model_version": "1", "model_id": out["model_id"], "errors": []}
     finish_run(uri, run_id, "FINISHED")
 
     client = mlflow.MlflowClient(uri)
@@ -186,10 +211,16 @@ def test_embedded_default_store(tmp_path, monkeypatch):
     assert run.info.status == "FINISHED" and run.info.run_name == "embedded"
     assert client.get_experiment(run.info.experiment_id).name == "minimind-pretrain"
     arts = tmp_path / "mlartifacts" / run_id / "artifacts"
-    for f in ("config/config.yaml", "model/model.pth", "plots/loss.png"):
+    for f in ("config/config.yaml", "plots/loss.png"):
         assert (arts / f).is_file(), f
+    # the weights: the run's logged model, beside the runs in the same mlartifacts directory; its version points there
+    model = client.get_logged_model(out["model_id"])
+    assert model.artifact_location == (tmp_path / "mlartifacts" / "models" / out["model_id"] / "artifacts").as_uri()
+    assert (tmp_path / "mlartifacts" / "models" / out["model_id"] / "artifacts" / "model.pth").is_file()
     assert sorted(p.name for p in worker_cwd.iterdir()) == ["model.pth"]  # nothing landed here
-    assert client.get_model_version("minimind-pretrain", "1").run_id == run_id
+    version = client.get_model_version("minimind-pretrain", "1")
+    assert (version.run_id, version.source) == (run_id, model.artifact_location)
+    assert json.loads(model.tags["mlflow.modelVersions"]) == [{"name": "minimind-pretrain", "version": "1"}]
 
 
 def test_server_down_costs_training_nothing(mlflow_server, tmp_path):
@@ -237,3 +268,64 @@ def test_server_down_costs_training_nothing(mlflow_server, tmp_path):
     summary = survivor.close(timeout_s=30)
     assert (summary["metrics_logged"], summary["metrics_dropped"]) == (203, 0), summary
     assert sorted(m["step"] for m in _history(mlflow_server, run_id, "loss")) == list(range(1, 204))
+
+
+def _manifest(records: int, tokens: int) -> dict:
+    return {"version": 1, "format": "pretrain", "max_seq_len": 128, "pack": True, "tokenizer_hash": "abc",
+            "vocab_size": 6400, "counts": {"records": records, "tokens": tokens, "sequences": 99},
+            "skipped": {"bad_json": {"count": 2, "samples": ["a.jsonl:3"]}},
+            "shards": [{"file": "part-00000.parquet", "index": 0, "rows": 99, "bytes": 10}]}
+
+
+def _inputs(server, run_id: str) -> list:
+    run = _api(server, "GET", "runs/get", params={"run_id": run_id})["run"]
+    return run.get("inputs", {}).get("dataset_inputs", [])
+
+
+def test_the_prepared_data_is_the_runs_dataset_input_once(mlflow_server, tmp_path, monkeypatch):
+    """start_run(prepared_dir=...) logs the prepared data as the run's dataset input: named after the directory,
+    its source the directory (redacted), its digest the manifest's, its counts in the profile and the tags. A resume
+    adds nothing; a cache_dir on s3:// (a real S3-protocol server) gives an s3 source without its credentials; a
+    prepared directory whose manifest cannot be read costs the run nothing."""
+    import hashlib
+
+    from moto.server import ThreadedMotoServer
+
+    prepared = tmp_path / "cache" / "pretrain-0123abcd"
+    prepared.mkdir(parents=True)
+    (prepared / "manifest.json").write_text(json.dumps(_manifest(1234, 56789)))
+    cfg, name = _cfg(mlflow_server.uri), f"run-{_uid()}"
+    first = start_run(cfg, name, str(tmp_path / "runs"), TAGS, prepared_dir=str(prepared))
+    assert start_run(cfg, name, str(tmp_path / "runs"), TAGS, prepared_dir=str(prepared)) == first  # a resume
+    [item] = _inputs(mlflow_server, first)
+    ds = item["dataset"]
+    assert (ds["name"], ds["source_type"], json.loads(ds["source"])) == ("pretrain-0123abcd", "local",
+                                                                         {"uri": str(prepared)})
+    assert ds["digest"] == hashlib.sha256((prepared / "manifest.json").read_bytes()).hexdigest()[:12]
+    profile = json.loads(ds["profile"])
+    assert (profile["records"], profile["tokens"], profile["skipped_records"], profile["shards"]) == (1234, 56789, 2, 1)
+    assert {t["key"]: t["value"] for t in item["tags"]} == {"mlflow.data.context": "train", "records": "1,234",
+                                                            "tokens": "56,789"}
+
+    s3 = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    s3.start()
+    try:
+        host, port = s3.get_host_and_port()
+        for k, v in {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_DEFAULT_REGION": "us-east-1",
+                     "AWS_ACCESS_KEY_ID": "unused", "AWS_SECRET_ACCESS_KEY": "unused"}.items():
+            monkeypatch.setenv(k, v)
+        requests.put(f"http://{host}:{port}/bkt", timeout=10).raise_for_status()
+        requests.put(f"http://{host}:{port}/bkt/cache/pretrain-s3/manifest.json", data=json.dumps(_manifest(7, 70)),
+                     timeout=10).raise_for_status()
+        on_s3 = start_run(_cfg(mlflow_server.uri), f"run-{_uid()}", str(tmp_path / "runs"), TAGS,
+                          prepared_dir="s3://AKIDEXAMPLE:s3cr3t@bkt/cache/pretrain-s3")
+    finally:
+        s3.stop()
+    [item] = _inputs(mlflow_server, on_s3)
+    assert (item["dataset"]["name"], item["dataset"]["source_type"], json.loads(item["dataset"]["source"])) == (
+        "pretrain-s3", "s3", {"uri": "s3://***@bkt/cache/pretrain-s3"})
+    assert json.loads(item["dataset"]["profile"])["tokens"] == 70 and "s3cr3t" not in json.dumps(item)
+
+    unreadable = start_run(_cfg(mlflow_server.uri), f"run-{_uid()}", str(tmp_path / "runs"), TAGS,
+                           prepared_dir=str(tmp_path / "nothing-here"))
+    assert _inputs(mlflow_server, unreadable) == []

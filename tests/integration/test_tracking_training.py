@@ -5,10 +5,13 @@ import json
 import re
 import threading
 import time
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
 import pytest
+
+import torch
 
 from .helpers import STEPS, new_shared, run_tiny, sample_record
 
@@ -76,11 +79,25 @@ def test_one_run_with_params_metrics_artifacts_and_a_registered_version(ray_sess
         return {f["path"] for f in rest(uri, q).get("files", [])}
 
     top = listing()
-    assert {"model", "config", "plots", "tokenizer"} <= top
-    assert any(p.endswith(".pth") for p in listing("model")) and "model/model.safetensors" in listing("model")
+    assert {"config", "plots", "tokenizer", "checkpoints"} <= top
     assert "plots/loss.png" in listing("plots")
+    # the weights are the run's logged model (its output), and the registered version is that model's files
+    outputs = rest(uri, f"/api/2.0/mlflow/runs/get?run_id={res.mlflow_run_id}")["run"]["outputs"]["model_outputs"]
+    model = rest(uri, f"/api/2.0/mlflow/logged-models/{outputs[0]['model_id']}")["model"]
+    assert (model["info"]["name"], model["info"]["source_run_id"]) == ("model", res.mlflow_run_id)
     versions = rest(uri, "/api/2.0/mlflow/model-versions/search?filter=name%3D%27tiny-tracked%27")["model_versions"]
     assert versions and versions[0]["run_id"] == res.mlflow_run_id
+    assert versions[0]["source"] == model["info"]["artifact_uri"]
+    files = rest(uri, "/api/2.0/mlflow-artifacts/artifacts?path=" + urllib.parse.quote(
+        model["info"]["artifact_uri"].split("mlflow-artifacts:/", 1)[1]))["files"]
+    assert any(f["path"].endswith(".pth") for f in files) and "model.safetensors" in {f["path"] for f in files}
+    # what serve loads from the registry (and by run id) is the run's final model, read from this server alone
+    from minimind_ray.serve.model_io import load_served_model
+
+    want = load_served_model(res.run_dir).model.state_dict()  # the run directory's own final weights
+    for source in (f"models:/tiny-tracked/{versions[0]['version']}", f"runs:/{res.mlflow_run_id}/model"):
+        got = load_served_model(source, tracking_uri=uri).model.state_dict()
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got), source
     with urllib.request.urlopen(f"{uri}/get-artifact?path=config/config.yaml&run_uuid={res.mlflow_run_id}",
                                 timeout=10) as r:
         config_yaml = r.read().decode()

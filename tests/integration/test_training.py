@@ -163,6 +163,26 @@ def test_rollout_actors_the_cluster_cannot_place_fail_fast_naming_the_field(ray_
         check_resources(grpo("train.grpo.rollout_actors=3"), use_gpu=False)
 
 
+def test_an_error_that_recurs_the_same_way_ends_the_run_after_two_attempts(ray_session, shared):
+    """Issue 47: an exception that is neither a fault nor the user's input (a bug) is retried once; when the next
+    attempt fails the same way (type, message, step) the run ends, in one line, its traceback in error.log. The 'bug'
+    entry raises at step 3 on every attempt: the first attempt checkpoints step 2, the second restores it and fails at
+    step 3 again."""
+    from minimind_ray.failures import ERROR, RunStopped
+    from minimind_ray.raytrain.faults import worker_failures_since
+
+    with pytest.raises(RunStopped) as stop:
+        run_tiny(shared, "recurring-bug", "train.faults=[3:bug:1]", steps=4, ckpt_every=2)
+    run_dir = shared["base"] / "runs" / "recurring-bug"
+    v = stop.value.verdict
+    assert (v.kind, v.rank, v.signature[2]) == (ERROR, 1, 3)
+    assert str(stop.value) == (f"rank 1 failed the same way twice at step 3: RuntimeError: simulated bug at step 3: the "
+                               f"'bug' entry of the fault schedule, raised on every attempt (not retried again; "
+                               f"traceback: {run_dir / 'error.log'})")
+    assert worker_failures_since(str(run_dir), 0) == 2
+    assert "in before_step" in (run_dir / "error.log").read_text()
+
+
 def chaos_story(run_dir) -> str:
     """A chaos run's markers in time order: each fault fired, each rank's failure (its step and innermost frames:
     raytrain/faults.py:FaultInjector.record_failure) and each failure the controller detected."""

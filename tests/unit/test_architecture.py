@@ -99,18 +99,20 @@ def test_no_module_over_450_lines():
     assert not long, f"modules over {MAX_LINES} lines: {long}"
 
 
-def _stage_registry_edges():
-    """stages/__init__.py imports its stage modules by name (STAGE_MODULES): edges the AST cannot see."""
-    tree = ast.parse((PKG / "stages" / "__init__.py").read_text())
-    names = next(ast.literal_eval(n.value) for n in tree.body
-                 if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "STAGE_MODULES")
-    return {f"minimind_ray.stages.{n}" for n in names}
+def _registry_edges(package: str, names: str):
+    """A registry's ``__init__.py`` imports its modules by name (stages/: STAGE_MODULES, data/formats/:
+    FORMAT_MODULES): edges the AST cannot see."""
+    tree = ast.parse((PKG.joinpath(*package.split(".")) / "__init__.py").read_text())
+    modules = next(ast.literal_eval(n.value) for n in tree.body
+                   if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == names)
+    return {f"minimind_ray.{package}.{n}" for n in modules}
 
 
 def _room_graph():
     """room -> {(imported room, importing module)}, every import counted (inside functions too)."""
     _, internal, _ = _graph()
-    internal["minimind_ray.stages"] |= _stage_registry_edges()
+    internal["minimind_ray.stages"] |= _registry_edges("stages", "STAGE_MODULES")
+    internal["minimind_ray.data.formats"] |= _registry_edges("data.formats", "FORMAT_MODULES")
     rooms = defaultdict(set)
     for mod, targets in internal.items():
         for t in targets:
@@ -182,6 +184,16 @@ def test_no_stage_name_is_compared_outside_the_stages_room():
              for i, line in enumerate(p.read_text().splitlines(), 1)
              if pattern.search(line) and "lifecycle_stage" not in line]
     assert not found, "stage switches outside minimind_ray/stages/:\n" + "\n".join(found)
+
+
+def test_no_format_name_is_compared_outside_the_formats_package():
+    """What differs between record formats is asked of their records (data/formats/base.py:Format), not switched on
+    by name: a format is its module and one line of data/formats/__init__.py."""
+    pattern = re.compile(r"\b(format|fmt)\s*(==|!=|(not\s+)?in\s*[\(\[{])")
+    found = [f"{p.relative_to(REPO)}:{i}: {line.strip()}"
+             for root in (PKG, REPO / "pipelines") for p in root.rglob("*.py") if "formats" not in p.parent.parts
+             for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    assert not found, "format switches outside minimind_ray/data/formats/:\n" + "\n".join(found)
 
 
 def test_no_private_name_is_imported_from_another_module():

@@ -102,3 +102,33 @@ def test_item16_the_projects_exports_load_back_in_its_own_verbs(capsys, weights,
         assert main(["generate", "--weights", str(source), *extra, *gen]) == 0
         texts.append(capsys.readouterr().out)
     assert texts[0] == texts[1] == texts[2] and texts[0].strip()  # the same fp16 weights: the same greedy text
+
+
+def test_generate_and_chat_take_the_weights_positionally_or_as_the_flag_but_once(capsys, weights):
+    """Issue 47: `generate RUN` / `chat RUN` as `eval`, `serve` and `export` take it; `--weights` still works; both
+    or neither is one line, exit 2, before any weights are read."""
+    from tests.conftest import minimind_tokenizer_dir
+
+    tok = str(minimind_tokenizer_dir("minimind2"))
+    gen = ["--tokenizer", tok, "--prompt", "The capital of France is", "--temperature", "0", "--max-new-tokens", "4",
+           "--raw"]
+    texts = []
+    for where in (["generate", str(weights / "tiny.pth")], ["generate", "--weights", str(weights / "tiny.pth")]):
+        assert main(where + gen) == 0
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1] and texts[0].strip()
+    for verb, extra in (("generate", ["--prompt", "hi"]), ("chat", [])):
+        line = refused(capsys, verb, weights / "nothing.pth", "--weights", weights / "other.pth", *extra)
+        assert line == f"error: {verb}: the weights twice ({weights / 'nothing.pth'} and --weights " \
+                       f"{weights / 'other.pth'}): give WEIGHTS or --weights, not both", line
+        line = refused(capsys, verb, *extra)
+        assert line == f"error: {verb}: which weights? give WEIGHTS (a run dir, checkpoint, .pth, HF folder or " \
+                       f"storage URI), or --weights", line
+        line = refused(capsys, verb, weights / "nothing.pth", *extra)  # positional, read as the flag was
+        assert line == f"error: {weights / 'nothing.pth'}: no such file or directory"
+        with pytest.raises(SystemExit) as e:
+            main([verb, "--help"])
+        usage = " ".join(capsys.readouterr().out.split())
+        assert e.value.code == 0 and f"usage: minimind-ray {verb} [-h] [--weights WEIGHTS]" in usage, usage
+        assert "WEIGHTS .pth, checkpoint dir, run dir, HF folder or storage URI" in usage
+        assert "--weights WEIGHTS the same as WEIGHTS (the older spelling)" in usage

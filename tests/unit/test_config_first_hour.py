@@ -40,7 +40,7 @@ def test_each_verb_implies_its_own_format_and_an_explicit_other_one_is_refused_i
     own = {name: load_config(None, ["data.train_path=[demo]", f"train.stage={name}"], check=False).data.format
            for name in STAGES}
     assert own == {"pretrain": "pretrain", "sft": "sft", "lora": "sft", "dpo": "dpo", "distill": "sft",
-                   "grpo": "rlaif", "ppo": "rlaif", "agent": "agent_rl", "simpo": "dpo",
+                   "grpo": "rlaif", "ppo": "rlaif", "agent": "agent_rl", "simpo": "dpo", "kto": "kto",
                    "rloo": "rlaif"}
     for name in ("sft", "dpo"):  # validated too: what the user typed, with no data.format
         assert load_config(None, ["data.train_path=[demo]", f"train.stage={name}"]).data.format == name

@@ -4,7 +4,10 @@ No Ray is started: the filter is put in front of a printer registered in Ray's o
 own (the lines below are ones a 2-worker run printed, tests/integration/test_resume.py checks a real run)."""
 from __future__ import annotations
 
+import functools
+import io
 import logging
+import sys
 
 import pytest
 
@@ -35,22 +38,28 @@ def dispatcher(monkeypatch):
     d.handlers = [("ray_print_logs", lambda data: printed.extend(data["lines"]))]
     for name in ("ray", "ray.serve", "ray.train", "ray.tune"):
         monkeypatch.setattr(logging.getLogger(name), "level", logging.getLogger(name).level)
-    for var in ("MLFLOW_LOGGING_LEVEL", "RAY_DATA_DISABLE_PROGRESS_BARS", console.VERBOSE_ENV):
+    from ray._private import worker
+    from ray._private.ray_logging import LogDeduplicator
+
+    for name in ("stdout_deduplicator", "stderr_deduplicator"):  # Ray's, fresh: what one test printed is not held
+        monkeypatch.setattr(worker, name, LogDeduplicator(5, None, None))
+    for var in ("MLFLOW_LOGGING_LEVEL", "RAY_DATA_DISABLE_PROGRESS_BARS", console.VERBOSE_ENV, "RAY_COLOR_PREFIX"):
         monkeypatch.setenv(var, "")  # recorded as it was, so that what the code under test sets is undone
         monkeypatch.delenv(var)
     yield d, printed
     d.handlers = saved
 
 
-def test_quiet_only_minimind_rays_own_worker_lines_reach_the_terminal(dispatcher, monkeypatch):
+def test_quiet_only_minimind_rays_own_worker_lines_reach_the_terminal(dispatcher, monkeypatch, capsys):
     d, printed = dispatcher
     assert console.ray_init_options() == {"logging_level": logging.WARNING}
     console.after_ray_start()
+    capsys.readouterr()
     d.emit({"lines": FORWARDED, "pid": 3290, "is_err": False})
-    assert printed == OURS
+    assert capsys.readouterr().out.splitlines() == OURS and printed == []  # printed here, not by Ray's printer
     assert console.after_ray_start() is None  # once per Ray: not wrapped twice, no second line
     d.emit({"lines": FORWARDED[:1], "pid": 2814, "is_err": True})
-    assert printed == OURS and len(d.handlers) == 1
+    assert capsys.readouterr() == ("", "") and printed == [] and len(d.handlers) == 1
     assert logging.getLogger("ray").level == logging.WARNING
 
 
@@ -86,3 +95,64 @@ def test_ray_datas_console_keeps_warnings_that_matter_and_drops_its_progress(dis
         assert [quieted.filter(r) for r in keep + drop] == [True, True, False, False]
     finally:
         logger.removeHandler(handler)
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def worker_batch(lines, is_err=False):
+    """A batch as Ray's log monitor hands it to the driver's printers: a Ray Train worker's lines."""
+    return {"lines": lines, "pid": 3290, "actor_name": "RayTrainWorker", "task_name": None, "ip": "10.0.0.7",
+            "localhost": "10.0.0.7", "is_err": is_err}
+
+
+@pytest.fixture
+def rays_printer(dispatcher):
+    """Ray's own printer (worker.print_to_stdstream, as ray.init registers it) in the dispatcher."""
+    from ray._private.worker import print_to_stdstream
+
+    d, _ = dispatcher
+    d.handlers = [("ray_print_logs", functools.partial(print_to_stdstream, ignore_prefix=False))]
+    return d
+
+
+def test_quiet_and_piped_our_worker_lines_are_printed_plainly_to_their_stream(rays_printer, capsys, monkeypatch):
+    """Issue 47: no `(RayTrainWorker pid=...)` prefix, no colour codes in piped output; stdout lines to stdout,
+    stderr lines to stderr."""
+    from ray._private import ray_logging
+
+    monkeypatch.setattr(ray_logging, "RAY_DEDUP_LOGS", True)  # Ray's default (tests/conftest.py turns it off)
+    console.after_ray_start()
+    capsys.readouterr()
+    rays_printer.emit(worker_batch(["[minimind-ray] world 2 on cpu, \x1b[32m1.61M params\x1b[0m", FORWARDED[1]]))
+    rays_printer.emit(worker_batch(["[minimind-ray] WARNING: all-reduce took 21% of step time"], is_err=True))
+    # Ray's deduplication stays: the same line from another worker is held, to be counted ("[repeated 2x ...]")
+    rays_printer.emit(dict(worker_batch(["[minimind-ray] world 2 on cpu, 1.61M params"]), pid=3291))
+    out, err = capsys.readouterr()
+    assert out == "[minimind-ray] world 2 on cpu, 1.61M params\n"
+    assert err == "[minimind-ray] WARNING: all-reduce took 21% of step time\n"
+
+
+def test_quiet_on_a_terminal_our_lines_keep_their_colours_and_ray_its_own(rays_printer, monkeypatch):
+    out = Terminal()
+    monkeypatch.setattr(sys, "stdout", out)
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    console.after_ray_start()
+    rays_printer.emit(worker_batch(["[minimind-ray] step \x1b[32m10\x1b[0m"]))
+    assert out.getvalue().splitlines()[-1] == "[minimind-ray] step \x1b[32m10\x1b[0m"
+    assert "RAY_COLOR_PREFIX" not in console.os.environ
+
+
+def test_verbose_and_piped_rays_prefixes_stay_without_colour(rays_printer, monkeypatch, capsys):
+    """--verbose: every line of Ray's as it prints them, with Ray's own switch RAY_COLOR_PREFIX=0 when the output is
+    not a terminal (no colour codes); a value the user exported wins."""
+    monkeypatch.setenv(console.VERBOSE_ENV, "1")
+    assert console.after_ray_start() is None
+    rays_printer.emit(worker_batch([FORWARDED[1], OURS[0]]))
+    assert capsys.readouterr().out.splitlines() == [f"(RayTrainWorker pid=3290) {line}"
+                                                    for line in (FORWARDED[1], OURS[0])]
+    monkeypatch.setenv("RAY_COLOR_PREFIX", "1")
+    console.after_ray_start()
+    assert console.os.environ["RAY_COLOR_PREFIX"] == "1"

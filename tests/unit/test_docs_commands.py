@@ -160,7 +160,7 @@ def _check_config(args) -> None:
 
         pipe = load_pipeline(args.config)
         trained = False
-        for stage in pipe.stages:
+        for stage in pipe.steps:
             if stage.recipe:
                 extra = [f"train.stage={kind_of(stage)}"] if kind_of(stage) in STAGES else []
                 if kind_of(stage) in STAGES and stage.init_from != "none" and (trained or stage.init_from != "previous"):

@@ -5,6 +5,7 @@ a random-init model near chance. A tiny random model and the 300-token tokenizer
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import math
 import random
@@ -247,3 +248,57 @@ def test_a_shared_few_shot_prefix_is_computed_once_and_scores_as_the_plain_batch
             logp = F.log_softmax(model(torch.tensor([ctx + cont])).logits.float()[0, :-1], dim=-1)
             want = logp[torch.arange(len(ctx) - 1, len(ctx) + len(cont) - 1), torch.tensor(cont)].sum().item()
             assert value == pytest.approx(want, abs=1e-4)
+
+
+def test_shots_skip_a_subject_without_dev_rows_and_name_one_with_fewer(tmp_path, weights, tok, capsys):
+    """Issue 47: `eval --shots N` over a folder where one subject has no dev file and one has no usable dev row skips
+    those two (the printed table and --out's JSON say so), and a subject with fewer than N usable dev rows is scored
+    with the rows it has, said for that subject; before, the first of them refused the whole evaluation."""
+    from minimind_ray.cli import main
+
+    root = ceval_folder(tmp_path / "ceval", n=8)  # accountant, physician: 5 dev rows each
+    (root / "dev" / "physician_dev.csv").unlink()
+    write_csv(root / "val" / "law_val.csv", [[i, f"法{i}", "1", "2", "3", "4", "ABCD"[i % 4]] for i in range(6)])
+    write_csv(root / "dev" / "law_dev.csv", [[0, "法例", "1", "2", "3", "4", "B"], [1, "坏", "1", "2", "3", "4", "Z"],
+                                            [2, "法例二", "1", "2", "3", "4", "C"]])  # 2 usable rows of 3
+    write_csv(root / "val" / "tax_val.csv", [[0, "税", "1", "2", "3", "4", "A"]])
+    write_csv(root / "dev" / "tax_dev.csv", [[0, "", "1", "2", "3", "4", "A"]])  # no usable row
+    out = tmp_path / "result.json"
+    assert main(["eval", weights, "--tokenizer", str(TOKENIZER), "--task", "ceval", "--data", str(root), "--shots",
+                 "3", "--out", str(out)]) == 0
+    table = capsys.readouterr().out
+    res = json.loads(out.read_text())
+    assert set(res["subjects"]) == {"accountant", "law"} and res["n"] == 8 + 6
+    assert res["skipped_subjects"] == {
+        "physician": f"{root / 'dev' / 'physician_dev.csv'}: no such file (3 shots come from the dev split)",
+        "tax": f"{root / 'dev' / 'tax_dev.csv'}: no usable dev row (3 shots come from the dev split)"}
+    assert res["short_shots"] == {"law": {"asked": 3, "used": 2, "file": str(root / "dev" / "law_dev.csv")}}
+    assert "skipped physician: " in table and "skipped tax: " in table
+    assert f"law: 2 of 3 shots (all that {root / 'dev' / 'law_dev.csv'} has)" in table
+    from minimind_ray.evals.run import result_notes  # what the pipeline's eval stage tags its MLflow run with
+
+    assert result_notes(res) == {"eval/ceval/skipped_subjects": "physician, tax", "eval/ceval/short_shots": "law 2 of 3"}
+    items, _ = load_items(EvalTaskConfig(task="ceval", data=str(root), shots=3, subjects=["law"]), tok)
+    assert items[0].context.count("答案：") == 3  # two shots and the question
+    # every subject without shots: nothing to evaluate is an error naming them
+    with pytest.raises(DataError, match=r"no subject has dev rows for 3 shots: physician \(.*\), tax \(.*\)"):
+        load_items(EvalTaskConfig(task="ceval", data=str(root), shots=3, subjects=["physician", "tax"]), tok)
+
+
+def test_mc_shots_beyond_the_pool_use_what_there_is_and_say_so(tmp_path, tok):
+    from minimind_ray.evals.verb import format_table
+
+    mc = tmp_path / "arc.jsonl"
+    mc.write_text("".join(json.dumps({"question": f"Q{i}?", "choices": ["a", "b"], "answer": i % 2}) + "\n"
+                          for i in range(3)))
+    items, bad = load_items(EvalTaskConfig(task="mc", data=str(mc), shots=5), tok)
+    assert len(items) == 3 and [it.context.count("Answer:") for it in items] == [3, 3, 3]  # 2 shots each
+    assert bad.shot_report() == {"short_shots": {"arc": {"asked": 5, "used": 2, "file": str(mc)}}}
+    res = {"task": "arc", "kind": "mc", "acc": 0.5, "acc_norm": 0.5, "acc_stderr": 0.1, "n": 3,
+           "subjects": {"arc": {"acc": 0.5, "acc_norm": 0.5, "n": 3}}, "short_shots": bad.shot_report()["short_shots"],
+           "config": dataclasses.asdict(EvalTaskConfig(task="mc", data=str(mc), shots=5))}
+    assert f"arc: 2 of 5 shots (all that {mc} has)" in format_table(res)
+    one = tmp_path / "one.jsonl"
+    one.write_text(json.dumps({"question": "Q?", "choices": ["a", "b"], "answer": 0}) + "\n")
+    with pytest.raises(DataError, match=rf"^{one}: 1 shots asked, no usable record to take them from"):
+        load_items(EvalTaskConfig(task="mc", data=str(one), shots=1), tok)

@@ -95,7 +95,7 @@ def test_minimind2_moe_hf_export_is_refused_with_a_reason(tmp_path, tokenizer_di
 @pytest.mark.parametrize("preset,name", [("tiny", "pretrain_64.pth"), ("tiny-moe", "pretrain_64_moe.pth")])
 def test_minimind_pth_naming_and_strict_round_trip(tmp_path, preset, name):
     ours = model(preset)
-    path = export_minimind_pth(ours, tmp_path, stage="pretrain")
+    path = export_minimind_pth(ours, tmp_path, prefix="pretrain")
     assert path == str(tmp_path / name)
     fresh = model(preset, seed=1)
     load_pth(fresh, path, strict=True)
@@ -107,7 +107,7 @@ def test_minimind_pth_naming_and_strict_round_trip(tmp_path, preset, name):
 def test_lora_model_exports_adapters_only(tmp_path):
     ours = model("tiny")
     apply_lora(ours, LoRAConfig(rank=4))
-    path = export_minimind_pth(ours, tmp_path, stage="lora_identity")
+    path = export_minimind_pth(ours, tmp_path, prefix="lora_identity")
     assert path.endswith("lora_identity_64.pth")
     sd = torch.load(path, weights_only=True)
     assert sd and all(".lora." in k for k in sd)

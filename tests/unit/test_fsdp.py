@@ -222,7 +222,7 @@ def test_stages_that_cannot_train_under_fsdp_are_refused_naming_the_field():
     from minimind_ray.stages import STAGES
 
     recipes = {"lora": "lora_26m", "dpo": "dpo_26m", "distill": "distill_26m", "grpo": "grpo_26m", "ppo": "ppo_26m",
-               "agent": "demo_agent", "simpo": "simpo_26m", "rloo": "demo_rloo"}
+               "agent": "demo_agent", "simpo": "simpo_26m", "kto": "kto_26m", "rloo": "demo_rloo"}
     refused = sorted(n for n, s in STAGES.items() if s.fsdp_refusal)
     assert refused == sorted(recipes)  # pretrain and sft train under FSDP
     for stage, recipe in recipes.items():

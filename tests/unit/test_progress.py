@@ -45,6 +45,7 @@ def test_each_stage_shows_its_records_headline_metrics():
     lines = {name: ProgressPrinter.describe(m, s.headline, s.rl) for name, s in STAGES.items()}
     assert lines["dpo"] == lines["simpo"] == "ep 0 loss 2.0000 margin 0.7500 acc 0.6250 tok/s 1,000 eval 1.5000"
     assert lines["distill"] == "ep 0 loss 2.0000 kl 0.1250 tok/s 1,000 eval 1.5000"
+    assert lines["kto"] == "ep 0 loss 2.0000 kl 0.1250 acc 0.6250 tok/s 1,000 eval 1.5000"
     assert lines["ppo"] == lines["agent"] == "ep 0 reward 0.5000 kl 0.1250 tok/s 1,000 eval 1.5000"
     assert lines["pretrain"] == lines["sft"] == "ep 0 loss 2.0000 tok/s 1,000 eval 1.5000"
     printer = ProgressPrinter(sink=None, run="", name="dpo-run", headline=STAGES["dpo"].headline)

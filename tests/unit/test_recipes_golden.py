@@ -28,11 +28,11 @@ def _help() -> list:
     return [[name, repr(default), text] for name, default, text in field_help()]
 
 
-# sections added since the golden file: new stages' (SimPO, RLOO) and the rollout engine every RL stage shares; and fields
+# sections added since the golden file: new stages' (SimPO, KTO and RLOO, issue 48) and the rollout engine every RL stage shares; and fields
 # added to train: since (issue 36, FSDP: how the workers share the model, activation checkpointing, FSDP's resharding),
 # each with a default that keeps every recipe's run as it was (ddp, none, true)
-NEW_SECTIONS = ("train.simpo.", "train.rloo.", "train.rollout.", "train.parallelism", "train.activation_checkpointing",
-                "train.reshard_after_forward")
+NEW_SECTIONS = ("train.simpo.", "train.rollout.", "train.parallelism", "train.activation_checkpointing",
+                "train.reshard_after_forward", "train.kto.", "train.rloo.")
 # help lines that changed on purpose: the stage list names the new stage; train.grpo.rollout* moved to train.rollout;
 # data.format says what a verb implies when it is not given, data.train_path that one path needs no list (issue 38)
 CHANGED_HELP = {"train.stage", "train.grpo.rollout", "train.grpo.rollout_actors", "train.grpo.rollout_actor_cpus",
@@ -56,7 +56,7 @@ def golden():
     return json.loads(GOLDEN.read_text())
 
 
-NEW_RECIPES = {"simpo_26m.yaml", "demo_rloo.yaml"}  # recipes added since (the new stages')
+NEW_RECIPES = {"simpo_26m.yaml", "kto_26m.yaml", "demo_rloo.yaml"}  # recipes added since (the new stages')
 
 
 def test_every_recipe_of_the_golden_file_is_still_there(golden):

@@ -8,7 +8,7 @@ import pytest
 
 from minimind_ray.config import ConfigError, load_config, run_identity, to_dict
 from minimind_ray.engine.state import RNGState
-from minimind_ray.raytrain.driver import RunFinished, decide_run
+from minimind_ray.raytrain.resume import RunFinished, decide_run
 from minimind_ray.store import checkpoint as ck
 
 

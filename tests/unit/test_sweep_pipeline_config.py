@@ -2,10 +2,12 @@
 values as overrides, how many trials fit at once, and the shipped YAMLs load."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from minimind_ray.config import ConfigError, load_config
-from minimind_ray.pipeline.config import load_pipeline, stage_digest
+from minimind_ray.pipeline.config import load_pipeline, step_digest
 from minimind_ray.raytrain.sweep import base_config, concurrency, trial_resources
 from minimind_ray.raytrain.sweep_config import load_sweep, trial_overrides
 
@@ -71,32 +73,52 @@ def test_trials_at_once_are_computed_from_what_one_trial_holds():
                        {"CPU": 4.0}) == 5
 
 
-def _pipe(tmp_path, stages):
+def _pipe(tmp_path, steps):
     p = tmp_path / "pipe.yaml"
-    p.write_text("name: p\nstages:\n" + stages)
+    p.write_text("name: p\nsteps:\n" + steps)
     return str(p)
 
 
-@pytest.mark.parametrize("stages, field", [
-    ("  - {name: a, kind: pretrian, recipe: pipelines/configs/tiny.yaml}\n", r"stages\[0\].kind"),
-    ("  - {name: pretrain}\n", r"stages\[0\].recipe"),
-    ("  - {name: eval, tasks: [{task: mc, data: x}]}\n", r"stages\[0\].model"),
+@pytest.mark.parametrize("steps, field", [
+    ("  - {name: a, kind: pretrian, recipe: pipelines/configs/tiny.yaml}\n", r"steps\[0\].kind"),
+    ("  - {name: pretrain}\n", r"steps\[0\].recipe"),
+    ("  - {name: eval, tasks: [{task: mc, data: x}]}\n", r"steps\[0\].model"),
     ("  - {name: pretrain, recipe: pipelines/configs/tiny.yaml}\n  - {name: serve}\n"
-     "  - {name: eval, tasks: [{task: mc, data: x}]}\n", r"stages\[1\].kind"),
+     "  - {name: eval, tasks: [{task: mc, data: x}]}\n", r"steps\[1\].kind"),
     ("  - {name: pretrain, recipe: pipelines/configs/tiny.yaml}\n"
-     "  - {name: sft, recipe: pipelines/configs/demo_sft.yaml, init_from: pretrian}\n", r"stages\[1\].init_from"),
+     "  - {name: sft, recipe: pipelines/configs/demo_sft.yaml, init_from: pretrian}\n", r"steps\[1\].init_from"),
     ("  - {name: pretrain, recipe: pipelines/configs/tiny.yaml}\n  - {name: pretrain, recipe: x}\n",
-     r"stages\[1\].name"),
+     r"steps\[1\].name"),
 ])
-def test_a_bad_pipeline_is_refused_naming_the_field(tmp_path, stages, field):
+def test_a_bad_pipeline_is_refused_naming_the_field(tmp_path, steps, field):
     with pytest.raises(ConfigError, match=field):
-        load_pipeline(_pipe(tmp_path, stages))
+        load_pipeline(_pipe(tmp_path, steps))
 
 
 def test_the_demo_pipeline_loads_and_a_stage_s_digest_follows_its_settings():
     p = load_pipeline("pipelines/configs/pipeline_demo.yaml")
-    assert [s.name for s in p.stages] == ["prepare", "pretrain", "sft", "grpo", "eval", "register"]
-    sft = p.stages[2]
-    assert stage_digest(sft, p, []) == stage_digest(sft, p, [])
-    assert stage_digest(sft, p, ["train.lr=1e-4"]) != stage_digest(sft, p, [])
-    assert stage_digest(sft, p, [], upstream="a") != stage_digest(sft, p, [], upstream="b")  # an earlier stage changed
+    assert [s.name for s in p.steps] == ["prepare", "pretrain", "sft", "grpo", "eval", "register"]
+    sft = p.steps[2]
+    assert step_digest(sft, p, []) == step_digest(sft, p, [])
+    assert step_digest(sft, p, ["train.lr=1e-4"]) != step_digest(sft, p, [])
+    assert step_digest(sft, p, [], upstream="a") != step_digest(sft, p, [], upstream="b")  # an earlier step changed
+
+
+def test_a_pipeline_written_with_stages_loads_with_a_notice_and_its_finished_steps_stay_finished(tmp_path, capsys):
+    """Issue 48: a pipeline's parts are steps (a training stage is one kind of step); the older YAML key stages: is
+    read as steps: with one line, a pipeline.json written then resumes, and a step's digest is what it was (the
+    demo's sft step: its digest computed by the code before the rename)."""
+    import json
+
+    from minimind_ray.pipeline.run import _read_state
+
+    old = tmp_path / "old.yaml"
+    old.write_text(Path("pipelines/configs/pipeline_demo.yaml").read_text().replace("\nsteps:\n", "\nstages:\n"))
+    p = load_pipeline(str(old))
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"[minimind-ray] notice: {old}: 'stages:' is now 'steps:' (read as steps)"]
+    assert [s.name for s in p.steps] == ["prepare", "pretrain", "sft", "grpo", "eval", "register"]
+    assert step_digest(p.steps[2], p, []) == "27936ef0d3c5adbc"
+    state = tmp_path / "pipeline.json"
+    state.write_text(json.dumps({"stages": {"prepare": {"digest": "d", "prepared_dir": "x"}}}))
+    assert _read_state(str(state))["steps"]["prepare"]["prepared_dir"] == "x"

@@ -9,7 +9,7 @@ import os
 import pytest
 
 from minimind_ray.config import load_config
-from minimind_ray.raytrain.driver import train_env
+from minimind_ray.raytrain.session import train_env
 
 START, HEALTH = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
 WATCHER = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"

@@ -1,5 +1,5 @@
-"""The RL prompt formats' pieces that need nothing of data/formats.py (which calls them): the prompts' collate, and
-the ``agent_rl`` record format: MiniMind's ``agent_rl.jsonl`` (``dataset/lm_dataset.py:AgentRLDataset``, d65ef2c).
+"""``agent_rl``: MiniMind's ``agent_rl.jsonl`` (``dataset/lm_dataset.py:AgentRLDataset``, d65ef2c), the agent stage's
+prompts.
 
     {"conversations": [{"role": "system", "content": ..., "tools": [...]}, {"role": "user", ...}, ...,
                        {"role": "assistant", "content": ...}],
@@ -8,15 +8,17 @@ the ``agent_rl`` record format: MiniMind's ``agent_rl.jsonl`` (``dataset/lm_data
 As MiniMind reads it: the prompt is every turn but the last (the assistant's, a reference the rollouts do not
 use), the tools are the system message's ``tools`` (a list of OpenAI function schemas, or that list as a JSON
 string), and ``gt`` lists the values a right final answer holds (strings or numbers; one value may stand alone).
-The conversation is checked as an ``rlaif`` record's; this module adds the checks of ``gt`` and ``tools`` and what
-the prepared row keeps beside the prompt's tokens.
+The conversation is checked as an ``rlaif`` record's (data/formats/rlaif.py); this module adds the checks of ``gt``
+and ``tools``, and what the prepared row keeps beside the prompt's tokens: ``answer_utf8`` the ``gt`` values as a
+JSON list, ``context_utf8`` the prompt's messages and the tools offered.
 """
 from __future__ import annotations
 
 import json
-from typing import Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
-import numpy as np
+from minimind_ray.data.formats.base import BadRecord
+from minimind_ray.data.formats.rlaif import RLAIF
 
 
 def record_tools(rec: dict):
@@ -50,29 +52,27 @@ def gt_values(rec: dict) -> List[str]:
     return [str(g) for g in gt]
 
 
-def agent_context(rec: dict) -> str:
-    """What a rollout needs besides the prompt's tokens, as JSON: the prompt's messages (to render each tool
-    response through the chat template) and the tools offered (to check the calls against)."""
-    return json.dumps({"messages": rec["conversations"][:-1], "tools": record_tools(rec) or []}, ensure_ascii=False)
+class AgentRL(RLAIF):
+    name = "agent_rl"
+    record = "{conversations with tools, gt} (MiniMind's agent_rl.jsonl)"
+    columns = ("prompt_ids", "answer_utf8", "context_utf8")
+    byte_columns = ("answer_utf8", "context_utf8")
+
+    def check(self, rec: dict) -> int:
+        chars = super().check(rec)
+        problem = agent_problem(rec)
+        if problem:
+            raise BadRecord(*problem)
+        return chars + len(str(rec["gt"]))
+
+    def answer(self, rec: dict) -> str:
+        return json.dumps(gt_values(rec), ensure_ascii=False)
+
+    def context(self, rec: dict) -> str:
+        """What a rollout needs besides the prompt's tokens, as JSON: the prompt's messages (to render each tool
+        response through the chat template) and the tools offered (to check the calls against)."""
+        return json.dumps({"messages": rec["conversations"][:-1], "tools": record_tools(rec) or []},
+                          ensure_ascii=False)
 
 
-def collate_prompts(rows: Dict[str, List[np.ndarray]], sample_ids: np.ndarray, pad_id: int) -> dict:
-    """rlaif/prompt/agent_rl rows -> ``prompt_ids`` (B, P) left-padded with ``pad_id``, ``prompt_mask`` (B, P)
-    (1 = a prompt token), ``sample_ids``, and each ``<x>_utf8`` column (the answer; agent_rl's context) as
-    zero-padded bytes (B, A) with ``<x>_len`` (B,)."""
-    import torch
-
-    prompts = rows["prompt_ids"]
-    B, P = len(prompts), max(len(p) for p in prompts)
-    ids, mask = np.full((B, P), pad_id, np.int64), np.zeros((B, P), np.int64)
-    for i, p in enumerate(prompts):
-        ids[i, P - len(p):], mask[i, P - len(p):] = p, 1
-    out = {"prompt_ids": torch.from_numpy(ids), "prompt_mask": torch.from_numpy(mask),
-           "sample_ids": torch.from_numpy(np.asarray(sample_ids, dtype=np.int64))}
-    for col in [c for c in rows if c.endswith("_utf8")]:
-        utf8 = np.zeros((B, max(1, max(len(a) for a in rows[col]))), np.uint8)
-        for i, a in enumerate(rows[col]):
-            utf8[i, :len(a)] = a
-        out[col] = torch.from_numpy(utf8)
-        out[col[:-len("_utf8")] + "_len"] = torch.tensor([len(a) for a in rows[col]], dtype=torch.int64)
-    return out
+FORMAT = AgentRL()

@@ -1,0 +1,288 @@
+"""Everything a run's config and files can decide, decided before Ray starts (docs/reliability.md, "Mistakes and
+faults"): the first of the driver's steps (raytrain/driver.py:run). Each refusal is one line naming the field or file.
+
+* **The weights it starts from** (``train.init_from``): read cheaply (store/inspect.py): its kind, a complete
+  checkpoint, its architecture. With no ``model.*`` written by the user, the run takes that architecture (LitGPT reads
+  a checkpoint's own config the same way) and says so; with one written that differs, the run is refused, naming both.
+  The other weights a stage starts from (a DPO reference; a distillation teacher, whose architecture is its own) must be
+  whole too, and the reference of the same architecture.
+* **The tokenizer**: fetched or found here, not in the workers, and its vocabulary checked against the model's.
+* **What a local Ray can hold**, when this run starts its own: training workers against cores and GPUs, their memory
+  estimate against the machine's (``cluster.check_local_fit``). On a cluster the placement is Ray's, bounded by
+  ``cluster.resource_timeout_s`` as before.
+* **The data**, a look and not a read: the first records of each file (at most :data:`LOOK_RECORDS` of each of the
+  first :data:`LOOK_FILES`); a file none of whose first records fits the stage's format is refused, with the counts by
+  reason. Everything else about the data is prepare's, as before (data.bad_records).
+
+No Ray here; nothing is written. Everything above takes well under a second on a tiny run, apart from a first fetch of
+MiniMind's tokenizer, which the run needs anyway.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+import psutil
+import pyarrow.fs as pafs
+
+from minimind_ray.cluster_config import worker_threads
+from minimind_ray.config import RunConfig, validate
+from minimind_ray.config_checks import ConfigError
+from minimind_ray.data.formats import FORMATS, BadRecord, check_record, parse_line
+from minimind_ray.data.sources import OverlongLine, iter_records, resolve_sources
+from minimind_ray.engine.memory import GiB, estimate
+from minimind_ray.fsio import filesystem, join, redact
+from minimind_ray.model.config import ModelConfig
+from minimind_ray.stages import get_stage
+from minimind_ray.store.checkpoint import CheckpointError
+from minimind_ray.store.inspect import WeightsInfo, architecture, differences, inspect_weights
+from minimind_ray.store.pth import WeightsError
+from minimind_ray.store.weights import resolve_checkpoint
+from minimind_ray.tokenizer import resolve_tokenizer
+
+log = logging.getLogger(__name__)
+
+LOOK_RECORDS = 1000  # the first records of a file that the look reads
+LOOK_FILES = 16  # the files it looks at (prepare reads them all, as before)
+CPU_OVERSUBSCRIPTION = 2  # training workers' threads per core a local Ray may hold
+
+
+@dataclass
+class Checked:
+    """What the check decided: the config the run uses (its architecture taken from train.init_from when the user
+    wrote none), the resolved tokenizer, and the lines to say at the start."""
+
+    cfg: RunConfig
+    tokenizer: Any
+    lines: List[str] = field(default_factory=list)
+
+
+def check_before_ray(cfg: RunConfig, local_ray: bool) -> Checked:
+    """The checks of the module's docstring, in order; raises ConfigError (or the tokenizer's fetch error)."""
+    cfg, lines = adopt_architecture(cfg)
+    check_parents(cfg)
+    tokenizer = resolve_tokenizer(cfg.data.tokenizer, cfg.data.cache_dir, cfg.model.generation)
+    check_vocabulary(cfg, tokenizer)
+    if local_ray and cfg.cluster.check_local_fit:
+        check_local_fit(cfg)
+    look_at_data(cfg)
+    return Checked(cfg, tokenizer, lines)
+
+
+# --------------------------------------------------------------------------- weights
+
+
+def weights_info(source: str, field_name: str) -> WeightsInfo:
+    """:func:`inspect_weights`, its refusal naming the config field."""
+    try:
+        return inspect_weights(source)
+    except (OSError, CheckpointError, WeightsError) as e:
+        raise ConfigError(f"{field_name}: {' '.join(str(e).split())}") from None
+
+
+def _written_model_fields(cfg: RunConfig) -> List[str]:
+    return sorted(k for k in cfg.written if k.startswith("model."))
+
+
+def adopt_architecture(cfg: RunConfig):
+    """(the run's config, lines to say). ``train.init_from``'s architecture when the user wrote no ``model.*`` field
+    that shapes it; a refusal naming both when one written differs from it."""
+    t = cfg.train
+    if not t.init_from:
+        return cfg, []
+    info = weights_info(t.init_from, "train.init_from")
+    written = _written_model_fields(cfg)
+    given = {k[len("model."):] for k in written}
+    shaping = given - {"dropout", "max_position_embeddings", "inference_rope_scaling", "aux_loss_alpha", "seq_aux"}
+    if not shaping:  # the architecture is the weights', the user's other model.* fields stay
+        theirs = {f.name: getattr(info.model, f.name) for f in dataclasses.fields(ModelConfig) if f.name not in given}
+        adopted = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **theirs))
+        adopted.written = cfg.written  # type: ignore[misc]
+        validate(adopted)  # data.max_seq_len against its RoPE table, the stage's rules
+        same = not differences(cfg.model, info.model, info.recorded)
+        line = (f"model: {architecture(adopted.model)}, from train.init_from={t.init_from} ({info.what()})"
+                + ("" if same else f"; no model.* was given, so not the default {cfg.model.preset}"))
+        return adopted, [redact(line)]
+    diff = differences(cfg.model, info.model, info.recorded)
+    if diff:
+        fields = ", ".join(f"{k} {a} vs {b}" for k, (a, b) in list(diff.items())[:4])
+        raise ConfigError(
+            f"train.init_from: {redact(t.init_from)} is {info.describe()}; this run asks "
+            f"{architecture(cfg.model)} ({fields}): drop {', '.join(written)} to train the weights' own "
+            f"architecture, or make them equal")
+    return cfg, []
+
+
+def check_parents(cfg: RunConfig) -> None:
+    """The other weights the stage starts from (stages' ``parents``): whole, and of the run's architecture unless the
+    stage says the parent has its own (a distillation teacher)."""
+    stage = get_stage(cfg.train.stage)
+    for parent, source in stage.parents(cfg).items():
+        if not source:
+            continue
+        where = f"train.{cfg.train.stage} {parent}"
+        info = weights_info(source, where)
+        if parent in stage.own_architecture:
+            continue
+        diff = differences(cfg.model, info.model, info.recorded)
+        if diff:
+            fields = ", ".join(f"{k} {a} vs {b}" for k, (a, b) in list(diff.items())[:4])
+            raise ConfigError(f"{where}: {redact(source)} is {info.describe()}; the run's model is "
+                              f"{architecture(cfg.model)} ({fields}): they must be the same architecture")
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+
+def check_vocabulary(cfg: RunConfig, tokenizer) -> None:
+    """The tokenizer's ids fit the embedding; a tokenizer other than the one ``train.init_from`` trained with is
+    said (its ids mean other tokens), not refused: a new chat template is a deliberate change."""
+    if tokenizer.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(f"data.tokenizer: {cfg.data.tokenizer!r} has {tokenizer.vocab_size} tokens, more than the "
+                          f"model's vocab_size {cfg.model.vocab_size}"
+                          + (" (train.init_from's)" if cfg.train.init_from and not _written_model_fields(cfg) else ""))
+    if not cfg.train.init_from:
+        return
+    recorded = _recorded_tokenizer_hash(cfg.train.init_from)
+    if recorded and recorded != tokenizer.hash():
+        log.warning("train.init_from %s was trained with another tokenizer (hash %s) than data.tokenizer=%s (hash "
+                    "%s): its ids mean other tokens", redact(cfg.train.init_from), recorded[:12],
+                    cfg.data.tokenizer, tokenizer.hash()[:12])
+
+
+def _recorded_tokenizer_hash(source: str) -> Optional[str]:
+    """The tokenizer hash of the data a run or checkpoint trained on (its prepared manifest), when still readable."""
+    try:
+        info = inspect_weights(source)
+        prepared = (info.run_config or {}).get("data") and _prepared_dir(info)
+        if not prepared:
+            return None
+        fs, path = filesystem(join(prepared, "manifest.json"))
+        with fs.open_input_stream(path) as f:
+            return json.loads(f.read()).get("tokenizer_hash")
+    except Exception:  # a courtesy: the manifest may be gone with its cache
+        return None
+
+
+def _prepared_dir(info: WeightsInfo) -> Optional[str]:
+    return resolve_checkpoint(info.source).meta().prepared_dir
+
+
+# --------------------------------------------------------------------------- a local Ray
+
+
+def check_local_fit(cfg: RunConfig) -> None:
+    """Refuse a worker group that the Ray this run starts on this machine cannot hold: more workers' threads than
+    :data:`CPU_OVERSUBSCRIPTION` per core, GPU workers beyond its GPUs, or a memory estimate beyond its memory."""
+    cl, n = cfg.cluster, cfg.cluster.num_workers
+    cores = os.cpu_count() or 1
+    gpus = _local_gpus()
+    use_gpu = bool(gpus) if cl.use_gpu is None else cl.use_gpu
+    override = "or set cluster.address to a cluster (cluster.check_local_fit=false starts them anyway)"
+    if use_gpu and n > gpus:
+        field_name = "cluster.use_gpu" if not gpus else "cluster.num_workers"
+        raise ConfigError(f"{field_name}: {n} GPU worker(s), and this machine has {gpus} GPU(s): "
+                          f"{'set cluster.use_gpu=false' if not gpus else f'use cluster.num_workers<={gpus}'}, "
+                          f"{override}")
+    threads = worker_threads(cfg)
+    most = max(1, CPU_OVERSUBSCRIPTION * cores // threads)
+    if not use_gpu and n > most:
+        raise ConfigError(f"cluster.num_workers: {n} training workers of {threads} thread(s) on a local Ray with "
+                          f"{cores} core(s); at most {most} fit ({CPU_OVERSUBSCRIPTION} threads per core): use "
+                          f"cluster.num_workers<={most}, {override}")
+    if use_gpu:
+        return  # a GPU's memory is for the estimate against the GPU itself (raytrain/oom.py:warn_if_short)
+    total = psutil.virtual_memory().total
+    est = estimate(cfg, device_type="cpu").total
+    if est * n > total:
+        fit = int(total // est)
+        raise ConfigError(f"cluster.num_workers: {n} workers need about {est * n / GiB:.1f} GiB by the memory "
+                          f"estimate ({est / GiB:.1f} GiB each), more than this machine's {total / GiB:.1f} GiB: "
+                          + (f"use cluster.num_workers<={fit}, or " if fit else "")
+                          + f"lower train.micro_batch_size or data.max_seq_len, {override}")
+
+
+def _local_gpus() -> int:
+    """GPUs a local Ray would see (CUDA_VISIBLE_DEVICES applies); 0 without a CUDA build of torch."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+# --------------------------------------------------------------------------- a look at the data
+
+
+def look_at_data(cfg: RunConfig) -> None:
+    """Refuse a file none of whose first :data:`LOOK_RECORDS` records is a ``data.format`` record, with the counts
+    by reason (and the format it does read as, when one does). Built-in data and prepared directories are skipped."""
+    d = cfg.data
+    specs = [p for p in d.train_path if p != "demo" and not p.startswith("demo:") and not _is_prepared(p)]
+    if not specs:
+        return
+    try:
+        files, _ = resolve_sources(specs)
+    except (OSError, ValueError):
+        return  # prepare says what is wrong with a path, as before
+    for sf in files[:LOOK_FILES]:
+        bad = _look(sf, d.format, d.max_record_chars)
+        if bad is not None:
+            _refuse(cfg, sf.uri, *bad)
+
+
+def _look(sf, fmt: str, max_chars: int):
+    """None when one of the file's first records is a ``fmt`` record; else (records seen, reasons, the first problem,
+    the formats they read as)."""
+    reasons, fits, first, seen = collections.Counter(), collections.Counter(), None, 0
+    # a line is never assembled past 4 bytes a character of data.max_record_chars (UTF-8's most)
+    for n, raw in enumerate(iter_records(sf, max_line_bytes=4 * max_chars), start=1):
+        if n > LOOK_RECORDS:
+            break
+        seen, rec = n, None
+        try:
+            if isinstance(raw, OverlongLine):
+                raise BadRecord("too_long", f"a line of {raw.nbytes} bytes")
+            rec = raw if isinstance(raw, dict) else parse_line(raw, max_chars)
+            check_record(fmt, rec, max_chars)
+            return None
+        except BadRecord as e:
+            reasons[e.reason] += 1
+            first = first or f"line {n}: {e.detail}"
+            if rec is not None:
+                fits.update(_formats_it_reads_as(rec, fmt))
+    return (seen, reasons, first, fits) if seen else None
+
+
+def _refuse(cfg, uri, seen, reasons, first, fits) -> None:
+    counts = ", ".join(f"{r}: {c}" for r, c in reasons.most_common())
+    hint = ""
+    if fits:
+        other = fits.most_common(1)[0][0]
+        hint = f"; they read as {other} records (data.format={other}, or the verb that trains on them)"
+    raise ConfigError(f"data.train_path: {redact(uri)}: none of its first {seen} records is a {cfg.data.format} record "
+                      f"(data.format={cfg.data.format}, the {cfg.train.stage} verb's) ({counts}; {first}){hint}")
+
+
+def _formats_it_reads_as(rec: Dict[str, Any], fmt: str) -> List[str]:
+    out = []
+    for other in FORMATS:
+        if other == fmt:
+            continue
+        try:
+            check_record(other, rec)
+            out.append(other)
+        except (BadRecord, ValueError):
+            pass
+    return out
+
+
+def _is_prepared(path: str) -> bool:
+    try:
+        fs, p = filesystem(join(path, "manifest.json"))
+        return fs.get_file_info(p).type == pafs.FileType.File
+    except Exception:  # a glob or an unreachable URI: not a prepared directory
+        return False

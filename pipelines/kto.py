@@ -1,0 +1,13 @@
+"""Entry point for `ray job submit`: the kto stage.
+
+    python -m pipelines.kto --config pipelines/configs/<recipe>.yaml [key=value ...]
+
+Works under `ray job submit`, with RAY_ADDRESS set, or with nothing set (a local Ray).
+All logic lives in the library (minimind_ray.cli -> minimind_ray.raytrain.driver).
+"""
+import sys
+
+from minimind_ray.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main(["kto", *sys.argv[1:]]))
