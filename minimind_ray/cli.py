@@ -96,7 +96,7 @@ def cmd_pipeline(args) -> int:
 
 def cmd_prepare(args) -> int:
     from minimind_ray.data.prepare import ensure_prepared  # lazy: numpy, pyarrow, only when this runs
-    from minimind_ray.tokenizer import resolve_tokenizer
+    from minimind_ray.tokenizer import resolve_tokenizer  # lazy: tokenizers, only when this runs
     from minimind_ray.raytrain.driver import connect_ray  # lazy: pyarrow, only when this runs
 
     cfg = _load(args)
@@ -157,7 +157,7 @@ def rope_scaling_of(args):
 
 def cmd_generate(args) -> int:
     from minimind_ray.generate import generate_text  # lazy: torch, only when this runs
-    from minimind_ray.store.weights import build_inference_model
+    from minimind_ray.store.weights import build_inference_model  # lazy: pyarrow, torch, only when this runs
 
     dev = _device(args)
     model, lw = build_inference_model(args.weights, args.preset, device=dev, rope_scaling=rope_scaling_of(args))
@@ -172,7 +172,7 @@ def cmd_generate(args) -> int:
 
 def cmd_chat(args) -> int:
     from minimind_ray.generate import chat_loop  # lazy: torch, only when this runs
-    from minimind_ray.store.weights import build_inference_model
+    from minimind_ray.store.weights import build_inference_model  # lazy: pyarrow, torch, only when this runs
 
     dev = _device(args)
     model, lw = build_inference_model(args.weights, args.preset, device=dev, rope_scaling=rope_scaling_of(args))
@@ -197,7 +197,7 @@ def cmd_export(args) -> int:
 
 def cmd_merge_lora(args) -> int:
     from minimind_ray.model.lora import apply_lora, load_lora, merge_lora  # lazy: pyarrow, torch, only when this runs
-    from minimind_ray.store.pth import read_pth, save_pth
+    from minimind_ray.store.pth import read_pth, save_pth  # lazy: torch, only when this runs
     from minimind_ray.store.weights import build_inference_model  # lazy: pyarrow, torch, only when this runs
 
     model, _ = build_inference_model(args.base, args.preset, merge_lora=False)
@@ -371,7 +371,7 @@ def user_errors() -> tuple:
     message names the input, so :func:`main` prints it as one line with exit code 2. Anything else is a bug and keeps its traceback."""
     from minimind_ray.data.manifest import DataError  # lazy: pyarrow, only when this runs
     from minimind_ray.store.checkpoint import CheckpointError  # lazy: pyarrow, torch, only when this runs
-    from minimind_ray.store.pth import WeightsError
+    from minimind_ray.store.pth import WeightsError  # lazy: torch, only when this runs
 
     return (ConfigError, DataError, CheckpointError, WeightsError, TokenizerFetchError, OutOfMemory, RestartsSpent,
             ValueError, OSError)

@@ -35,7 +35,7 @@ Six formats, following MiniMind's ``dataset/lm_dataset.py`` (83e52f6 / d65ef2c):
     string or number). Rendered with the generation prompt; a longer prompt keeps its last ``max_seq_len``
     tokens (MiniMind's rule, counted ``truncated``). No random system prompt or thinking switch.
     ``agent_rl`` ``{"conversations", "gt"}`` (stage ``agent``, MiniMind's agent_rl.jsonl): an rlaif conversation
-    with tools, its ``gt`` values and the messages and tools kept for the rollouts (data/agent_format.py).
+    with tools, its ``gt`` values and the messages and tools kept for the rollouts (data/prompt_formats.py).
 
 Bad input never reaches training silently. :func:`parse_line` and :func:`check_record`
 raise :class:`BadRecord` with a reason from :data:`REASONS`; the prepare job counts

@@ -314,10 +314,10 @@ def run(cfg: RunConfig, *, tags: Optional[Dict[str, str]] = None, callbacks=(), 
 
     from minimind_ray.data.prepare import ensure_prepared  # lazy: numpy, only when this runs
     from minimind_ray.raytrain.faults import (LaunchFault, StartFaults, failure_callback, lost_report_callbacks,
-                                             not_placed, start_fault_callbacks, torch_config)
+                                             not_placed, start_fault_callbacks, torch_config)  # lazy: pyarrow, torch
     from minimind_ray.raytrain.trainer import LeanTorchTrainer  # lazy: ray.train
     from minimind_ray.raytrain.worker import train_loop_per_worker  # lazy: torch, only when this runs
-    from minimind_ray.store.checkpoint import mark_latest
+    from minimind_ray.store.checkpoint import mark_latest  # lazy: pyarrow, torch, only when this runs
     from minimind_ray.tokenizer import resolve_tokenizer  # lazy: tokenizers, only when this runs
 
     print(redact(f"[minimind-ray] {plan}"), flush=True)

@@ -116,7 +116,7 @@ def frozen_copy(model: nn.Module) -> nn.Module:
 def load_frozen(cfg_model, weights: str, device: torch.device) -> nn.Module:
     """A frozen model of ``cfg_model`` with ``weights`` (a teacher, a reference given by path), on ``device``."""
     from minimind_ray.model.minimind import build_model  # lazy: only the stages with a frozen model load one
-    from minimind_ray.store.weights import load_model_weights
+    from minimind_ray.store.weights import load_model_weights  # lazy: pyarrow, torch, as build_model above
 
     m = build_model(cfg_model)
     load_model_weights(m, weights)
