@@ -190,8 +190,8 @@ def profile_run(s: Setup, state, n: int):
     if (s.out / "profile_trace.json.gz").stat().st_size > 15 << 20:
         (s.out / "profile_trace.json.gz").unlink()  # over what a device call brings back
     attr = "self_device_time_total" if s.device.type == "cuda" else "self_cpu_time_total"
-    events = [e for e in prof.key_averages() if float(getattr(e, attr, 0) or 0) > 0 and
-              (s.device.type != "cuda" or "CUDA" in str(getattr(e, "device_type", "")))]  # kernels, not CPU ops
+    events = [e for e in prof.key_averages() if float(getattr(e, attr, 0) or 0) > 0 and not e.key.startswith(
+        "ProfilerStep") and (s.device.type != "cuda" or "CUDA" in str(getattr(e, "device_type", "")))]  # kernels
     events.sort(key=lambda e: -getattr(e, attr))
     busy = sum(getattr(e, attr) for e in events) / wall_us  # 1 - this: the device idles, launch-bound
     return {"top": [(e.key[:120], round(getattr(e, attr) / n, 1)) for e in events[:5]], "busy": busy,
