@@ -4,7 +4,7 @@
 
 Works under `ray job submit`, with RAY_ADDRESS set, or with nothing set (a local Ray).
 All logic lives in the library (minimind_ray.cli -> minimind_ray.raytrain.driver); the stage
-itself is minimind_ray/engine/objectives.py:AgentObjective, minimind_ray/rl/agent*.py and rl/tools.py (docs/rl.md).
+itself is minimind_ray/stages/agent_objective.py:AgentObjective, minimind_ray/rl/agent*.py and rl/tools.py (docs/rl.md).
 """
 import sys
 

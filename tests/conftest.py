@@ -139,7 +139,22 @@ def _heaviest_first(path_in_tests: str) -> tuple:
     return (2, 0)
 
 
+SOAK = REPO / "tests" / "soak"
+
+
+def _soak_asked(config) -> bool:
+    """The checks of tests/soak/ (minutes to hours, a GPU, llama.cpp) run only when asked for: ``-m`` names the
+    ``soak`` marker, or the command names a path inside tests/soak/. ``make test`` (``pytest tests``) leaves them out."""
+    named = [Path(str(a).split("::")[0]).resolve() for a in config.args]
+    return "soak" in (config.option.markexpr or "") or any(p == SOAK or SOAK in p.parents for p in named)
+
+
 def pytest_collection_modifyitems(config, items):
+    if not _soak_asked(config):  # deselected, not skipped: tests/skip_budget.py counts skips only
+        soak = [i for i in items if SOAK in Path(i.path).parents or i.get_closest_marker("soak")]
+        if soak:
+            config.hook.pytest_deselected(items=soak)
+            items[:] = [i for i in items if i not in soak]
     if hasattr(config, "workerinput") and _by_file(config):  # each worker collects; its order is the units'
         items.sort(key=lambda item: _heaviest_first(_in_tests(item.path)))  # stable: a file's tests keep their order
 

@@ -1,4 +1,4 @@
-"""Reinforcement learning on the training engine (stage ``grpo``).
+"""Reinforcement learning on the training engine (stages ``grpo``, ``ppo`` and ``agent``).
 
 ``rollout.py``  the rollout interface and the in-worker batched KV-cache sampler
 ``rewards.py``  reward plug-ins (MiniMind's rule rewards, exact answers, ``module:function``) and their sum
