@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test ui install bytecode
+.PHONY: demo test soak ui install bytecode
 
 # pip byte-compiles every package as it installs (keep it: where PYTHONDONTWRITEBYTECODE is set, as on the development
 # machines, nothing writes a .pyc later, and every process would compile torch and Ray from source at each import)
@@ -33,6 +33,14 @@ demo: bytecode
 TEST_WORKERS ?= 2
 test: bytecode
 	$(BIN)/python -m pytest -q --durations=30 $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder) tests
+
+## the checks `make test` leaves out (tests/soak/, marker `soak`): the chaos soak and the chaos table (minutes to an
+## hour each), GGUF files read back by llama.cpp (needs llama-cpp-python), the GPU checks (need CUDA; the Ray one also
+## rehearses on CPU), RL's learning margins over seeds. Tables print as they come (-s). SOAK=tests/soak/test_gguf.py picks
+## one file; pytest options after it, e.g. make soak SOAK="tests/soak/test_chaos_soak.py --soak-runs 3"
+SOAK ?= tests/soak
+soak: bytecode
+	$(BIN)/python -m pytest -q -s -m soak $(SOAK)
 
 ## the MLflow UI over the default local store, on 127.0.0.1 only; the link opens the experiments in MLflow's
 ## 'Model training' view (its home opens the GenAI one). MLflow's telemetry is off (its own switches,

@@ -17,34 +17,33 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
-import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+
+from common import curve, curve_table, run_of, timed_run
+
+from minimind_ray.config import load_config
+from minimind_ray.data.demo import resolve_demo_path
+from minimind_ray.evals.config import EvalTaskConfig
+from minimind_ray.evals.run import evaluate_task
+from minimind_ray.generate import tokenizer_for_weights
+from minimind_ray.rl.agent import agent_rollout
+from minimind_ray.rl.agent_rewards import answer_calls, build_agent_rewards, final_answer, gt_found, score_trajectories
+from minimind_ray.rl.rollout import SamplingParams, TorchRollout
+from minimind_ray.rl.tools import ToolBox
+from minimind_ray.store.weights import build_inference_model
+
+KEYS = ("rl/reward", "rl/reward_gt_answer", "rl/reward_tool_calls", "rl/answer_correct", "rl/called_tool",
+        "rl/tool_errors", "rl/turns", "rl/reward_std", "rl/completion_len", "rl/rollout_s", "perf/step_time_s")
 
 
 def toolcall_scores(weights: str, cache_dir: str, max_new_tokens: int) -> dict:
-    from minimind_ray.evals.config import EvalTaskConfig
-    from minimind_ray.evals.run import evaluate_task
-
     task = EvalTaskConfig(task="toolcall", data="demo:toolcall_eval", max_new_tokens=max_new_tokens, batch_size=50)
     return evaluate_task(weights, task, cache_dir=cache_dir)
 
 
 def agent_scores(weights: str, cfg) -> dict:
     """Greedy trajectories of the arithmetic prompts of demo:toolcall_eval through the agent stage's own rollout."""
-    import torch
-
-    from minimind_ray.data.demo import resolve_demo_path
-    from minimind_ray.generate import tokenizer_for_weights
-    from minimind_ray.rl.agent import agent_rollout
-    from minimind_ray.rl.agent_rewards import answer_calls, build_agent_rewards, final_answer, gt_found, \
-        score_trajectories
-    from minimind_ray.rl.rollout import SamplingParams, TorchRollout
-    from minimind_ray.rl.tools import ToolBox
-    from minimind_ray.store.weights import build_inference_model
-
     model, lw = build_inference_model(weights, "demo", device="cpu")
     tok = tokenizer_for_weights(lw, "builtin")
     path = resolve_demo_path("demo:toolcall_eval", "", os.path.abspath(cfg.data.cache_dir))
@@ -91,25 +90,6 @@ def agent_scores(weights: str, cfg) -> dict:
             "reward": sum(rewards) / n, "example": trajs[0].turns}
 
 
-def reward_curve(tracking_uri: str, run_id: str) -> dict:
-    from mlflow.tracking import MlflowClient
-
-    from minimind_ray.tracking.names import history
-
-    client = MlflowClient(tracking_uri)
-    keys = ("rl/reward", "rl/reward_gt_answer", "rl/reward_tool_calls", "rl/answer_correct", "rl/called_tool",
-            "rl/tool_errors", "rl/turns", "rl/reward_std", "rl/completion_len", "rl/rollout_s", "perf/step_time_s")
-    return {k.split("/", 1)[1]: dict(history(client, run_id, k)) for k in keys}
-
-
-def train(stage_cfg):
-    from minimind_ray.raytrain.driver import run
-
-    t0 = time.time()
-    res = run(stage_cfg)
-    return res, time.time() - t0
-
-
 def report(title: str, tc: dict, ag: dict) -> None:
     sub = tc["subjects"]
     by_len = ", ".join(f"{k} digits {v:6.1%}" for k, v in ag["by_len"].items())
@@ -128,12 +108,9 @@ def main() -> None:
     ap.add_argument("--config", default="pipelines/configs/demo_agent.yaml")
     ap.add_argument("overrides", nargs="*", help="applied to the agent recipe, e.g. train.max_steps=20")
     args = ap.parse_args()
-
-    from minimind_ray.config import load_config
-
     tool_sft = args.tool_sft
     if tool_sft is None:
-        res, wall = train(load_config("pipelines/configs/demo_tool_sft.yaml", [f"train.init_from={args.sft}"]))
+        res, wall = timed_run(load_config("pipelines/configs/demo_tool_sft.yaml", [f"train.init_from={args.sft}"]))
         tool_sft = res.run_dir
         print(f"tool SFT: {res.run_dir} in {wall:.0f} s wall")
     cfg = load_config(args.config, [f"train.init_from={tool_sft}", *args.overrides])
@@ -141,16 +118,11 @@ def main() -> None:
     before = toolcall_scores(tool_sft, cfg.data.cache_dir, tokens), agent_scores(tool_sft, cfg)
     wall = None
     if args.agent is None:
-        res, wall = train(cfg)
+        res, wall = timed_run(cfg)
         agent_dir, run_id, uri = res.run_dir, res.mlflow_run_id, res.tracking_uri
     else:
-        from minimind_ray.store.checkpoint import newest_complete
-
         agent_dir = args.agent
-        meta = newest_complete(agent_dir).meta()
-        run_id = meta.mlflow_run_id
-        uri = meta.config["tracking"]["uri"] or os.environ.get("MLFLOW_TRACKING_URI") or \
-            f"sqlite:///{os.path.abspath('mlflow.db')}"
+        run_id, uri = run_of(agent_dir)
     after = toolcall_scores(agent_dir, cfg.data.cache_dir, tokens), agent_scores(agent_dir, cfg)
     print("\n==== the calculator demo (demo:toolcall_eval: 200 held-out sums of 3 or 4 digits) ====")
     report("tool SFT (before)", *before)
@@ -159,17 +131,8 @@ def main() -> None:
     if wall is not None:
         print(f"agent run: {cfg.train.max_steps} steps in {wall:.0f} s wall (Ray's start, prepare, training, export)")
     if run_id:
-        curve = reward_curve(uri, run_id)
-        steps = sorted(curve["reward"])
-        print("\nsteps     reward  gt_answer  tool_calls  right sum  called  tool errors  turns  group std  "
-              "own tokens  rollout_s  step_s")
-        for lo in range(0, len(steps), 10):
-            block = steps[lo:lo + 10]
-            m = {k: sum(v.get(s, float("nan")) for s in block) / len(block) for k, v in curve.items()}
-            print(f"{block[0]:>3}-{block[-1]:<4} {m['reward']:7.3f}  {m['reward_gt_answer']:9.3f}  "
-                  f"{m['reward_tool_calls']:10.3f}  {m['answer_correct']:9.1%}  {m['called_tool']:6.1%}  "
-                  f"{m['tool_errors']:11.3f}  {m['turns']:5.2f}  {m['reward_std']:9.3f}  {m['completion_len']:10.1f}  "
-                  f"{m['rollout_s']:9.2f}  {m['step_time_s']:6.2f}")
+        print()
+        curve_table(curve(uri, run_id, KEYS), 10)
 
 
 if __name__ == "__main__":

@@ -1,44 +1,44 @@
 """Data-path benchmark (not a test): is the data path ever the bottleneck?
 
-(a) prepare: tokens/s of the whole Ray Data prepare job (read jsonl, check, tokenize,
-    pack, write Parquet, manifest) against calling HF tokenizers' ``encode_batch``
-    directly on the same texts already in memory. Goal: ratio >= 0.8, i.e. the job
-    adds at most 20% over the bare tokenizer.
-(b) stream: tokens/s one worker's TrainStream delivers from the prepared shards against
-    the tokens/s a training step of the 26M model (preset minimind2-small, seq 512)
-    consumes on this CPU (a few forward/backward passes). Goal: ratio >= 20.
+(a) prepare: tokens/s of the whole Ray Data prepare job (read jsonl, check, tokenize, pack, write Parquet,
+    manifest) against HF tokenizers' ``encode_batch`` on the same texts in memory. Goal: ratio >= 0.8.
+(b) stream: tokens/s one worker's TrainStream delivers from the prepared shards against the tokens/s a training
+    step of the 26M model (minimind2-small, seq 512) consumes on this CPU. Goal: ratio >= 20.
 
-Both sides of (a) use every core: the direct call through the tokenizer's own thread
-pool, prepare through its Ray Data job. Run from the repository root:
+Both sides of (a) use every core (the tokenizer's own thread pool; the Ray Data job). From the repository root:
 
     .venv/bin/python bench/bench_data.py                                   # ~1.5 min on 2 cores
     .venv/bin/python bench/bench_data.py --docs 200000 --files 8 --cli     # 9M tokens in 8 files
 
-The default corpus (800k documents, 36M tokens) is large enough that the fixed cost of a
-Ray Data job (printed separately) is a small share, as it is on MiniMind's GB-sized sets;
-with ``--docs 200000`` (9M tokens, about 4 s of tokenizing here) that cost shows in (a).
-``--files N`` splits the corpus into N jsonl files of equal size (a common layout of many
-small shards) and prepares their directory. ``--cli`` also times the whole user command,
-``minimind-ray prepare`` in a fresh process (Python start, Ray start, hashing the sources,
-the job, Ray's shutdown), against ``encode_batch``: the cost a user sees.
+The default corpus (800k documents, 36M tokens) makes the fixed cost of a Ray Data job (printed separately) a small
+share, as on MiniMind's GB-sized sets; with ``--docs 200000`` (9M tokens, 4 s of tokenizing) it shows in (a).
+``--files N`` splits the corpus into N jsonl files of equal size (many small shards) and prepares their directory.
+``--cli`` also times the whole ``minimind-ray prepare`` in a fresh process (Python's and Ray's start, hashing the
+sources, the job, Ray's shutdown) against ``encode_batch``: the cost a user sees.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+import torch
+import torch.nn.functional as F
+from common import REPO, fresh_model, local_ray, table
+
+from minimind_ray.config import DataConfig
+from minimind_ray.data.demo import write_demo_corpus
+from minimind_ray.data.prepare import prepare
+from minimind_ray.data.stream import PreparedDataset, TrainStream
+from minimind_ray.tokenizer import load_tokenizer, resolve_tokenizer
 
 
 def _tokenizer(spec: str, cache: str):
-    from minimind_ray.tokenizer import load_tokenizer, resolve_tokenizer
-
     if spec == "auto":
         shared = REPO.parent / "shared" / "minimind" / "minimind2"
         return load_tokenizer(str(shared)) if (shared / "tokenizer.json").exists() else resolve_tokenizer("builtin", cache)
@@ -86,12 +86,6 @@ def time_cli(source: str, tok_dir: str, out: str, chunk_bytes: int) -> float:
 def bench_prepare(tok, source: str, work: str, chunk_bytes: int, repeat: int) -> dict:
     """(a): the same texts through encode_batch directly, then through prepare(), ``repeat``
     times in alternation (on a shared machine the load drifts; each pair sees about the same)."""
-    import statistics
-
-    from minimind_ray.config import DataConfig
-    from minimind_ray.data.demo import write_demo_corpus
-    from minimind_ray.data.prepare import prepare
-
     cfg = DataConfig(format="pretrain", max_seq_len=512, chunk_bytes=chunk_bytes)
     warm = write_demo_corpus(os.path.join(work, "warm"), n_pretrain=2000, n_sft=10, n_dpo=10)["pretrain"]
     prepare([warm], os.path.join(work, "warm-prepared"), tok, cfg)  # start Ray Data's workers first
@@ -115,10 +109,6 @@ def bench_stream(prepared: str, world: int, repeats: int = 3) -> float:
     from a cold start: every row group is opened and decoded once, as on real data larger
     than the reader's cache. No prefetch thread: this is the cost of producing the batches.
     Best of ``repeats`` fresh streams (the machine is shared)."""
-    import torch  # noqa: F401  (a training worker has it loaded; keep its import out of the timing)
-
-    from minimind_ray.data.stream import PreparedDataset, TrainStream
-
     best = 0.0
     for _ in range(repeats):
         t = time.perf_counter()
@@ -132,14 +122,7 @@ def bench_stream(prepared: str, world: int, repeats: int = 3) -> float:
 
 def bench_model(micro: int, seq: int, steps: int) -> float:
     """Input tokens/s of forward+backward of minimind2-small (26M) on this CPU."""
-    import torch
-    import torch.nn.functional as F
-
-    from minimind_ray.config import ModelConfig
-    from minimind_ray.model.minimind import build_model
-    from minimind_ray.model.presets import preset_values
-
-    model = build_model(ModelConfig(**preset_values("minimind2-small")), seed=0)
+    model = fresh_model("minimind2-small")
     x = torch.randint(3, 6400, (micro, seq + 1))
     times = []
     for i in range(steps + 1):  # the first step warms up allocators and kernels
@@ -170,11 +153,6 @@ def main() -> None:
     ap.add_argument("--micro", type=int, default=4, help="micro-batch of the model step")
     ap.add_argument("--seq", type=int, default=512)
     args = ap.parse_args()
-
-    import ray
-
-    from minimind_ray.data.demo import write_demo_corpus
-
     cpus = os.cpu_count() or 1
     with tempfile.TemporaryDirectory(prefix="bench-data-") as work:
         tok = _tokenizer(args.tokenizer, os.path.join(work, "cache"))
@@ -188,8 +166,7 @@ def main() -> None:
             tok_dir = os.path.join(work, "tok")
             tok.save(tok_dir)
             cli_s = time_cli(source, tok_dir, os.path.join(work, "cli-cache"), chunk_bytes)
-        ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": {"PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}})
+        ray = local_ray(cpus, log_to_driver=False)
         a = bench_prepare(tok, source, work, chunk_bytes, args.repeat)
         if not args.prepare_only:
             stream1 = bench_stream(a["prepared"], world=1)
@@ -201,15 +178,13 @@ def main() -> None:
     print(f"\nhost: {cpus} CPUs, load average {os.getloadavg()[0]:.1f}; tokenizer {tok.path} (vocab {tok.vocab_size}); "
           f"corpus {args.docs} docs, {a['tokens']:,} tokens, {size / 2**20:.1f} MiB in {args.files} file(s), "
           f"chunk_bytes {chunk_bytes / 2**20:.1f} MiB")
-    print("| measure | tokens/s | baseline | baseline tokens/s | ratio | goal |")
-    print("|---|---:|---|---:|---:|---:|")
-    print(f"| (a) prepare job on {cpus} CPUs | {a['prepare_tps']:,.0f} | HF encode_batch on the same texts | "
-          f"{a['direct_tps']:,.0f} | {a['prepare_tps'] / a['direct_tps']:.2f} | >= 0.8 |")
+    rows = [(f"(a) prepare job on {cpus} CPUs", f"{a['prepare_tps']:,.0f}", "HF encode_batch on the same texts",
+             f"{a['direct_tps']:,.0f}", f"{a['prepare_tps'] / a['direct_tps']:.2f}", ">= 0.8")]
     if not args.prepare_only:
-        print(f"| (b) TrainStream, world 1 (rank 0) | {stream1:,.0f} | minimind2-small fwd+bwd, seq {args.seq}, "
-              f"micro {args.micro} | {model_tps:,.0f} | {stream1 / model_tps:,.0f}x | >= 20x |")
-        print(f"| (b) TrainStream, world 2 (rank 0) | {stream2:,.0f} | same | {model_tps:,.0f} | "
-              f"{stream2 / model_tps:,.0f}x | >= 20x |")
+        step = f"minimind2-small fwd+bwd, seq {args.seq}, micro {args.micro}"
+        rows += [(f"(b) TrainStream, world {w} (rank 0)", f"{tps:,.0f}", step if w == 1 else "same",
+                  f"{model_tps:,.0f}", f"{tps / model_tps:,.0f}x", ">= 20x") for w, tps in ((1, stream1), (2, stream2))]
+    table(("measure", "tokens/s", "baseline", "baseline tokens/s", "ratio", "goal"), rows)
     if args.repeat > 1:
         print("pairs (encode_batch s, prepare s -> ratio): " + ", ".join(
             f"({d:.1f}, {p:.1f} -> {d / p:.2f})" for d, p in a["pairs"]))

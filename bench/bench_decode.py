@@ -8,11 +8,9 @@ mostly measures the other processes); a point's figure is batch / the median ste
   batch 1    ``generate_tokens`` (the ``minimind-ray generate`` loop), one prompt
   batch 16   the serving engine (``serve/engine.py``) with 16 requests of p-token prompts, timed once all 16 run
 
-Both functions exist before and after, so the same worker code runs on both versions: "before" is the commit
-before issue 35 (``--before``, default b090f53: the cache grown with ``torch.cat`` per token, ``repeat_kv``),
-exported with ``git archive``; "after" is this checkout. Rounds alternate between the two (``--rounds``), each in
-a fresh process with --threads torch threads; the table gives each point's best round (the machine is shared:
-the best is the least disturbed) and the load average.
+Both functions exist before and after, so the same worker runs on both: "before" is the commit before issue 35
+(``--before``, default b090f53: the cache grown with ``torch.cat`` per token, ``repeat_kv``), "after" this checkout,
+in alternating rounds (common.before_after), each point's best round (the least disturbed on a shared machine).
 
 ``--kernels`` instead times this checkout's two CPU attentions of a cached step alone (``_grouped_attention``:
 SDPA, and keys x queries, each forced), every layer of --preset over its own cache-shaped buffers of random keys
@@ -27,18 +25,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import threading
 import time
 from pathlib import Path
 
+from common import before_after, fresh_model, table
+
 
 def _batch1(model, p: int, steps: int) -> float:
     import torch
 
-    from minimind_ray.generate import generate_tokens
+    from minimind_ray.generate import generate_tokens  # lazy: the worker's --src first (worker below)
 
     prompt = torch.randint(3, 6400, (1, p), generator=torch.Generator().manual_seed(p))
     stamps = [time.thread_time() for _ in generate_tokens(model, prompt, steps + 1, temperature=0.0,
@@ -49,7 +48,7 @@ def _batch1(model, p: int, steps: int) -> float:
 def _batched(model, p: int, steps: int, batch: int) -> float:
     import torch
 
-    from minimind_ray.serve.engine import Engine, GenRequest
+    from minimind_ray.serve.engine import Engine, GenRequest  # lazy: the worker's --src first (worker below)
 
     engine = Engine(model, eos_id=2, max_batch=batch, context=p + steps + 2)
     g = torch.Generator().manual_seed(p)
@@ -81,15 +80,12 @@ def _batched(model, p: int, steps: int, batch: int) -> float:
 
 
 def worker(args) -> dict:
+    """One side's points, on the code of the tree ``args.src`` (an earlier commit's, or this checkout's)."""
     sys.path.insert(0, args.src)
     import torch
 
-    from minimind_ray.config import ModelConfig
-    from minimind_ray.model.minimind import build_model
-    from minimind_ray.model.presets import preset_values
-
     torch.set_num_threads(args.threads)
-    model = build_model(ModelConfig(**preset_values(args.preset)), seed=0).eval()
+    model = fresh_model(args.preset).eval()
     _batch1(model, 16, 4)  # warm-up
     out = {}
     for b in [int(x) for x in args.batches.split(",")]:
@@ -102,12 +98,10 @@ def kernels(args) -> None:
     """The table of --kernels (see the module docstring), this checkout only, in this process."""
     import torch
 
-    import minimind_ray.model.minimind as mm
-    from minimind_ray.config import ModelConfig
-    from minimind_ray.model.presets import preset_values
+    import minimind_ray.model.minimind as mm  # lazy: no minimind_ray at the top (a worker's --src comes first)
 
     torch.set_num_threads(args.threads)
-    model = mm.build_model(ModelConfig(**preset_values(args.preset)), seed=0).eval()
+    model = fresh_model(args.preset).eval()
     attn, c, threshold = model.model.layers[0].self_attn, model.cfg, mm._KEYS_FIRST
 
     def ms(fn, repeat=6) -> float:
@@ -119,8 +113,7 @@ def kernels(args) -> None:
 
     print(f"\n{args.preset}: one cached step's attention over its {c.num_hidden_layers} layers, one new token per row, "
           f"{args.threads} torch thread(s), mean of 6 after a warm-up (ms)\n")
-    print("| batch x keys | KV bytes | read them (sum) | SDPA | keys x queries | SDPA / keys x queries |")
-    print("|---|---|---|---|---|---|")
+    rows = []
     for shape in args.kernel_shapes.split(","):
         B, S = (int(x) for x in shape.split("x"))
         kv = [torch.randn(2, B, c.num_key_value_heads, S + 1, c.head_dim) for _ in range(c.num_hidden_layers)]
@@ -136,9 +129,10 @@ def kernels(args) -> None:
         read = ms(lambda: [(k.sum(), v.sum()) for k, v in views])
         sdpa, keys_first = ms(lambda: attend(False)), ms(lambda: attend(True))
         nbytes = sum(k.numel() + v.numel() for k, v in views) * 4
-        print(f"| {B} x {S} | {nbytes / 1e6:.0f} MB | {read:.2f} ({nbytes / read / 1e6:.1f} GB/s) | {sdpa:.2f} | "
-              f"{keys_first:.2f} | {sdpa / keys_first:.2f}x |")
+        rows.append((f"{B} x {S}", f"{nbytes / 1e6:.0f} MB", f"{read:.2f} ({nbytes / read / 1e6:.1f} GB/s)",
+                     f"{sdpa:.2f}", f"{keys_first:.2f}", f"{sdpa / keys_first:.2f}x"))
     mm._KEYS_FIRST = threshold
+    table(("batch x keys", "KV bytes", "read them (sum)", "SDPA", "keys x queries", "SDPA / keys x queries"), rows)
 
 
 def main(argv=None) -> int:
@@ -149,7 +143,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--before", default=None, help="the commit to compare with (default: before_after.BASE_REV)")
+    ap.add_argument("--before", default=None, help="the commit to compare with (default: common.BASE_REV)")
     ap.add_argument("--json", help="also write the figures here")
     ap.add_argument("--kernels", action="store_true", help="time the two CPU attention kernels alone (no --before)")
     ap.add_argument("--kernel-shapes", default="16x64,16x128,16x256,2x2048,16x512,16x2048",
@@ -164,35 +158,23 @@ def main(argv=None) -> int:
         kernels(args)
         return 0
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from before_after import BASE_REV, REPO, export_tree, run_worker
-
-    rev = args.before or BASE_REV
-    trees = {"before": export_tree(rev), "after": REPO}
     passed = ["--preset", args.preset, "--positions", args.positions, "--batches", args.batches, "--steps",
               str(args.steps), "--threads", str(args.threads)]
-    loads, best = [os.getloadavg()[0]], {"before": {}, "after": {}}
-    for r in range(args.rounds):
-        for side, tree in trees.items():
-            got = run_worker(Path(__file__).resolve(), tree, passed, args.threads)
-            for k, v in got.items():
-                best[side][k] = max(best[side].get(k, 0.0), v)
-            print(f"round {r + 1} {side}: " + ", ".join(f"{k} {v:.1f}" for k, v in got.items()), flush=True)
-        loads.append(os.getloadavg()[0])
+    rev, best, loads = before_after(__file__, passed, args.threads, args.rounds, args.before, score=lambda v: v,
+                                    show=lambda v: f"{v:.1f}")
     positions = [int(x) for x in args.positions.split(",")]
     print(f"\n{args.preset}, tokens per CPU second = batch / the median of {args.steps} decode steps' CPU time, "
           f"{args.threads} torch thread(s), best of {args.rounds} rounds; before = {rev}, after = this checkout; "
-          f"load average (1 min) "
-          + " -> ".join(f"{x:.1f}" for x in loads))
-    print("\n| batch | position | before tok/CPU s | after tok/CPU s | after / before | cost per token vs position "
-          f"{positions[0]}: before | after |")
-    print("|---|---|---|---|---|---|---|")
+          f"load average (1 min) {loads}\n")
+    rows = []
     for b in [int(x) for x in args.batches.split(",")]:
         for p in positions:
             k, k0 = f"{b}@{p}", f"{b}@{positions[0]}"
             bb, aa = best["before"][k], best["after"][k]
-            print(f"| {b} | {p} | {bb:.1f} | {aa:.1f} | {aa / bb:.2f}x | {best['before'][k0] / bb:.2f}x | "
-                  f"{best['after'][k0] / aa:.2f}x |")
+            rows.append((b, p, f"{bb:.1f}", f"{aa:.1f}", f"{aa / bb:.2f}x", f"{best['before'][k0] / bb:.2f}x",
+                         f"{best['after'][k0] / aa:.2f}x"))
+    table(("batch", "position", "before tok/CPU s", "after tok/CPU s", "after / before",
+           f"cost per token vs position {positions[0]}: before", "after"), rows)
     if args.json:
         Path(args.json).write_text(json.dumps({"rev": rev, "loads": loads, **best}, indent=1))
     return 0

@@ -12,9 +12,8 @@
 3. ``--gen``: a ``gen`` task's questions per second before and after the static KV cache (issue 35): the
    held-out sorting prompts (demo:sort_heldout) with greedy and sampled completions, on the demo model (16
    samples of 10 tokens, as bench_grpo.py scores it) and on minimind2-small (4 samples of 64 tokens); fresh
-   weights and the demo tokenizer. "before" is the commit before issue 35 (``--before``, exported with
-   ``git archive``), "after" this checkout, each in a fresh process, alternating (``--rounds``, the best
-   counts), and whether both gave the same completions.
+   weights, the demo tokenizer. "before" is the commit before issue 35 (``--before``), "after" this checkout, in
+   alternating rounds (common.before_after), and whether both gave the same completions.
 
 Usage:  .venv/bin/python bench/bench_eval.py [--preset minimind2-small] [--questions 200] [--shots 5]
                                              [--skip-validation] [--skip-qps]
@@ -35,7 +34,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import before_after, fresh_model, table, timed_run
+
+# No minimind_ray import at the top: --gen's worker puts the tree it measures (--src) first on sys.path before it
+# imports minimind_ray (gen_worker); the rest import it in their functions, each saying so.
 
 CEVAL_YAML = """task: bench_ceval
 dataset_path: csv
@@ -96,13 +98,13 @@ def bench_qps(args, work: Path) -> None:
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
-    from minimind_ray.config import load_config
-    from minimind_ray.data.demo import resolve_demo_path
-    from minimind_ray.evals.config import EvalTaskConfig
-    from minimind_ray.evals.run import evaluate_task
-    from minimind_ray.export import export_hf
-    from minimind_ray.model.minimind import build_model
-    from minimind_ray.tokenizer import resolve_tokenizer
+    from minimind_ray.config import load_config  # lazy: no minimind_ray at the top (see there)
+    from minimind_ray.data.demo import resolve_demo_path  # lazy: the same
+    from minimind_ray.evals.config import EvalTaskConfig  # lazy: the same
+    from minimind_ray.evals.run import evaluate_task  # lazy: the same
+    from minimind_ray.export import export_hf  # lazy: the same
+    from minimind_ray.model.minimind import build_model  # lazy: the same
+    from minimind_ray.tokenizer import resolve_tokenizer  # lazy: the same
 
     cfg = load_config(None, [f"model.preset={args.preset}", "data.train_path=[demo]", "data.tokenizer=builtin",
                              f"data.cache_dir={work / 'cache'}"])
@@ -135,16 +137,14 @@ def bench_qps(args, work: Path) -> None:
         rows.append((label, n, n / t_ours, n / t_theirs, same))
     print(f"\n==== questions per second, {args.preset} (fp32, CPU, {torch.get_num_threads()} threads, batch "
           f"{args.batch_size}), the same HF export and files ====")
-    print(f"{'task':<26} {'n':>5} {'minimind-ray':>13} {'lm-eval hf':>11} {'ratio':>7} {'same choice':>12}")
-    for label, n, a, b, same in rows:
-        print(f"{label:<26} {n:>5} {a:>13.1f} {b:>11.1f} {a / b:>6.2f}x {same:>6}/{n}")
+    table(("task", "n", "minimind-ray", "lm-eval hf", "ratio", "same choice"),
+          [(label, n, f"{a:.1f}", f"{b:.1f}", f"{a / b:.2f}x", f"{same}/{n}") for label, n, a, b, same in rows])
 
 
 def bench_validation(args, work: Path) -> None:
     from mlflow.tracking import MlflowClient
 
-    from minimind_ray.config import load_config
-    from minimind_ray.raytrain.driver import run
+    from minimind_ray.config import load_config  # lazy: no minimind_ray at the top (see there)
 
     common = ["train.max_steps=200", "checkpoint.interval=50", "train.log_interval=10", "train.eval_interval=0",
               "data.eval_fraction=0", f"data.cache_dir={work / 'cache'}", f"checkpoint.storage_path={work / 'runs'}",
@@ -154,17 +154,16 @@ def bench_validation(args, work: Path) -> None:
                          ("with eval.tasks (mc, every 50 steps)", ["eval.interval=50",
                                                                     "eval.tasks=[{task: mc, data: 'demo:mc_eval'}]"])):
         cfg = load_config("pipelines/configs/demo_pretrain.yaml", common + extra)
-        res, wall = timed(lambda: run(cfg))
+        res, wall = timed_run(cfg)
         hist = MlflowClient(f"sqlite:///{work / 'mlflow.db'}").get_metric_history(res.mlflow_run_id, "perf/step_time_s")
         steps = [m.value for m in sorted(hist, key=lambda m: m.step)][1:]  # the first interval holds the start
         evals = [json.loads(p.read_text())["seconds"] for p in sorted((Path(res.run_dir) / "eval").glob("*.json"))]
         rows.append((label, statistics.mean(steps), wall, evals))
     base = rows[0][1]
     print("\n==== validation during training: demo preset, 200 steps, 2 workers, checkpoint every 50 ====")
-    print(f"{'run':<38} {'step time (s)':>13} {'vs without':>10} {'wall (s)':>9}   evaluations")
-    for label, step, wall, evals in rows:
-        ev = f"{len(evals)} x {statistics.mean(evals):.1f}s" if evals else "-"
-        print(f"{label:<38} {step:>13.4f} {step / base:>9.3f}x {wall:>9.0f}   {ev}")
+    table(("run", "step time (s)", "vs without", "wall (s)", "evaluations"),
+          [(label, f"{step:.4f}", f"{step / base:.3f}x", f"{wall:.0f}",
+            f"{len(evals)} x {statistics.mean(evals):.1f}s" if evals else "-") for label, step, wall, evals in rows])
 
 
 GEN_CASES = {  # preset: (questions, samples, max_new_tokens, batch_size)
@@ -179,8 +178,8 @@ def gen_worker(args) -> dict:
     sys.path.insert(0, args.src)
     import hashlib
 
-    from minimind_ray.evals.config import EvalTaskConfig
-    from minimind_ray.evals.run import evaluate_task
+    from minimind_ray.evals.config import EvalTaskConfig  # lazy: after --src is first on sys.path
+    from minimind_ray.evals.run import evaluate_task  # lazy: the same
 
     torch.set_num_threads(args.threads)
     setup = json.loads(Path(args.setup).read_text())
@@ -199,49 +198,32 @@ def gen_worker(args) -> dict:
 
 
 def bench_gen(args, work: Path) -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from before_after import BASE_REV, REPO, export_tree, run_worker
-
-    from minimind_ray.config import ModelConfig
-    from minimind_ray.data.demo import resolve_demo_path
-    from minimind_ray.model.minimind import build_model
-    from minimind_ray.model.presets import preset_values
-    from minimind_ray.store.pth import save_pth
-    from minimind_ray.tokenizer import resolve_tokenizer
+    from minimind_ray.data.demo import resolve_demo_path  # lazy: no minimind_ray at the top (see there)
+    from minimind_ray.store.pth import save_pth  # lazy: the same
+    from minimind_ray.tokenizer import resolve_tokenizer  # lazy: the same
 
     cache = work / "cache"
     tok = resolve_tokenizer("builtin", str(cache))
     weights = {}
     for preset in GEN_CASES:
         weights[preset] = str(work / f"{preset}.pth")
-        save_pth(build_model(ModelConfig(**preset_values(preset)), seed=0), weights[preset])
+        save_pth(fresh_model(preset), weights[preset])
     setup = work / "gen.json"
     setup.write_text(json.dumps({"data": resolve_demo_path("demo:sort_heldout", "", str(cache)), "weights": weights,
                                  "tokenizer": tok.path, "cache": str(cache)}))
-    rev = args.before or BASE_REV
-    trees = {"before": export_tree(rev), "after": REPO}
-    loads, best = [os.getloadavg()[0]], {"before": {}, "after": {}}
-    for r in range(args.rounds):
-        for side, tree in trees.items():
-            got = run_worker(Path(__file__).resolve(), tree, ["--setup", str(setup), "--threads", str(args.threads)],
-                             args.threads)
-            for k, v in got.items():
-                if k not in best[side] or v["qps"] > best[side][k]["qps"]:
-                    best[side][k] = v
-            print(f"round {r + 1} {side}: " + ", ".join(f"{k} {v['qps']:.2f} q/CPU s" for k, v in got.items()),
-                  flush=True)
-        loads.append(os.getloadavg()[0])
+    rev, best, loads = before_after(__file__, ["--setup", str(setup), "--threads", str(args.threads)], args.threads,
+                                    args.rounds, args.before, score=lambda v: v["qps"],
+                                    show=lambda v: f"{v['qps']:.2f} q/CPU s")
     print(f"\n`gen` task questions per CPU second (wall q/s in brackets), best of {args.rounds} rounds, {args.threads} "
-          f"torch thread(s); before = {rev}, after = this checkout; load average (1 min) "
-          + " -> ".join(f"{x:.1f}" for x in loads))
-    print("\n| model | questions x (1 greedy + samples) x tokens | before q/CPU s (wall q/s) | "
-          "after q/CPU s (wall q/s) | after / before | same completions |")
-    print("|---|---|---|---|---|---|")
+          f"torch thread(s); before = {rev}, after = this checkout; load average (1 min) {loads}\n")
+    rows = []
     for preset, (n, samples, max_new, _) in GEN_CASES.items():
         b, a = best["before"][preset], best["after"][preset]
-        print(f"| {preset} | {a['n']} x (1 + {samples}) x {max_new} | {b['qps']:.2f} ({b['wall_qps']:.2f}) | "
-              f"{a['qps']:.2f} ({a['wall_qps']:.2f}) | "
-              f"{a['qps'] / b['qps']:.2f}x | {'yes' if a['completions'] == b['completions'] else 'NO'} |")
+        rows.append((preset, f"{a['n']} x (1 + {samples}) x {max_new}", f"{b['qps']:.2f} ({b['wall_qps']:.2f})",
+                     f"{a['qps']:.2f} ({a['wall_qps']:.2f})", f"{a['qps'] / b['qps']:.2f}x",
+                     "yes" if a["completions"] == b["completions"] else "NO"))
+    table(("model", "questions x (1 greedy + samples) x tokens", "before q/CPU s (wall q/s)",
+           "after q/CPU s (wall q/s)", "after / before", "same completions"), rows)
 
 
 def main() -> None:
@@ -255,8 +237,8 @@ def main() -> None:
     ap.add_argument("--gen", action="store_true", help="only the gen task's questions/s, before and after")
     ap.add_argument("--rounds", type=int, default=2, help="--gen: rounds of each side")
     ap.add_argument("--threads", type=int, default=1, help="--gen: torch threads")
-    ap.add_argument("--before", default=None, help="--gen: the commit to compare with (before_after.BASE_REV)")
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # --gen's worker (before_after.py)
+    ap.add_argument("--before", default=None, help="--gen: the commit to compare with (common.BASE_REV)")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # --gen's worker (common.before_after)
     ap.add_argument("--src", help=argparse.SUPPRESS)
     ap.add_argument("--setup", help=argparse.SUPPRESS)
     args = ap.parse_args()

@@ -11,10 +11,9 @@ data (sequences of 32 tokens) and report:
                    torch.distributed.checkpoint) and read back into the running state
 
 DDP of the 0.5B preset needs ~9 GiB a worker by the estimate (16 bytes a parameter): it runs only with --ddp-big, on a
-machine that has twice that to spare. Threads: one per worker. Say the load (uptime) with the figures: on a shared
-machine they move with it; the ratios between rows of one run are what compare. So the modes run in rounds, each
-round in the reverse order of the last (``--repeats``), and each row keeps its best round (the one least disturbed
-by the rest of the machine): tokens/s, save and restore seconds; the peak is the largest of every round.
+machine that has twice that to spare. One thread per worker. On a shared machine the figures move with the load (it
+is printed); the ratios between rows of one run compare. So the modes run in rounds, each in the reverse order of the
+last (``--repeats``), and each row keeps its best round: tokens/s, save and restore seconds; the peak, the largest.
 
 Usage:  .venv/bin/python bench/bench_fsdp.py [--out bench_fsdp.json] [--ddp-big] [--steps-small 5] [--steps-big 3]
                                             [--repeats 2] [--repeats-big 1]
@@ -25,40 +24,41 @@ import argparse
 import dataclasses
 import json
 import os
-import sys
+import shutil
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from common import REPO
 
+from minimind_ray.config import ModelConfig, from_dict
+from minimind_ray.engine.memory import estimate
+from minimind_ray.engine.metrics import peak_memory_gb
+from minimind_ray.engine.state import TrainState
+from minimind_ray.engine.step import train_step
+from minimind_ray.model.presets import preset_values
+from minimind_ray.store.checkpoint import open_checkpoint
+
+FIXTURE = REPO / "tests" / "fixtures" / "checkpoint_v1"  # the unit tests' run: its prepared data, sequences of 32
+PREPARED = str(FIXTURE / "prepared")
 MODES = {"ddp": dict(parallelism="ddp"), "fsdp": dict(parallelism="fsdp"),
          "fsdp+ac": dict(parallelism="fsdp", activation_checkpointing="blocks")}
 
 
 def _config(preset: str, micro: int, steps: int, mode: str):
-    from minimind_ray.config import ModelConfig
-    from minimind_ray.model.presets import preset_values
-    from tests.unit.test_engine import fixture_config
-
-    cfg = fixture_config(max_steps=steps, micro_batch_size=micro, global_batch_size=2 * micro, precision="fp32",
-                         threads_per_worker=1, log_interval=10 ** 6, **MODES[mode])
-    return dataclasses.replace(cfg, model=ModelConfig(**preset_values(preset)),
+    """The fixture run's config (its machine's paths dropped), with ``preset``'s model on 2 workers."""
+    cfg = from_dict(open_checkpoint(FIXTURE / "checkpoint_step4").meta().config)
+    train = dataclasses.replace(cfg.train, sample_log_dir=None, max_steps=steps, micro_batch_size=micro,
+                                global_batch_size=2 * micro, precision="fp32", threads_per_worker=1,
+                                log_interval=10 ** 6, **MODES[mode])
+    return dataclasses.replace(cfg, train=train, model=ModelConfig(**preset_values(preset)),
                                cluster=dataclasses.replace(cfg.cluster, num_workers=2))
 
 
 def _ranks(rank: int, world: int, work: str, preset: str, micro: int, steps: int, mode: str) -> None:
-    import torch
-    import torch.distributed as dist
-
-    from minimind_ray.engine.memory import estimate
-    from minimind_ray.engine.metrics import peak_memory_gb
-    from minimind_ray.engine.state import TrainState
-    from minimind_ray.engine.step import train_step
-    from minimind_ray.store.checkpoint import open_checkpoint
-    from tests.unit.test_engine import PREPARED
-
     dist.init_process_group("gloo", init_method=f"file://{work}/init", rank=rank, world_size=world)
     cfg = _config(preset, micro, steps + 1, mode)
     state = TrainState.build(cfg, PREPARED, rank=rank, world=world)
@@ -88,10 +88,6 @@ def _ranks(rank: int, world: int, work: str, preset: str, micro: int, steps: int
 
 
 def bench(preset: str, micro: int, steps: int, mode: str) -> dict:
-    import shutil
-
-    import torch.multiprocessing as mp
-
     work = tempfile.mkdtemp(prefix="bench-fsdp-")
     try:
         mp.start_processes(_ranks, args=(2, work, preset, micro, steps, mode), nprocs=2, start_method="spawn")
@@ -102,10 +98,6 @@ def bench(preset: str, micro: int, steps: int, mode: str) -> dict:
             "tokens_per_s": sum(r["tokens"] for r in rows) / max(r["seconds"] for r in rows),
             "peak_gib": max(r["peak_gib"] for r in rows), "estimate_gib": rows[0]["estimate_gib"],
             "save_s": max(r["save_s"] for r in rows), "restore_s": max(r["restore_s"] for r in rows)}
-
-
-def load() -> str:
-    return open("/proc/loadavg").read().split()[0]
 
 
 def main():
@@ -122,11 +114,11 @@ def main():
     big = [("minimind2-0.5b", 2, args.steps_big, m) for m in MODES if m != "ddp" or args.ddp_big]
     runs = [r for i in range(args.repeats) for r in (small if i % 2 == 0 else small[::-1])]
     runs += [r for i in range(args.repeats_big) for r in (big if i % 2 == 0 else big[::-1])]
-    started = load()
+    started = f"{os.getloadavg()[0]:.2f}"
     rounds = {}
     for preset, micro, steps, mode in runs:
         r = bench(preset, micro, steps, mode)
-        r["load"] = load()
+        r["load"] = f"{os.getloadavg()[0]:.2f}"
         rounds.setdefault((preset, mode), []).append(r)
         print(json.dumps(r), flush=True)
     results = []
@@ -137,7 +129,7 @@ def main():
                         "save_s": min(r["save_s"] for r in rs), "restore_s": min(r["restore_s"] for r in rs),
                         "tokens_per_s_rounds": [round(r["tokens_per_s"], 1) for r in rs],
                         "loads": [r["load"] for r in rs]})
-    lines = [f"load average {started} at the start, {load()} at the end (2 cores; 1 thread per worker); "
+    lines = [f"load average {started} at the start, {os.getloadavg()[0]:.2f} at the end (2 cores; 1 thread per worker); "
              f"2 workers over gloo, fp32, sequences of 32 tokens",
              "", "| model | params | mode | micro-batch | tokens/s (2 workers; every round) | peak GiB/worker "
              "(estimate) | checkpoint save s | restore s |", "|---|---|---|---|---|---|---|---|"]
@@ -147,8 +139,6 @@ def main():
                      f"{r['tokens_per_s']:.1f} ({every}) | {r['peak_gib']:.2f} ({r['estimate_gib']:.2f}) | "
                      f"{r['save_s']:.1f} | {r['restore_s']:.1f} |")
     if not args.ddp_big:
-        from minimind_ray.engine.memory import estimate
-
         est = estimate(_config("minimind2-0.5b", 2, 1, "ddp"), 2, "cpu", 2).total / 2 ** 30
         lines.append(f"| minimind2-0.5b | 505.3M | ddp | 2 x 32 | not run (--ddp-big) | ({est:.2f}) | | |")
     table = "\n".join(lines)

@@ -1,5 +1,5 @@
 """GPU run of the 26M recipe through Ray Train (for a machine with GPUs and Ray; not yet run: the one GPU lent
-so far had no Ray, so `bench/gpu_check.py` checked the engine there; docs/training.md has its figures).
+so far had no Ray, so `tests/soak/gpu_check.py` checked the engine there; docs/training.md has its figures).
 
 Runs the minimind2-small pretrain on the built-in corpus for a few hundred steps with NCCL and bf16
 autocast, once without and once with torch.compile, one worker per GPU, and prints one table:
@@ -16,26 +16,25 @@ import argparse
 import tempfile
 from pathlib import Path
 
+import torch
+from common import local_ray, table
+from mlflow.tracking import MlflowClient
+
+from minimind_ray.config import load_config
+from minimind_ray.raytrain.driver import run
+from minimind_ray.tracking.names import metric_name
+
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--micro", type=int, default=64, help="sequences per GPU per micro-step")
     args = ap.parse_args()
-
-    import ray
-    import torch
-    from mlflow.tracking import MlflowClient
-
-    from minimind_ray.config import load_config
-    from minimind_ray.raytrain.driver import run
-    from minimind_ray.tracking.names import metric_name
-
     assert torch.cuda.is_available(), "this benchmark needs GPUs"
     gpus = torch.cuda.device_count()
     tmp = Path(tempfile.mkdtemp(prefix="bench-gpu-"))
     uri = f"sqlite:///{tmp}/mlflow.db"
-    ray.init(num_gpus=gpus, num_cpus=max(8, 4 * gpus), include_dashboard=False)
+    local_ray(max(8, 4 * gpus), num_gpus=gpus)
     rows = []
     for compile_ in (False, True):
         name = f"gpu-compile-{compile_}"
@@ -59,10 +58,9 @@ def main():
                      last("comm_fraction"), last("peak_mem_gb"), last("step_time_s")))
     print(f"\n{torch.cuda.get_device_name(0)} x {gpus}, minimind2-small (25.83M), seq 512, "
           f"{args.micro} sequences/GPU/step, bf16 autocast, NCCL, {args.steps} steps")
-    print("| torch.compile | tokens/s | tokens/s/GPU | MFU | all-reduce fraction | peak mem (GB) | step (s) |")
-    print("|---|---|---|---|---|---|---|")
-    for c, tps, tpw, mfu, comm, mem, st in rows:
-        print(f"| {c} | {tps:,.0f} | {tpw:,.0f} | {mfu:.1%} | {comm:.1%} | {mem:.1f} | {st:.3f} |")
+    table(("torch.compile", "tokens/s", "tokens/s/GPU", "MFU", "all-reduce fraction", "peak mem (GB)", "step (s)"),
+          [(c, f"{tps:,.0f}", f"{tpw:,.0f}", f"{mfu:.1%}", f"{comm:.1%}", f"{mem:.1f}", f"{st:.3f}")
+           for c, tps, tpw, mfu, comm, mem, st in rows])
 
 
 if __name__ == "__main__":

@@ -23,10 +23,9 @@ import time
 import warnings
 
 import torch
+from common import fresh_model
 
-from minimind_ray.config import ModelConfig
-from minimind_ray.model.minimind import MoE, build_model
-from minimind_ray.model.presets import preset_values
+from minimind_ray.model.minimind import MoE
 
 
 def loop_experts_forward(self: MoE, xf: torch.Tensor, weight: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -88,7 +87,7 @@ class HostReads:
 def measure(preset: str, dispatch, device: torch.device, precision: str, batch: int, seq: int, iters: int):
     """-> (median seconds of forward + backward, host reads in the first (warm-up) one, its logits)."""
     MoE.experts_forward = dispatch
-    model = build_model(ModelConfig(**preset_values(preset)), seed=0).to(device).train()
+    model = fresh_model(preset).to(device).train()
     ids = torch.randint(0, model.cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0)).to(device)
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16"
                 else contextlib.nullcontext())

@@ -26,28 +26,24 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+import torch
+from common import REPO, cluster_script, load, local_cluster, local_ray, sample_log, table
+from mlflow.tracking import MlflowClient
+
+from minimind_ray.config import load_config
+from minimind_ray.raytrain.driver import run
+from minimind_ray.store.checkpoint import MODEL, checkpoints_in
+
 os.environ.setdefault("RAY_DASHBOARD_SUBPROCESS_MODULE_WAIT_READY_TIMEOUT", "120")  # a busy machine misses 30 s
-sys.path.insert(0, str(REPO))
-
-
-def _load() -> str:
-    return f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
 
 
 def cost(args) -> None:
-    import ray
-    from mlflow.tracking import MlflowClient
-
-    from minimind_ray.config import load_config
-    from minimind_ray.raytrain.driver import run
-
     tmp = Path(tempfile.mkdtemp(prefix="mmr-bench-preempt-"))
     uri = f"sqlite:///{tmp}/mlflow.db"
-    ray.init(num_cpus=4, include_dashboard=True, dashboard_host="127.0.0.1", log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
+    ray = local_ray(4, dashboard=True, log_to_driver=False)
     cadences = {"every step": 1, f"every log interval ({args.log_interval})": None, "never": 0}
     rows = {k: [] for k in cadences}
     asks = {k: [] for k in cadences}
@@ -66,40 +62,28 @@ def cost(args) -> None:
     ray.shutdown()
     off = statistics.median(rows["never"])
     ask_ms = statistics.median(asks["every step"]) if asks["every step"] else float("nan")
-    print(f"\nPreemption check, tiny preset, 2 workers, {args.steps} steps x {args.repeats} alternated runs; {_load()}")
-    print("| cadence | median step time (ms) | vs never | mean ask (ms) | per-step cost at this cadence |")
-    print("|---|---|---|---|---|")
+    print(f"\nPreemption check, tiny preset, 2 workers, {args.steps} steps x {args.repeats} alternated runs; {load()}")
+    cells = []
     for label, every in cadences.items():
         step = statistics.median(rows[label])
         n = 1 if every == 1 else (args.log_interval if every is None else 0)
         mean_ask = statistics.median(asks[label]) if asks[label] else 0.0
         per = f"{mean_ask / n:.2f} ms = {mean_ask / n / (off * 1000):.2%} of a step" if n else "0"
-        print(f"| {label} | {step * 1000:.1f} | {step / off:.3f}x | {mean_ask:.2f} | {per} |")
+        cells.append((label, f"{step * 1000:.1f}", f"{step / off:.3f}x", f"{mean_ask:.2f}", per))
+    table(("cadence", "median step time (ms)", "vs never", "mean ask (ms)", "per-step cost at this cadence"), cells)
     print(f"(one ask: {ask_ms:.2f} ms median over the every-step runs)")
 
 
 def drain(args) -> None:
-    sys.path.insert(0, str(REPO / "tests" / "integration"))
-    import torch
-
-    from local_cluster import RAY_BIN, _free_base, _sh  # the tests' helpers for cluster/local
-
-    from minimind_ray.store.checkpoint import MODEL, checkpoints_in
-
-    state = tempfile.mkdtemp(prefix="mmrb", dir="/tmp")
     tmp = Path(tempfile.mkdtemp(prefix="mmr-bench-drain-"))
-    env = dict(os.environ, RAY_BIN=str(RAY_BIN), RAY_health_check_period_ms="500", RAY_health_check_timeout_ms="1000",
-               RAY_health_check_failure_threshold="4", RAY_health_check_initial_delay_ms="1000")
-    if args.poll_s:
-        env["RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S"] = str(args.poll_s)
-    env.pop("RAY_ADDRESS", None)
-    base = _free_base(2)
+    poll = {"RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": str(args.poll_s)} if args.poll_s else {}
     t = time.monotonic()
-    r = _sh("start.sh", "2", "--state-dir", state, "--port", str(base), "--head-cpus", "2", "--worker-cpus", "1",
-            env=env, timeout=300)
-    assert r.returncode == 0, r.stderr
-    print(f"cluster start: {time.monotonic() - t:.0f}s")
+    with local_cluster(2, "--head-cpus", "2", "--worker-cpus", "1", **poll) as (base, state, env):
+        print(f"cluster start: {time.monotonic() - t:.0f}s")
+        drain_on(args, tmp, base, state, env)
 
+
+def drain_on(args, tmp: Path, base: int, state: str, env: dict) -> None:
     def driver(name, *extra):
         samples = tmp / "samples" / name
         cmd = [sys.executable, "-m", "pipelines.pretrain", "--config", "pipelines/configs/tiny.yaml", f"name={name}",
@@ -110,57 +94,42 @@ def drain(args) -> None:
         return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=open(tmp / f"{name}.log", "w"),
                                 stderr=subprocess.STDOUT), samples
 
-    def lines(samples):
-        f = samples / "rank0.jsonl"
-        out = []
-        for x in f.read_text().splitlines() if f.exists() else []:
-            try:
-                out.append(json.loads(x))
-            except ValueError:
-                pass
-        return out
-
-    try:
-        twin, _ = driver("twin")
-        assert twin.wait(timeout=900) == 0, (tmp / "twin.log").read_text()[-3000:]
-        p, samples = driver("drained", *([f"train.faults=[{args.at + 1}:slow:0:{args.stall_s}]"] if args.stall_s else []))
-        while not any(x["step"] >= args.at for x in lines(samples)):
-            assert p.poll() is None, (tmp / "drained.log").read_text()[-3000:]
-            time.sleep(0.05)
-        with __import__("urllib.request").request.urlopen(f"http://127.0.0.1:{base + 1}/api/v0/nodes?limit=100") as f:
-            nodes = json.loads(f.read())["data"]["result"]["result"]
-        node = next(n["node_id"] for n in nodes if n.get("node_name") == "w2" and n.get("state") == "ALIVE")
-        t_drain = time.time()
-        subprocess.run([str(RAY_BIN), "drain-node", "--address", f"127.0.0.1:{base}", "--node-id", node,
-                        "--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "bench",
-                        "--deadline-remaining-seconds", str(args.deadline_s)], env=env, check=True)
-        t_accepted = time.time()
-        time.sleep(max(0.0, t_drain + args.deadline_s - time.time()))
-        _sh("kill_node.sh", "2", "--state-dir", state, env=env, timeout=60)  # the provider takes the node back
-        t_killed = time.time()
-        assert p.wait(timeout=900) == 0, (tmp / "drained.log").read_text()[-3000:]
-        (marker,) = (tmp / "runs" / "drained" / ".preemption").glob("step-*.json")
-        notice = json.loads(marker.read_text())
-        after = [x for x in lines(samples) if x["attempt"] == notice["step"]]
-        first_after = min(x["t"] for x in after) if after and "t" in after[0] else None
-        trained_before = max(x["step"] for x in lines(samples) if x["attempt"] == 0)
-        w = torch.load(Path(dict(checkpoints_in(tmp / "runs" / "drained"))[args.steps]) / MODEL, weights_only=True)
-        w0 = torch.load(Path(dict(checkpoints_in(tmp / "runs" / "twin"))[args.steps]) / MODEL, weights_only=True)
-        diff = max((w[k] - w0[k]).abs().max().item() for k in w)
-        print(f"\nDrain of worker node 2 at step {args.at}, deadline {args.deadline_s}s, watcher poll "
-              f"{args.poll_s or 5}s; tiny preset, elastic 1..2 workers, {args.steps} steps; {_load()}")
-        print("| event | seconds after the drain |")
-        print("|---|---|")
-        print(f"| `ray drain-node` returned (accepted) | {t_accepted - t_drain:.1f} |")
-        print(f"| the ranks saw the notice (step {notice['step']}) | {notice['noticed_at'] - t_drain:.1f} |")
-        print(f"| the notice's checkpoint saved and reported | {notice['checkpointed_at'] - t_drain:.1f} |")
-        print(f"| node 2 killed (the deadline) | {t_killed - t_drain:.1f} |")
-        if first_after:
-            print(f"| the first step after the restart (1 worker) | {first_after - t_drain:.1f} |")
-        print(f"steps lost: {trained_before - notice['step']} (trained up to {trained_before}, restored "
-              f"{notice['step']}); final weights vs the undrained twin: max|diff| {diff:.1e}")
-    finally:
-        _sh("stop.sh", "--state-dir", state, "--timeout", "10", env=env, timeout=120)
+    twin, _ = driver("twin")
+    assert twin.wait(timeout=900) == 0, (tmp / "twin.log").read_text()[-3000:]
+    p, samples = driver("drained", *([f"train.faults=[{args.at + 1}:slow:0:{args.stall_s}]"] if args.stall_s else []))
+    while not any(x["step"] >= args.at for x in sample_log(samples)):
+        assert p.poll() is None, (tmp / "drained.log").read_text()[-3000:]
+        time.sleep(0.05)
+    with urllib.request.urlopen(f"http://127.0.0.1:{base + 1}/api/v0/nodes?limit=100") as f:
+        nodes = json.loads(f.read())["data"]["result"]["result"]
+    node = next(n["node_id"] for n in nodes if n.get("node_name") == "w2" and n.get("state") == "ALIVE")
+    t_drain = time.time()
+    subprocess.run([env["RAY_BIN"], "drain-node", "--address", f"127.0.0.1:{base}", "--node-id", node,
+                    "--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "bench",
+                    "--deadline-remaining-seconds", str(args.deadline_s)], env=env, check=True)
+    t_accepted = time.time()
+    time.sleep(max(0.0, t_drain + args.deadline_s - time.time()))
+    cluster_script("kill_node.sh", "2", "--state-dir", state, env=env, timeout=60)  # the provider takes the node back
+    t_killed = time.time()
+    assert p.wait(timeout=900) == 0, (tmp / "drained.log").read_text()[-3000:]
+    (marker,) = (tmp / "runs" / "drained" / ".preemption").glob("step-*.json")
+    notice = json.loads(marker.read_text())
+    after = [x for x in sample_log(samples) if x["attempt"] == notice["step"]]
+    first_after = min(x["t"] for x in after) if after and "t" in after[0] else None
+    trained_before = max(x["step"] for x in sample_log(samples) if x["attempt"] == 0)
+    w = torch.load(Path(dict(checkpoints_in(tmp / "runs" / "drained"))[args.steps]) / MODEL, weights_only=True)
+    w0 = torch.load(Path(dict(checkpoints_in(tmp / "runs" / "twin"))[args.steps]) / MODEL, weights_only=True)
+    diff = max((w[k] - w0[k]).abs().max().item() for k in w)
+    print(f"\nDrain of worker node 2 at step {args.at}, deadline {args.deadline_s}s, watcher poll "
+          f"{args.poll_s or 5}s; tiny preset, elastic 1..2 workers, {args.steps} steps; {load()}")
+    table(("event", "seconds after the drain"), [
+        ("`ray drain-node` returned (accepted)", f"{t_accepted - t_drain:.1f}"),
+        (f"the ranks saw the notice (step {notice['step']})", f"{notice['noticed_at'] - t_drain:.1f}"),
+        ("the notice's checkpoint saved and reported", f"{notice['checkpointed_at'] - t_drain:.1f}"),
+        ("node 2 killed (the deadline)", f"{t_killed - t_drain:.1f}"),
+        *([("the first step after the restart (1 worker)", f"{first_after - t_drain:.1f}")] if first_after else [])])
+    print(f"steps lost: {trained_before - notice['step']} (trained up to {trained_before}, restored "
+          f"{notice['step']}); final weights vs the undrained twin: max|diff| {diff:.1e}")
 
 
 def main() -> None:

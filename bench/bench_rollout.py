@@ -3,7 +3,7 @@ the same.
 
 What one training worker generates in one GRPO step, with the in-worker sampler (``rl/rollout.py``
 ``TorchRollout``), each completion from its own seed (``row_seeds``), as the step asks for it: before, one
-``generate`` per micro-batch; after, ``generate_many`` of the step's micro-batches (policy_step.py), which runs
+``generate`` per micro-batch; after, ``generate_many`` of the step's micro-batches (rl/grpo_step.py), which runs
 them as one batch:
 
   demo             the demo recipe (demo_grpo.yaml): 16 sorting prompts x 8 completions, max_gen_len 10,
@@ -11,13 +11,11 @@ them as one batch:
   minimind2-small  grpo_26m.yaml's shape with max_gen_len 256: 4 micro-batches of 2 prompts x 6 completions,
                    temperature 0.8
 
-The prompts are the demo's sorting prompts through the chat template of the demo tokenizer (``builtin``); the
-models are freshly initialised (time does not depend on what the weights learned; such a model seldom ends a
-completion early, so every row runs to max_gen_len, the longest case). "before" is the commit before issue 35
-(``--before``), exported with ``git archive``, "after" this checkout; rounds alternate, each in a fresh process,
-and the table gives each side's best round, the load average, and whether both sides sampled the same tokens.
-Time is the CPU seconds of the process (one torch thread: its work; on a shared machine wall time mostly measures
-the other processes), with the wall seconds of the same step beside it.
+The prompts are the demo's sorting prompts in the demo tokenizer's chat template; the models are freshly initialised
+(such a model seldom ends a completion early: every row runs to max_gen_len, the longest case). "before" is the
+commit before issue 35 (``--before``), "after" this checkout, in alternating rounds (common.before_after): each
+side's best round, and whether both sampled the same tokens. Time is the process's CPU seconds (one torch thread;
+on a shared machine wall time mostly measures the other processes), the wall seconds beside it.
 
 Usage:  .venv/bin/python bench/bench_rollout.py [--cases demo,minimind2-small] [--steps 3] [--rounds 2]
                                                 [--threads 1] [--before REV]
@@ -27,11 +25,12 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from common import before_after, fresh_model, table
 
 CASES = {  # preset, prompts per micro-batch, completions per prompt, micro-batches per step, max_gen_len, temperature
     "demo": ("demo", 16, 8, 1, 10, 1.0),
@@ -43,8 +42,8 @@ def prompt_ids(n: int, cache_dir: str):
     """``n`` demo sorting prompts, chat-templated and encoded with the demo tokenizer."""
     import random
 
-    from minimind_ray.data.demo import SORT_LENGTHS, sort_prompt
-    from minimind_ray.tokenizer import resolve_tokenizer
+    from minimind_ray.data.demo import SORT_LENGTHS, sort_prompt  # lazy: the worker's --src first (worker below)
+    from minimind_ray.tokenizer import resolve_tokenizer  # lazy: the same
 
     tok = resolve_tokenizer("builtin", cache_dir)
     rng = random.Random(0)
@@ -57,20 +56,18 @@ def prompt_ids(n: int, cache_dir: str):
 
 
 def worker(args) -> dict:
+    """One side's steps, on the code of the tree ``args.src`` (an earlier commit's, or this checkout's)."""
     sys.path.insert(0, args.src)
     import torch
 
-    from minimind_ray.config import ModelConfig
-    from minimind_ray.model.minimind import build_model
-    from minimind_ray.model.presets import preset_values
-    from minimind_ray.rl.rollout import SamplingParams, TorchRollout, row_seeds
+    from minimind_ray.rl.rollout import SamplingParams, TorchRollout, row_seeds  # lazy: after --src is first
 
     torch.set_num_threads(args.threads)
     shared = json.loads(Path(args.prompts).read_text())
     out = {}
     for name in args.cases.split(","):
         preset, per_mb, group, mbs, gen_len, temperature = CASES[name]
-        model = build_model(ModelConfig(**preset_values(preset)), seed=0).eval()
+        model = fresh_model(preset).eval()
         engine = TorchRollout()
         engine.update_policy(model, 0)
         params = SamplingParams(max_new_tokens=gen_len, temperature=temperature, eos_id=shared["eos"],
@@ -107,7 +104,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=3, help="timed steps per round (the best counts)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--before", default=None, help="the commit to compare with (default: before_after.BASE_REV)")
+    ap.add_argument("--before", default=None, help="the commit to compare with (default: common.BASE_REV)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--src", help=argparse.SUPPRESS)
     ap.add_argument("--prompts", help=argparse.SUPPRESS)
@@ -116,39 +113,25 @@ def main(argv=None) -> int:
         print(json.dumps(worker(args)))
         return 0
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from before_after import BASE_REV, REPO, export_tree, run_worker
-
     tmp = Path(tempfile.mkdtemp(prefix="bench-rollout-"))
     prompts, eos, pad = prompt_ids(200, str(tmp / "cache"))
     (tmp / "prompts.json").write_text(json.dumps({"prompts": prompts, "eos": eos, "pad": pad}))
-    rev = args.before or BASE_REV
-    trees = {"before": export_tree(rev), "after": REPO}
     passed = ["--cases", args.cases, "--steps", str(args.steps), "--threads", str(args.threads), "--prompts",
               str(tmp / "prompts.json")]
-    loads, best = [os.getloadavg()[0]], {"before": {}, "after": {}}
-    for r in range(args.rounds):
-        for side, tree in trees.items():
-            got = run_worker(Path(__file__).resolve(), tree, passed, args.threads)
-            for k, v in got.items():
-                if k not in best[side] or v["s_per_step"] < best[side][k]["s_per_step"]:
-                    best[side][k] = v
-            print(f"round {r + 1} {side}: " + ", ".join(f"{k} {v['s_per_step']:.2f} CPU s" for k, v in got.items()),
-                  flush=True)
-        loads.append(os.getloadavg()[0])
+    rev, best, loads = before_after(__file__, passed, args.threads, args.rounds, args.before,
+                                    score=lambda v: -v["s_per_step"], show=lambda v: f"{v['s_per_step']:.2f} CPU s")
     print(f"\nrollout CPU seconds (wall) per GRPO step of one worker, best of {args.rounds} rounds x {args.steps} "
           f"steps, {args.threads} torch thread(s); before = {rev}, after = this checkout; load average (1 min) "
-          + " -> ".join(f"{x:.1f}" for x in loads))
-    print("\n| case | completions x tokens per step | before CPU s (wall) | after CPU s (wall) | lower by | "
-          "same samples |")
-    print("|---|---|---|---|---|---|")
+          f"{loads}\n")
+    rows = []
     for name in args.cases.split(","):
         _, per_mb, group, mbs, gen_len, _ = CASES[name]
         b, a = best["before"][name], best["after"][name]
-        print(f"| {name} | {per_mb * group * mbs} x {gen_len} | {b['s_per_step']:.2f} ({b['wall_s']:.2f}) | "
-              f"{a['s_per_step']:.2f} ({a['wall_s']:.2f}) | "
-              f"{1 - a['s_per_step'] / b['s_per_step']:.0%} | {'yes' if a['samples'] == b['samples'] else 'NO'} |")
+        rows.append((name, f"{per_mb * group * mbs} x {gen_len}", f"{b['s_per_step']:.2f} ({b['wall_s']:.2f})",
+                     f"{a['s_per_step']:.2f} ({a['wall_s']:.2f})", f"{1 - a['s_per_step'] / b['s_per_step']:.0%}",
+                     "yes" if a["samples"] == b["samples"] else "NO"))
+    table(("case", "completions x tokens per step", "before CPU s (wall)", "after CPU s (wall)", "lower by",
+           "same samples"), rows)
     return 0
 
 

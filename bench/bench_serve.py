@@ -19,11 +19,11 @@ disturbs much less than tokens/s). A second table splits the Serve rows' CPU by 
 
 Usage:  .venv/bin/python bench/bench_serve.py [--weights RUN|PTH] [--tokenizer T] [--preset demo]
         [--clients 1,4,16] [--requests 32] [--max-tokens 64] [--threads 1] [--stream-interval-ms MS]
-        [--serve-env NAME=VALUE ...]
-The machine's load average is printed beside the rows (a shared machine's other work shows there);
-``--serve-env`` sets environment variables of the Ray processes (Serve's own switches, for experiments).
-Without --weights: a freshly initialised model of --preset (the demo model's size by default) and
-the built-in tokenizer. Speed does not depend on what the weights learned.
+        [--serve-env NAME=VALUE ...] [--before REV]
+``--before REV`` runs the script of commit REV first, on that commit's code, then this checkout's: both tables,
+then their rows side by side.
+The load average is printed beside the rows; ``--serve-env`` sets environment variables of the Ray processes
+(Serve's own switches). Without --weights: a fresh model of --preset (the demo's size) and the built-in tokenizer.
 """
 from __future__ import annotations
 
@@ -33,12 +33,25 @@ import json
 import os
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import psutil
+import ray
+import torch
+from common import BASE_REV, REPO, export_tree, fresh_model, table
+from ray import serve
+
+from minimind_ray.serve import launch
+from minimind_ray.serve.engine import Engine, GenRequest
+from minimind_ray.serve.model_io import generate_tokens, load_served_model, render_prompt
+from minimind_ray.serve.options import ServeOptions
+from minimind_ray.store.pth import save_pth
+from minimind_ray.tokenizer import resolve_tokenizer
 
 PROMPTS = ["What is the capital of France?", "What is 12 plus 7?", "中国的首都是哪里？", "Who are you?",
            "Tell me about the sun.", "Write one sentence about rivers.", "What is 3 times 4?",
@@ -60,24 +73,14 @@ def summarize(name, results, wall, cpu_s):
 
 
 def default_weights(preset: str, tmp: Path):
-    from minimind_ray.config import ModelConfig
-    from minimind_ray.model.minimind import build_model
-    from minimind_ray.model.presets import preset_values
-    from minimind_ray.store.pth import save_pth
-    from minimind_ray.tokenizer import resolve_tokenizer
-
     pth = tmp / f"{preset}.pth"
-    save_pth(build_model(ModelConfig(**preset_values(preset)), seed=0), str(pth))
+    save_pth(fresh_model(preset), str(pth))
     tok = resolve_tokenizer("builtin", str(tmp / "cache"))
     return str(pth), tok.path
 
 
 def one_by_one(served, prompt_ids, max_tokens):
     """Each request alone through generate_tokens, one after another."""
-    import torch
-
-    from minimind_ray.serve.model_io import generate_tokens
-
     results = []
     t_start = time.perf_counter()
     for ids in prompt_ids:
@@ -93,10 +96,6 @@ def one_by_one(served, prompt_ids, max_tokens):
 def engine_alone(served, prompt_ids, max_tokens, n_clients):
     """The batching engine in this process, no HTTP, no Ray: ``n_clients`` requests in flight at a time.
     What batching gains before any serving overhead."""
-    import threading
-
-    from minimind_ray.serve.engine import Engine, GenRequest
-
     engine = Engine(served.model, served.tokenizer.eos_id, 16, 1 << 20)
     pending, results, lock, done = list(prompt_ids), [], threading.Lock(), threading.Event()
     t_start = time.perf_counter()
@@ -134,13 +133,9 @@ class CpuMeter:
     ROLES = (("replica", "ServeReplica"), ("proxy", "ProxyActor"), ("controller", "ServeController"))
 
     def __init__(self):
-        import psutil
-
         self.me = psutil.Process()
 
     def sample(self) -> dict:
-        import psutil
-
         out = {"client": self._cpu(self.me)}
         for p in self.me.children(recursive=True):
             try:
@@ -193,6 +188,30 @@ async def serve_clients(url, model, messages_list, n_clients, max_tokens):
     return results, time.perf_counter() - t_start
 
 
+def before_after(rev: str, argv: list) -> int:
+    """``--before REV``: this script of commit ``rev`` on that commit's code (exported with git archive), then this
+    checkout's, each in a process of its own with ``--json``; both outputs, then their rows side by side."""
+    rest = [a for i, a in enumerate(argv) if not a.startswith("--before") and (i == 0 or argv[i - 1] != "--before")]
+    tmp, loads, rows = Path(tempfile.mkdtemp(prefix="bench-serve-")), [os.getloadavg()[0]], {}
+    for side, tree in (("before", export_tree(rev)), ("after", REPO)):
+        print(f"\n======== {side}: {tree / 'bench' / 'bench_serve.py'} {' '.join(rest)}", flush=True)
+        subprocess.run([sys.executable, str(tree / "bench" / "bench_serve.py"), *rest, "--json", str(tmp / side)],
+                       check=True, env={**os.environ, "PYTHONPATH": str(tree)})
+        rows[side] = {r["mode"]: r for r in json.loads((tmp / side).read_text())}
+        loads.append(os.getloadavg()[0])
+    print(f"\nbench_serve.py {' '.join(rest)}: before = {rev}, after = this checkout; load average (1 min) "
+          + " -> ".join(f"{x:.1f}" for x in loads) + "\n")
+    base = {s: (r["one-by-one"]["tok_per_s"] + r.get("one-by-one, again", r["one-by-one"])["tok_per_s"]) / 2
+            for s, r in rows.items()}
+    table(("mode", "before tok/s", "after tok/s", "before vs one-by-one", "after vs one-by-one",
+           "TTFT p50 / p99 ms before", "after"),
+          [(mode, f"{b['tok_per_s']:.0f}", f"{r['tok_per_s']:.0f}", f"{b['tok_per_s'] / base['before']:.2f}x",
+            f"{r['tok_per_s'] / base['after']:.2f}x", f"{b['ttft_p50_ms']:.0f} / {b['ttft_p99_ms']:.0f}",
+            f"{r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f}")
+           for mode, r in rows["after"].items() if (b := rows["before"].get(mode))])
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--weights", help="run dir, checkpoint or .pth (default: a fresh --preset model)")
@@ -207,19 +226,16 @@ def main(argv=None) -> int:
     ap.add_argument("--serve-env", action="append", default=[], metavar="NAME=VALUE",
                     help="environment of the Ray processes (e.g. RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0)")
     ap.add_argument("--json", help="also write the rows here")
+    ap.add_argument("--before", metavar="REV", help=f"also this script of commit REV (e.g. {BASE_REV}, the commit "
+                                                      "before the static KV cache) on its own code, side by side")
     args = ap.parse_args(argv)
+    if args.before:
+        return before_after(args.before, sys.argv[1:] if argv is None else argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     for kv in args.serve_env:  # before Ray starts: its processes inherit this environment
         name, _, value = kv.partition("=")
         os.environ[name] = value
     loads = {"start": os.getloadavg()[0]}
-
-    import torch
-
-    from minimind_ray.serve import launch
-    from minimind_ray.serve.model_io import load_served_model, render_prompt
-    from minimind_ray.serve.options import ServeOptions
-
     tmp = Path(tempfile.mkdtemp(prefix="bench-serve-"))
     weights, tokenizer = args.weights, args.tokenizer
     if not weights:
@@ -265,8 +281,6 @@ def main(argv=None) -> int:
             launch.connect(opts)
             break
         except Exception as e:  # noqa: BLE001
-            import ray
-
             print(f"ray.init failed ({e}); retrying", flush=True)
             ray.shutdown()
     url = launch.deploy(opts, quiet=True)
@@ -280,9 +294,6 @@ def main(argv=None) -> int:
             rows.append(row)
             cpu_rows.append((row["mode"], row["tokens"], row["wall_s"], cpu))
     finally:
-        import ray
-        from ray import serve
-
         serve.shutdown()
         ray.shutdown()
     loads["after serve"] = os.getloadavg()[0]
@@ -292,23 +303,21 @@ def main(argv=None) -> int:
 
     loads["end"] = os.getloadavg()[0]
     base = (rows[0]["tok_per_s"] + rows[-1]["tok_per_s"]) / 2
-    print(f"\nload average (1 min): " + ", ".join(f"{k} {v:.1f}" for k, v in loads.items())
+    print("\nload average (1 min): " + ", ".join(f"{k} {v:.1f}" for k, v in loads.items())
           + (f"; serve env: {' '.join(args.serve_env)}" if args.serve_env else ""))
-    print("\n| mode | tokens/s | vs one-by-one (mean of both) | TTFT p50 ms | TTFT p99 ms | inter-token p50 ms | "
-          "CPU s per 1000 tokens | tokens per CPU s |")
-    print("|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['mode']} | {r['tok_per_s']:.0f} | {r['tok_per_s'] / base:.2f}x | {r['ttft_p50_ms']:.1f} | "
-              f"{r['ttft_p99_ms']:.1f} | {r['itl_p50_ms']:.2f} | {r['cpu_s_per_1k']:.2f} | "
-              f"{1000 / r['cpu_s_per_1k']:.0f} |")
+    print()
+    table(("mode", "tokens/s", "vs one-by-one (mean of both)", "TTFT p50 ms", "TTFT p99 ms", "inter-token p50 ms",
+           "CPU s per 1000 tokens", "tokens per CPU s"),
+          [(r["mode"], f"{r['tok_per_s']:.0f}", f"{r['tok_per_s'] / base:.2f}x", f"{r['ttft_p50_ms']:.1f}",
+            f"{r['ttft_p99_ms']:.1f}", f"{r['itl_p50_ms']:.2f}", f"{r['cpu_s_per_1k']:.2f}",
+            f"{1000 / r['cpu_s_per_1k']:.0f}") for r in rows])
     roles = ["replica", "proxy", "client", "controller", "other ray"]
     print(f"\nCPU seconds per 1000 generated tokens, by process (wall seconds x {os.cpu_count()} cores = available):")
-    print("| mode | " + " | ".join(roles) + " | total | available |")
-    print("|---|" + "---|" * (len(roles) + 2))
-    for mode, tokens, wall, cpu in cpu_rows:
-        per = {k: 1000 * v / tokens for k, v in cpu.items()}
-        print(f"| {mode} | " + " | ".join(f"{per.get(r, 0.0):.2f}" for r in roles) +
-              f" | {sum(per.values()):.2f} | {1000 * wall * (os.cpu_count() or 1) / tokens:.2f} |")
+    per = [(mode, {k: 1000 * v / tokens for k, v in cpu.items()}, 1000 * wall * (os.cpu_count() or 1) / tokens)
+           for mode, tokens, wall, cpu in cpu_rows]
+    table(("mode", *roles, "total", "available"), [
+        (mode, *(f"{p.get(r, 0.0):.2f}" for r in roles), f"{sum(p.values()):.2f}", f"{avail:.2f}")
+        for mode, p, avail in per])
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0

@@ -13,14 +13,18 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from common import REPO, load, local_ray, table
+
+from minimind_ray.config import load_config
+from minimind_ray.raytrain.driver import run
+from minimind_ray.raytrain.sweep import run_sweep
+from minimind_ray.raytrain.sweep_config import load_sweep, trial_overrides
+
 os.environ.setdefault("RAY_DASHBOARD_SUBPROCESS_MODULE_WAIT_READY_TIMEOUT", "120")  # a busy machine misses 30 s
-sys.path.insert(0, str(REPO))
 
 
 def main() -> None:
@@ -30,18 +34,10 @@ def main() -> None:
     ap.add_argument("--grace", type=int, default=4)
     args = ap.parse_args()
     os.chdir(REPO)
-    import ray
-
-    from minimind_ray.config import load_config
-    from minimind_ray.raytrain.driver import run
-    from minimind_ray.raytrain.sweep import run_sweep
-    from minimind_ray.raytrain.sweep_config import load_sweep, trial_overrides
-
     tmp = Path(tempfile.mkdtemp(prefix="mmr-bench-sweep-"))
     common = [f"checkpoint.storage_path={tmp}/runs", f"data.cache_dir={tmp}/cache", f"tracking.uri=sqlite:///{tmp}/mlflow.db",
               f"train.max_steps={args.steps}"]
-    ray.init(num_cpus=args.cpus, include_dashboard=True, dashboard_host="127.0.0.1", log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
+    ray = local_ray(args.cpus, dashboard=True, log_to_driver=False)
     sweep = load_sweep("pipelines/configs/sweep_tiny.yaml", common)
     lrs = sweep.space["train.lr"]["grid"]
     rows = []
@@ -63,11 +59,9 @@ def main() -> None:
     ray.shutdown()
     base = rows[0][1]
     print(f"\n4 trials of sweep_tiny.yaml ({args.steps} steps, tiny preset, 1 CPU worker each), local Ray of "
-          f"{args.cpus} logical CPUs on {os.cpu_count()} cores; load average {os.getloadavg()[0]:.1f}")
-    print("| how | wall (s) | vs one after another | trial steps trained |")
-    print("|---|---|---|---|")
-    for name, wall, steps, _ in rows:
-        print(f"| {name} | {wall:.0f} | {base / wall:.2f}x faster | {steps} |")
+          f"{args.cpus} logical CPUs; {load()}")
+    table(("how", "wall (s)", "vs one after another", "trial steps trained"),
+          [(name, f"{wall:.0f}", f"{base / wall:.2f}x faster", steps) for name, wall, steps, _ in rows])
 
 
 if __name__ == "__main__":

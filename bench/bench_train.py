@@ -14,32 +14,24 @@ Timings come from the per-step timestamps of the sample log (train.sample_log_di
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from common import local_ray, rank0_times, sample_log, table
 
-
-def read_log(d: Path):
-    rows = []
-    for f in d.glob("rank*.jsonl"):
-        rows += [json.loads(l) for l in f.read_text().splitlines()]
-    return rows
-
-
-def rank0_times(rows, attempt=None):
-    return {r["step"]: r["t"] for r in rows if r["rank"] == 0 and (attempt is None or r["attempt"] == attempt)}
+from minimind_ray.config import load_config
+from minimind_ray.engine.state import TrainState
+from minimind_ray.engine.step import train_step
+from minimind_ray.raytrain.driver import run
+from minimind_ray.store.checkpoint import open_checkpoint
 
 
 def bare_loop(cfg, prepared_dir: str, steps: int, warmup: int) -> float:
     """tokens/s of the engine's own step (minimind_ray.engine.train_step) in a plain single-process
     loop: the same model, data stream, micro-batch, accumulation, optimizer and thread count, no Ray."""
-    from minimind_ray.engine.state import TrainState
-    from minimind_ray.engine.step import train_step
-
     state = TrainState.build(cfg, prepared_dir)
     t0, tokens = None, 0
     for s in range(1, steps + 1):
@@ -57,15 +49,8 @@ def main():
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--preset", default="demo")
     args = ap.parse_args()
-
-    import ray
-
-    from minimind_ray.config import load_config
-    from minimind_ray.raytrain.driver import run
-    from minimind_ray.store.checkpoint import open_checkpoint
-
     tmp = Path(tempfile.mkdtemp(prefix="bench-train-"))
-    ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5"}})
+    local_ray(4, env={"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5"})
     common = [f"model.preset={args.preset}", "data.train_path=[demo]", "data.max_seq_len=128",
               "data.tokenizer=builtin", "train.global_batch_size=32", "train.micro_batch_size=16",
               "train.threads_per_worker=1",
@@ -76,7 +61,7 @@ def main():
     cfg_a = load_config(None, common + ["name=a", "cluster.num_workers=1", f"train.max_steps={args.steps}",
                                         "checkpoint.interval=100", f"train.sample_log_dir={tmp}/samples/a"])
     res_a = run(cfg_a)
-    t = rank0_times(read_log(tmp / "samples" / "a"))
+    t = rank0_times(sample_log(tmp / "samples" / "a"))
     warm = 20
     gaps = {s: t[s + 1] - t[s] for s in range(warm, args.steps)}
     ckpt_steps = [s for s in gaps if s % 100 == 0]
@@ -95,24 +80,24 @@ def main():
                                         "checkpoint.interval=100", f"train.fail_at_step={crash_at}",
                                         f"train.sample_log_dir={tmp}/samples/b"])
     run(cfg_b)
-    rows = read_log(tmp / "samples" / "b")
+    rows = sample_log(tmp / "samples" / "b")
     restored = max(r["attempt"] for r in rows)
     before = rank0_times(rows, attempt=0)
     after = rank0_times(rows, attempt=restored)
     recovery_s = after[restored + 1] - before[crash_at - 1]
     steps_lost = (crash_at - 1) - restored
 
-    print("\n| measure | value | goal |")
-    print("|---|---|---|")
-    print(f"| (a) full pipeline, 1 worker, tokens/s | {pipeline_tps:,.0f} | |")
-    print(f"| (a) bare PyTorch loop, tokens/s | {bare_tps:,.0f} | |")
-    print(f"| (a) pipeline / bare | {pipeline_tps / bare_tps:.3f} | >= 0.97 |")
-    print(f"| (a) median step, no report / with a metrics log (s) | {statistics.median(plain):.4f} / "
-          f"{statistics.median(logged):.4f} | |")
-    print(f"| (b) crash -> first step after restore (s) | {recovery_s:.1f} | <= 30 |")
-    print(f"| (b) steps lost (checkpoint interval 100) | {steps_lost} | <= 100 |")
-    print(f"| (c) checkpoint time per checkpoint (s) | {ckpt_extra / max(len(ckpt_steps), 1):.3f} | |")
-    print(f"| (c) checkpoint overhead at interval 100 | {ckpt_overhead:.2%} | <= 2% |")
+    print()
+    table(("measure", "value", "goal"), [
+        ("(a) full pipeline, 1 worker, tokens/s", f"{pipeline_tps:,.0f}", ""),
+        ("(a) bare PyTorch loop, tokens/s", f"{bare_tps:,.0f}", ""),
+        ("(a) pipeline / bare", f"{pipeline_tps / bare_tps:.3f}", ">= 0.97"),
+        ("(a) median step, no report / with a metrics log (s)",
+         f"{statistics.median(plain):.4f} / {statistics.median(logged):.4f}", ""),
+        ("(b) crash -> first step after restore (s)", f"{recovery_s:.1f}", "<= 30"),
+        ("(b) steps lost (checkpoint interval 100)", steps_lost, "<= 100"),
+        ("(c) checkpoint time per checkpoint (s)", f"{ckpt_extra / max(len(ckpt_steps), 1):.3f}", ""),
+        ("(c) checkpoint overhead at interval 100", f"{ckpt_overhead:.2%}", "<= 2%")])
     print(f"\nmodel preset {args.preset}, seq 128, global batch 32 (micro 16), 1 thread per worker, "
           f"{args.steps} steps; torch {torch.__version__}; {tmp}")
 

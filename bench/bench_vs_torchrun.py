@@ -3,7 +3,7 @@
   (a) 1 process x 2 threads: the pipeline (Ray Train, 1 worker, cpus_per_worker=2) against the engine's
       own loop in a bare process (no Ray): same model, data, batch, seed and threads.
   (b) 2 processes x 1 thread, gloo, global batch 8: the pipeline (2 workers) against
-      ``torchrun --nproc_per_node 2 bench/torchrun_engine.py`` (the engine under plain DDP, no Ray).
+      ``torchrun --nproc_per_node 2 bench/bench_vs_torchrun.py --engine ...`` (the engine under plain DDP, no Ray).
 
 For each: steady-state tokens/s (steps after the warm-up), the ratio, and the global mean loss of the last
 log interval, what both sides report (they must agree: the same steps, the same data order). While the pipeline trains, the CPU
@@ -13,6 +13,9 @@ sampled with psutil: on a 2-core machine that share is taken from training, and 
 The plain sides run first, with no Ray process on the machine; then Ray starts for the pipeline sides.
 
 Usage:  .venv/bin/python bench/bench_vs_torchrun.py [--preset minimind2-small] [--steps 30] [--warmup 8]
+The plain sides are this script under torchrun: ``bench/bench_vs_torchrun.py --engine --prepared DIR --out FILE
+[key=value ...]`` builds on every rank the ``TrainState`` the Ray workers build and runs the engine's loop; rank 0
+writes the per-step wall times and each log interval's global mean loss to FILE.
 """
 from __future__ import annotations
 
@@ -27,10 +30,54 @@ import threading
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+import torch.distributed as dist
+from common import REPO, local_ray, rank0_times, sample_log, table
+
+from minimind_ray.config import load_config
+from minimind_ray.data.prepare import ensure_prepared
+from minimind_ray.engine.loop import Hooks
+from minimind_ray.engine.loop import run as run_engine
+from minimind_ray.engine.state import TrainState
+from minimind_ray.raytrain.driver import run
+from minimind_ray.tokenizer import resolve_tokenizer
+
 RAY_DAEMONS = ("raylet", "gcs_server", "dashboard", "log_monitor", "monitor.py", "runtime_env", "agent",
                "ray::IDLE", "ray::TrainController", "ray::SynchronizationActor", "ray::ProgressSink",
                "ray::PlacementGroupCleaner")
+
+
+class StepClock(Hooks):
+    """Per-step wall times (taken when each step starts) and each log interval's mean loss (the pipeline's)."""
+
+    def __init__(self):
+        self.t, self.interval_loss = {}, {}
+
+    def before_step(self, step):
+        self.t[step] = time.time()
+
+    def on_metrics(self, step, metrics, per_step_loss, is_checkpoint):
+        self.interval_loss[step] = metrics["loss"]
+
+
+def engine_side(argv) -> None:
+    """``--engine``: the plain side, this process one rank of a torchrun launch (no Ray anywhere)."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prepared", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args(argv)
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if world > 1:
+        dist.init_process_group("gloo")
+    state = TrainState.build(load_config(None, args.overrides), args.prepared, rank, world)
+    clock, t0 = StepClock(), time.time()
+    run_engine(state, clock)
+    clock.t[state.total_steps + 1] = time.time()
+    if rank == 0:
+        Path(args.out).write_text(json.dumps({"t": clock.t, "interval_loss": clock.interval_loss,
+                                              "wall": time.time() - t0, "world": world}))
+    if world > 1:
+        dist.destroy_process_group()
 
 
 def overrides(args, tmp: Path, workers: int, threads: int, global_batch: int):
@@ -47,12 +94,6 @@ def tokens_per_s(times: dict, steps: int, warmup: int, tokens_per_step: int) -> 
     """Steady state: steps warmup+1 .. steps, timed from their start times (the next step's start, or the end)."""
     t = {int(k): v for k, v in times.items()}
     return (steps - warmup) * tokens_per_step / (t[steps + 1] - t[warmup + 1])
-
-
-def sample_log_times(d: Path) -> dict:
-    """Rank 0's per-step times from a run's sample log (written when the step's data arrived)."""
-    rows = [json.loads(line) for line in (d / "rank0.jsonl").read_text().splitlines()]
-    return {r["step"]: r["t"] for r in rows}
 
 
 class DaemonMeter(threading.Thread):
@@ -98,25 +139,18 @@ def main():
                     help="(a) also: the plain loop beside an idle Ray, and the engine in a plain Ray task (no Ray Train)")
     args = ap.parse_args()
     assert args.steps > args.warmup + 2 and args.steps % 10 == 0, "--steps: a multiple of 10 (the log interval)"
-
-    import ray
-
-    from minimind_ray.config import load_config
-    from minimind_ray.data.prepare import ensure_prepared
-    from minimind_ray.tokenizer import resolve_tokenizer
-
     tmp = Path(tempfile.mkdtemp(prefix="bench-torchrun-"))
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)}
     # the prepared data both sides read (Ray Data prepares it once; Ray is stopped before the plain sides)
     cfg_a = load_config(None, overrides(args, tmp, 1, 2, args.micro))
-    ray.init(num_cpus=4, include_dashboard=False)
+    ray = local_ray(4)
     prepared = ensure_prepared(cfg_a.data, resolve_tokenizer("builtin", cfg_a.data.cache_dir))
     ray.shutdown()
 
     def plain(nproc: int, threads: int, global_batch: int, name: str) -> dict:
         out = tmp / f"{name}.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               str(REPO / "bench" / "torchrun_engine.py"), "--prepared", prepared, "--out", str(out),
+               str(REPO / "bench" / "bench_vs_torchrun.py"), "--engine", "--prepared", prepared, "--out", str(out),
                *overrides(args, tmp, nproc, threads, global_batch)]
         subprocess.run(cmd, check=True, env={**env, "OMP_NUM_THREADS": str(threads)}, cwd=REPO)
         return json.loads(out.read_text())
@@ -124,10 +158,7 @@ def main():
     bare_a = plain(1, 2, args.micro, "bare-a")  # torchrun with one process is a bare loop
     torchrun_b = plain(2, 1, 2 * args.micro, "torchrun-b")
 
-    from minimind_ray.raytrain.driver import run
-
-    ray.init(num_cpus=4, include_dashboard=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}})
+    local_ray(4)
 
     extra = []
     if args.decompose:
@@ -148,7 +179,7 @@ def main():
         res = run(cfg)
         meter.stop.set()
         meter.join()
-        times = sample_log_times(tmp / "samples" / name)
+        times = rank0_times(sample_log(tmp / "samples" / name))
         times[args.steps + 1] = times[args.steps] + statistics.median(
             times[s + 1] - times[s] for s in range(args.warmup + 1, args.steps))
         return res.metrics["loss"], times, meter
@@ -159,27 +190,11 @@ def main():
         cfg_task = load_config(None, overrides(args, tmp, 1, 2, args.micro))
 
         @ray.remote(num_cpus=2)
-        def engine_in_a_ray_task(cfg, prepared_dir):
-            import time as _time
-
-            from minimind_ray.engine.loop import Hooks
-            from minimind_ray.engine.state import TrainState
-
-            class Clock(Hooks):
-                def __init__(self):
-                    self.t, self.loss = {}, {}
-
-                def before_step(self, step):
-                    self.t[step] = _time.time()
-
-                def on_metrics(self, step, metrics, per_step_loss, is_checkpoint):
-                    self.loss[step] = metrics["loss"]
-
-            state = TrainState.build(cfg, prepared_dir)
-            clock = Clock()
+        def engine_in_a_ray_task(cfg, prepared_dir):  # StepClock goes with it (cloudpickle: __main__'s by value)
+            state, clock = TrainState.build(cfg, prepared_dir), StepClock()
             run_engine(state, clock)
-            clock.t[state.total_steps + 1] = _time.time()
-            return clock.t, clock.loss
+            clock.t[state.total_steps + 1] = time.time()
+            return clock.t, clock.interval_loss
 
         # last: the task's worker process stays behind as an idle Ray worker; its CPU is not measured
         t_task, loss_task = ray.get(engine_in_a_ray_task.remote(cfg_task, prepared))
@@ -196,21 +211,19 @@ def main():
              torchrun_b["interval_loss"][str(args.steps)], meter_b)]
     print(f"\n{args.preset}, seq {args.seq}, micro-batch {args.micro}, {args.steps} steps "
           f"({args.warmup} warm-up), fp32, {os.cpu_count()} cores")
-    print("| case | pipeline tok/s | plain tok/s | pipeline / plain | mean loss of the last log interval (pipeline / plain) "
-          "| Ray daemons' CPU during the run | the driver's CPU |")
-    print("|---|---|---|---|---|---|---|")
     for name, t, loss, m in extra:  # decomposition rows: "pipeline" is the variant, "plain" the bare loop
         rows.append((name, tokens_per_s(t, args.steps, args.warmup, tok_a), rows[0][2], loss, rows[0][4], m))
+    cells = []
     for name, p, b, lp, lb, m in rows:
-        if m is None:
-            cpu = "not measured | not measured"
-        else:
-            share, drv = m.cpu / max(m.wall, 1e-9), m.driver_cpu / max(m.wall, 1e-9)
-            cpu = (f"{share:.2f} cores ({share / (os.cpu_count() or 1):.1%} of the machine) | "
-                   f"{drv:.2f} cores")
-        print(f"| {name} | {p:,.0f} | {b:,.0f} | {p / b:.3f} | {lp:.6f} / {lb:.6f} | {cpu} |")
-    print(f"\nplain sides: torchrun running bench/torchrun_engine.py (the engine's own loop); {tmp}")
+        share, drv = (m.cpu / max(m.wall, 1e-9), m.driver_cpu / max(m.wall, 1e-9)) if m else (None, None)
+        cells.append((name, f"{p:,.0f}", f"{b:,.0f}", f"{p / b:.3f}", f"{lp:.6f} / {lb:.6f}",
+                      f"{share:.2f} cores ({share / (os.cpu_count() or 1):.1%} of the machine)" if m else "not measured",
+                      f"{drv:.2f} cores" if m else "not measured"))
+    table(("case", "pipeline tok/s", "plain tok/s", "pipeline / plain",
+           "mean loss of the last log interval (pipeline / plain)", "Ray daemons' CPU during the run",
+           "the driver's CPU"), cells)
+    print(f"\nplain sides: torchrun running bench/bench_vs_torchrun.py --engine (the engine's own loop); {tmp}")
 
 
 if __name__ == "__main__":
-    main()
+    engine_side(sys.argv[2:]) if sys.argv[1:2] == ["--engine"] else main()

@@ -101,7 +101,7 @@ def cmd_pipeline(args) -> int:
 
 def cmd_prepare(args) -> int:
     from minimind_ray.data.prepare import ensure_prepared  # lazy: numpy, pyarrow, only when this runs
-    from minimind_ray.tokenizer import resolve_tokenizer
+    from minimind_ray.tokenizer import resolve_tokenizer  # lazy: tokenizers, only when this runs
     from minimind_ray.raytrain.session import connect_ray  # lazy: pyarrow, only when this runs
 
     cfg = _load(args)
@@ -173,7 +173,7 @@ def _weights_of(args) -> str:
 
 def cmd_generate(args) -> int:
     from minimind_ray.generate import generate_text  # lazy: torch, only when this runs
-    from minimind_ray.store.weights import build_inference_model
+    from minimind_ray.store.weights import build_inference_model  # lazy: pyarrow, torch, only when this runs
 
     weights = _weights_of(args)
     dev = _device(args)
@@ -189,7 +189,7 @@ def cmd_generate(args) -> int:
 
 def cmd_chat(args) -> int:
     from minimind_ray.generate import chat_loop  # lazy: torch, only when this runs
-    from minimind_ray.store.weights import build_inference_model
+    from minimind_ray.store.weights import build_inference_model  # lazy: pyarrow, torch, only when this runs
 
     weights = _weights_of(args)
     dev = _device(args)

@@ -104,7 +104,8 @@ OWN_RAY = ("integration/test_node_faults.py", "integration/test_local_cluster.py
            "integration/test_sweep.py")
 HEAVIEST_FIRST = tuple(f"integration/test_{n}.py" for n in (
     "training", "grpo", "tracking_training", "pipeline", "serve", "recipes", "resume", "evals", "stages", "oom")) + (
-    "unit/test_precision.py", "integration/test_use_model.py", "integration/test_tracking.py",
+    "unit/test_precision.py", "integration/test_use_model.py", "integration/test_mlflow_ui.py",
+    "integration/test_tracking.py", "integration/test_cli_errors.py",
     "integration/test_data_pipeline.py",
     # issue 36's: 33 s and 28 s at load 5, 100 s and 87 s at load 30; before the many small files
     "integration/test_fsdp_ray.py", "unit/test_fsdp.py")
@@ -139,7 +140,22 @@ def _heaviest_first(path_in_tests: str) -> tuple:
     return (2, 0)
 
 
+SOAK = REPO / "tests" / "soak"
+
+
+def _soak_asked(config) -> bool:
+    """The checks of tests/soak/ (minutes to hours, a GPU, llama.cpp) run only when asked for: ``-m`` names the
+    ``soak`` marker, or the command names a path inside tests/soak/. ``make test`` (``pytest tests``) leaves them out."""
+    named = [Path(str(a).split("::")[0]).resolve() for a in config.args]
+    return "soak" in (config.option.markexpr or "") or any(p == SOAK or SOAK in p.parents for p in named)
+
+
 def pytest_collection_modifyitems(config, items):
+    if not _soak_asked(config):  # deselected, not skipped: tests/skip_budget.py counts skips only
+        soak = [i for i in items if SOAK in Path(i.path).parents or i.get_closest_marker("soak")]
+        if soak:
+            config.hook.pytest_deselected(items=soak)
+            items[:] = [i for i in items if i not in soak]
     if hasattr(config, "workerinput") and _by_file(config):  # each worker collects; its order is the units'
         items.sort(key=lambda item: _heaviest_first(_in_tests(item.path)))  # stable: a file's tests keep their order
 

@@ -33,7 +33,7 @@ SUMMARY_KEYS = ("eval_loss", "eval_ppl", "eval_bpb", "eval_units")
 def _weights_tokenizer_hash(lw, tokenizer: Optional[str]) -> Tuple[Optional[str], str]:
     """(hash of the tokenizer the weights were trained with, how to name it), or (None, why it is unknown)."""
     from minimind_ray.data.manifest import DataError, read_manifest  # lazy: pyarrow, only when this runs
-    from minimind_ray.tokenizer import load_tokenizer, resolve_tokenizer
+    from minimind_ray.tokenizer import load_tokenizer, resolve_tokenizer  # lazy: tokenizers, only when this runs
 
     data = lw.run_config["data"] if lw.run_config else None  # the run's recorded config (a plain dict)
     if tokenizer:
@@ -81,7 +81,7 @@ class Loss(EvalTask):
 
     def evaluate(self, target) -> dict:
         from minimind_ray.data.manifest import DataError, check_tokenizer  # lazy: pyarrow, only when this runs
-        from minimind_ray.data.stream import PreparedDataset, TrainStream
+        from minimind_ray.data.stream import PreparedDataset, TrainStream  # lazy: numpy, pyarrow, only when this runs
 
         weights, data = target.weights, self.cfg.data or None
         model, lw = target.model, target.loaded

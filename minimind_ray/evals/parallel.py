@@ -59,7 +59,7 @@ def _score_share(weights: str, preset: Optional[str], task: dict, jobs: List[tup
     import torch
 
     from minimind_ray.engine.step import autocast_for  # lazy: torch, only when this runs
-    from minimind_ray.store.weights import build_inference_model
+    from minimind_ray.store.weights import build_inference_model  # lazy: pyarrow, torch, only when this runs
 
     torch.set_num_threads(threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -142,7 +142,7 @@ def run_from_args(args) -> int:
     if args.log_samples and task.task == "loss":
         raise ValueError("eval: --log-samples: the loss task has no per-question records")
     from minimind_ray.evals.run import evaluate_task  # lazy: numpy, pyarrow, torch, only when this runs
-    from minimind_ray.store.weights import rope_scaling_spec
+    from minimind_ray.store.weights import rope_scaling_spec  # lazy: pyarrow, torch, only when this runs
 
     rope = rope_scaling_spec(getattr(args, "rope_scaling", None), getattr(args, "factor", None),
                              getattr(args, "original_max_position_embeddings", None))  # cli.add_rope_scaling_arguments

@@ -148,7 +148,7 @@ def merge_lora(model: nn.Module) -> nn.Module:
     return model
 
 
-# MiniMind's file name for adapters alone: lora_<hidden>.pth (its train_lora.py), which export writes beside the weights
+# MiniMind's file name for adapters alone, lora_<hidden>.pth (MiniMind's train_lora.py): export writes it beside the weights
 ADAPTER_FILE_PREFIX = "lora"
 
 

@@ -14,7 +14,7 @@ three points only the start passes (:class:`StartFaults`): the actor's start (it
 Train ``WorkerCallback``), the torch backend's set-up (:class:`FaultyTorchConfig`) and the hand-over of the train
 function (:class:`LaunchFault`, unpickled inside ``run_train_fn``). The Train controller also
 writes ``detected-<time>.json`` there when it sees workers fail (``failure_callback``), which is how
-``bench/bench_chaos.py`` times detection.
+``tests/soak/test_chaos.py`` times detection.
 """
 from __future__ import annotations
 

@@ -36,7 +36,7 @@ def source_run_id(weights: Optional[str]) -> Optional[str]:
     if not weights:
         return None
     from minimind_ray.store.checkpoint import CheckpointError  # lazy: torch, only when this runs
-    from minimind_ray.store.weights import resolve_checkpoint
+    from minimind_ray.store.weights import resolve_checkpoint  # lazy: pyarrow, torch, only when this runs
 
     candidates = [weights]
     if not is_uri(weights) and Path(weights).parent.name == "export":  # runs/<name>/export/<file>

@@ -1,7 +1,7 @@
 """A worker lost while Ray Train starts the worker group costs one restart, like a worker lost while training.
 
-Ray Train 2.58 breaks that promise in two ways (docs/reliability.md, "A worker lost while the group starts";
-``bench/repro_start_fault.py`` shows both against Ray alone):
+Ray Train 2.58 breaks that promise in two ways (docs/reliability.md, "A worker lost while the group starts", whose
+script shows both against Ray alone):
 
 * ``WorkerGroup._start_impl`` builds the group's state (its placement group, workers, sync actor) and only then
   runs the ``after_worker_group_start`` callbacks (the torch backend's set-up) and hands each worker the train

@@ -22,6 +22,7 @@ import time
 from typing import Dict, List, Optional
 
 from minimind_ray.evals.config import EvalConfig, EvalTaskConfig, task_name
+from minimind_ray.tracking.runs import set_tags
 
 
 def validation_config(eval_cfg: EvalConfig, *, run_dir: str, tracking_uri: Optional[str], cache_dir: str,
@@ -80,7 +81,7 @@ def _write_marker(path: str, record: dict) -> None:
 def run_tasks(ckpt_dir: str, tasks: List[EvalTaskConfig], cache_dir: str, device: str):
     """({metric: value}, {task name: error}) of every task on the checkpoint's model, loaded once."""
     from minimind_ray.evals.run import evaluate_task, metric_items  # lazy: numpy, pyarrow, torch, only when this runs
-    from minimind_ray.generate import tokenizer_for_weights
+    from minimind_ray.generate import tokenizer_for_weights  # lazy: torch, only when this runs
     from minimind_ray.store.weights import build_inference_model  # lazy: pyarrow, torch, only when this runs
 
     model, lw = build_inference_model(ckpt_dir, device=device)
@@ -130,7 +131,6 @@ def validate_checkpoint(checkpoint, *, run_dir: str, tracking_uri: Optional[str]
 
 def _log(uri: str, run_id: str, step: int, scores: Dict[str, float], errors: Dict[str, str], timeout_s: float) -> None:
     from minimind_ray.tracking.logger import RunLogger  # lazy: pyarrow, only when this runs
-    from minimind_ray.tracking.runs import set_tags
 
     logger = RunLogger(uri, run_id, timeout_s=timeout_s)
     logger.log_metrics(scores, step=step)

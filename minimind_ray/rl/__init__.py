@@ -1,4 +1,5 @@
-"""Reinforcement learning on the training engine: the pieces of the RL stages (grpo, ppo, agent; docs/rl.md).
+"""Reinforcement learning on the training engine: the pieces of the RL stages (grpo, ppo, agent and rloo, whose
+algorithm is its stage module alone, stages/rloo.py; docs/rl.md).
 
 ``plan.py``     the plan base every algorithm's step runs on (what was sent ahead, the weight update, generation,
                 scoring, the next submission, the reference and the rewards); ``GroupPlan``: a group per prompt

@@ -36,7 +36,7 @@ class RolloutActor:
 
     def __init__(self, model_cfg: dict, threads: int):
         from minimind_ray.model.config import ModelConfig  # lazy: omegaconf, yaml, only when this runs
-        from minimind_ray.model.minimind import build_model
+        from minimind_ray.model.minimind import build_model  # lazy: torch, only when this runs
 
         torch.set_num_threads(threads)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -191,7 +191,7 @@ def build_rewards(specs, device=None, run_name: Optional[str] = None) -> List[Re
         elif spec.name in RULES:
             fn, label = RULES[spec.name], spec.name
         else:
-            with plugin_call(f"reward plug-in {spec.name}"):
+            with plugin_call(f"reward plug-in {spec.name}") if ":" in spec.name else contextlib.nullcontext():
                 fn = load_callable(spec.name)
             label = re.sub(r"\W", "_", spec.name.partition(":")[2])
         base, k = label, 2

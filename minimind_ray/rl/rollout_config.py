@@ -14,7 +14,7 @@ ENGINES = ("worker", "actors")
 
 @dataclass
 class RolloutConfig:
-    """The rollout engine of the RL stages (grpo, ppo, agent)."""
+    """The rollout engine of every RL stage (a record with ``rl=True``)."""
 
     engine: str = _f("worker", "'worker' = each training worker samples its own prompts (KV cache); 'actors' = a pool of "
                                "Ray actors generates for every rank, the workers only train")

@@ -119,7 +119,7 @@ def load_frozen(cfg_model, weights: str, device: torch.device, field: str) -> nn
     """A frozen model of ``cfg_model`` with ``weights`` (a teacher, a reference given by path: the config ``field``
     that names it), on ``device``. Weights that cannot be loaded are the user's mistake (failures.py)."""
     from minimind_ray.model.minimind import build_model  # lazy: only the stages with a frozen model load one
-    from minimind_ray.store.weights import load_model_weights  # lazy: pyarrow, only the stages with a frozen model
+    from minimind_ray.store.weights import load_model_weights  # lazy: pyarrow, torch, as build_model above
 
     m = build_model(cfg_model)
     with reading(f"{field}={weights}"):

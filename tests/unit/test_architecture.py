@@ -1,6 +1,8 @@
 """The house rules of docs/architecture.md, checked on the source: its table of rooms and what each may import, no
 import circle between modules or between rooms, Ray only where it belongs, no module over 450 lines, no stage name
-compared outside the stages room. Every import counts, including the ones inside functions."""
+compared outside the stages room, no private name imported across modules, a reason for each import inside a function.
+Every import counts, including the ones inside functions. bench/ is checked as a client of the library: no private
+name, no test module, a reason for each import inside a function."""
 from __future__ import annotations
 
 import ast
@@ -196,36 +198,89 @@ def test_no_format_name_is_compared_outside_the_formats_package():
     assert not found, "format switches outside minimind_ray/data/formats/:\n" + "\n".join(found)
 
 
+BENCH = REPO / "bench"
+OWN = ("minimind_ray", "pipelines", "tests")  # the project's own code, besides bench/'s modules
+
+
+def _bench_files():
+    return sorted(BENCH.glob("*.py"))
+
+
+def _own(module: str, level: int = 0) -> bool:
+    """``module`` (as a ``from``/``import`` names it) is the project's own code, or a bench module (bench/common)."""
+    top = module.split(".")[0]
+    return bool(level) or top in OWN or (BENCH / f"{top}.py").exists()
+
+
 def test_no_private_name_is_imported_from_another_module():
-    """A leading underscore says "this module's own": another module that needs the name asks for a public one."""
+    """A leading underscore says "this module's own": another module that needs the name asks for a public one.
+    bench/ is held to it too: a benchmark uses the library as its users do."""
     found = []
-    for name, path in _modules().items():
+    files = [(name, path) for name, path in _modules().items()] + [(f"bench/{p.name}", p) for p in _bench_files()]
+    for name, path in files:
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("minimind_ray"):
+            if isinstance(node, ast.ImportFrom) and _own(node.module or "", node.level):
                 found += [f"{name} imports {node.module}.{a.name}" for a in node.names
                           if a.name.startswith("_") and not a.name.startswith("__")]
+            elif isinstance(node, ast.Import):
+                found += [f"{name} imports {a.name}" for a in node.names if _own(a.name) and any(
+                    part.startswith("_") and not part.startswith("__") for part in a.name.split("."))]
     assert not found, "private names imported across modules:\n" + "\n".join(found)
+
+
+def test_bench_imports_no_test():
+    """A benchmark is a client of the library: what it needs from the suite (a fixture's data, a cluster's start) it
+    reads or runs itself; a check with a verdict belongs in tests/ (tests/soak/ when make test must leave it out)."""
+    assert _bench_files(), "no bench/*.py to check"
+    found = [f"bench/{p.name}:{node.lineno}" for p in _bench_files() for node in ast.walk(ast.parse(p.read_text()))
+             if (isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "tests")
+             or (isinstance(node, ast.Import) and any(a.name.split(".")[0] == "tests" for a in node.names))]
+    assert not found, "bench/ imports the test suite:\n" + "\n".join(found)
+
+
+def _lazy_reason(lines, node) -> bool:
+    """``# lazy: <reason>`` on the import's own lines, or in the comment lines directly above it: each import its
+    own reason (a reason above one import does not excuse the next)."""
+    if re.search(r"# lazy: \S", "\n".join(lines[node.lineno - 1:node.end_lineno])):
+        return True
+    i = node.lineno - 2
+    while i >= 0 and lines[i].strip().startswith("#"):
+        if re.search(r"# lazy: \S", lines[i]):
+            return True
+        i -= 1
+    return False
 
 
 def test_every_import_inside_a_function_says_why_it_is_there():
     """An import of the project's own code belongs at the module's top, where a reader sees what the module depends
-    on. One that stays inside a function says why on its line or the line above (``# lazy: <reason>``: a heavy
-    dependency such as torch, pyarrow or Ray that the verb may never need, or a circle it would close)."""
+    on. One that stays inside a function says why on its line, or in the comment lines directly above it
+    (``# lazy: <reason>``: a heavy dependency such as torch, pyarrow or Ray that the verb may never need, a circle it
+    would close, or in bench/ a before/after worker's tree that must come first on sys.path). bench/ too: its own
+    code is the library, pipelines/ and bench's modules (bench/common.py)."""
     found = []
-    for name, path in _modules().items():
+    files = list(_modules().values()) + _bench_files()
+    for path in files:
         lines = path.read_text().splitlines()
-        tree = ast.parse("\n".join(lines))
-        for fn in ast.walk(tree):
+        for fn in ast.walk(ast.parse("\n".join(lines))):
             if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 continue
             for node in ast.walk(fn):
-                internal = (isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith(
-                    "minimind_ray"))) or (isinstance(node, ast.Import) and any(
-                        a.name.startswith("minimind_ray") for a in node.names))
-                if not internal:
-                    continue
-                said = "\n".join(lines[node.lineno - 2:node.end_lineno])  # the line above and the import's own
-                if not re.search(r"# lazy: \S", said):
+                internal = (isinstance(node, ast.ImportFrom) and _own(node.module or "", node.level)) or (
+                    isinstance(node, ast.Import) and any(_own(a.name) for a in node.names))
+                if internal and not _lazy_reason(lines, node):
                     found.append(f"{path.relative_to(REPO)}:{node.lineno}: {lines[node.lineno - 1].strip()}")
     assert not found, ("imports inside functions without a '# lazy: <reason>' (move them to the top, or say why):\n"
                        + "\n".join(sorted(set(found))))
+
+
+def test_a_lazy_reason_excuses_its_own_import_only():
+    src = ("def f():\n"
+           "    # lazy: torch, only when this runs\n"
+           "    # (a reason may take two comment lines)\n"
+           "    from minimind_ray.model import minimind\n"
+           "    from minimind_ray.store import pth\n"
+           "    import minimind_ray.generate  # lazy: torch\n"
+           "    from minimind_ray import export\n")
+    lines = src.splitlines()
+    imports = [n for n in ast.walk(ast.parse(src)) if isinstance(n, (ast.Import, ast.ImportFrom))]
+    assert [_lazy_reason(lines, n) for n in sorted(imports, key=lambda n: n.lineno)] == [True, False, True, False]

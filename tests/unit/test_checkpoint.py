@@ -175,7 +175,7 @@ def test_meta_round_trips_and_names_the_file_when_malformed(run_dir):
 
 
 # --------------------------------------------------------------------------- the edges the cases above leave out
-# (issue 34: each kills mutants `bench/mutation.sh minimind_ray/store/checkpoint.py` found surviving)
+# (issue 34: each kills mutants `tests/mutation.sh minimind_ray/store/checkpoint.py` found surviving)
 
 
 def test_choose_restore_says_why_it_resumes_from_the_run_directory(run_dir, capsys):

@@ -1,8 +1,9 @@
 """Every example command of the README and the docs works as written (issue 38): each one is taken from the markdown
 (fenced blocks, and inline `minimind-ray ...` / `python -m pipelines....` spans), parsed by the CLI's own parser, and
 its config part resolved and validated as the verb would, before any Ray work: a training verb's recipe and dotted
-overrides (load_config + validate), a pipeline's and a sweep's YAML with each recipe they name, `make` targets and the
-flags of `python bench/*.py` scripts. Files a command names that this machine does not have (a user's
+overrides (load_config + validate), a pipeline's and a sweep's YAML with each recipe they name, `make` targets, the
+flags of `python bench/*.py` scripts and `python -m tests.soak.*` checks, and `pytest` runs of tests/soak/ (the files
+exist, the options are tests/soak/conftest.py's). Files a command names that this machine does not have (a user's
 /data/pretrain_hq.jsonl, runs/<run>) are the only thing stood in for. No Ray, no torch work: a second or two."""
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "cluster" / "README.md"]
-COMMAND = r"(?:\.venv/bin/)?minimind-ray\s|(?:\.venv/bin/)?python3?\s+(?:-m\s+pipelines\.|bench/)|make\s+\w"
+COMMAND = (r"(?:\.venv/bin/)?minimind-ray\s|(?:\.venv/bin/)?python3?\s+(?:-m\s+(?:pipelines\.|tests\.|pytest\s)|bench/)"
+           r"|make\s+\w")
 # a fenced block's line that is a command: one of ours, or `ray job submit ... -- <ours>`, after any VAR=value
 START = re.compile(rf"^(?:\$\s+)?((?:[A-Z_]+=\S*\s+)*(?:{COMMAND}|ray\s+job\s+submit\s))")
 INLINE = re.compile(rf"^(?:{COMMAND})")
@@ -122,6 +124,10 @@ def check(command: str, whole: bool = True) -> Optional[str]:
         return None if argv[1] in targets else f"make: no target {argv[1]!r}"
     if argv[0].endswith(("python", "python3")) and argv[1].startswith("bench/"):
         return _check_script(argv[1], argv[2:])
+    if argv[0].endswith(("python", "python3")) and argv[2].startswith("tests."):  # python -m tests.soak.gpu_check
+        return _check_script(argv[2].replace(".", "/") + ".py", argv[3:])
+    if argv[0].endswith(("python", "python3")) and argv[2] == "pytest":
+        return _check_pytest(argv[3:])
     if argv[0].endswith(("python", "python3")):  # python -m pipelines.<entry>: the verb its main() passes
         if "<" in argv[2]:  # pipelines.<stage>: any of them
             return None
@@ -180,10 +186,21 @@ def _check_script(script: str, argv: List[str]) -> Optional[str]:
     if not path.exists():
         return f"{script}: no such file"
     known = {a.value for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Call)
-             and getattr(node.func, "attr", "") == "add_argument" for a in node.args
+             and getattr(node.func, "attr", "") in ("add_argument", "addoption") for a in node.args
              if isinstance(a, ast.Constant) and isinstance(a.value, str)}
     unknown = [t.split("=")[0] for t in argv if t.startswith("--") and t.split("=")[0] not in known | {"--help"}]
     return f"{script}: unrecognized arguments: {' '.join(unknown)}" if known and unknown else None
+
+
+def _check_pytest(argv: List[str]) -> Optional[str]:
+    """A pytest run of the docs names test files that exist, and only the options tests/soak/conftest.py adds
+    (pytest's own flags are pytest's)."""
+    for a in argv:
+        if a.startswith("tests/") and not (REPO / a.split("::")[0]).exists():
+            return f"{a}: no such file"
+    soak = _check_script("tests/soak/conftest.py", [a for a in argv if a.startswith("--") and
+                                                    re.match(r"--(chaos|soak|gguf|rl|gpu)-|--keep", a)])
+    return soak and soak.replace("tests/soak/conftest.py: ", "pytest: ")
 
 
 EXAMPLES = [(doc, line, cmd, whole) for doc in DOCS for line, cmd, whole in commands(doc.read_text())]
@@ -214,6 +231,10 @@ def test_every_example_command_works_as_written(doc, line, command, whole, monke
     ("python -m pipelines.pretrain --halp", "unrecognized arguments: --halp"),
     (".venv/bin/python bench/bench_serve.py --clients 16 --tokenz 8", "unrecognized arguments: --tokenz"),
     ("make demos", "make: no target 'demos'"),
+    (".venv/bin/python -m pytest -m soak -s tests/soak/test_chaoz.py", "tests/soak/test_chaoz.py: no such file"),
+    (".venv/bin/python -m pytest -m soak tests/soak/test_chaos_soak.py --soak-runz 3",
+     "pytest: unrecognized arguments: --soak-runz"),
+    ("python3 -m tests.soak.gpu_ray_check --cpux", "unrecognized arguments: --cpux"),
 ])
 def test_a_broken_example_fails_naming_its_error(tmp_path, monkeypatch, broken, expect):
     monkeypatch.chdir(REPO)

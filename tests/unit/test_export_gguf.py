@@ -1,7 +1,7 @@
 """GGUF export (``export --format gguf``): read back with gguf's own reader, every tensor equals the model's
 weight in llama.cpp's layout (derived here independently), the metadata and tokenizer are the model's and
 MiniMind's, the q/k row order keeps attention scores under llama.cpp's adjacent-pair RoPE, and layouts
-llama.cpp cannot compute are refused with the reason. Running the file in llama.cpp: bench/check_gguf.py."""
+llama.cpp cannot compute are refused with the reason. Running the file in llama.cpp: tests/soak/test_gguf.py."""
 from __future__ import annotations
 
 import json

@@ -9,6 +9,7 @@ import textwrap
 import pytest
 import torch
 
+from minimind_ray.failures import Mistake
 from minimind_ray.rl.rewards import RewardConfig
 from minimind_ray.rl.reward_model import GetScoreReward, load_reward_model, prompt_messages
 from minimind_ray.rl.rewards import (build_rewards, close_answer_reward, exact_answer_reward, is_correct,
@@ -94,10 +95,11 @@ def test_terms_are_weighted_and_summed_and_callables_load_by_name():
 def test_a_reward_that_misbehaves_is_named():
     with pytest.raises(ValueError, match="neither a built-in reward"):
         build_rewards([RewardConfig("no_such_reward")])
-    with pytest.raises(ValueError, match="cannot load reward 'tests.unit.test_grpo_rewards:nope'"):
+    # a user's plug-in that cannot load or misbehaves is the user's mistake, named (never retried: failures.py)
+    with pytest.raises(Mistake, match="cannot load reward 'tests.unit.test_grpo_rewards:nope'"):
         build_rewards([RewardConfig("tests.unit.test_grpo_rewards:nope")])
     (term,) = build_rewards([RewardConfig("tests.unit.test_grpo_rewards:wrong_count")])
-    with pytest.raises(ValueError, match="reward 'wrong_count' returned 1 values for 2 completions"):
+    with pytest.raises(Mistake, match="reward 'wrong_count' returned 1 values for 2 completions"):
         term([PROMPT] * 2, ["a", "b"], ["", ""])
 
 

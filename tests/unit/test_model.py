@@ -62,7 +62,7 @@ def test_param_count(preset):
 def minimind_keys(c: ModelConfig) -> list:
     """[(key, shape)] in the order MiniMind's own ``MiniMindForCausalLM.state_dict()`` lists them.
 
-    Written by hand from model/model_minimind.py at 83e52f6 (minimind2) and d65ef2c
+    Written by hand from MiniMind's model/model_minimind.py at 83e52f6 (minimind2) and d65ef2c
     (minimind3). Checked once by running MiniMind's file itself (from the mirror, in a
     temp dir, with this venv's transformers) for every preset: its state_dict keys,
     order and shapes, its parameter count, its weights under the same seed and its

@@ -28,14 +28,18 @@ def _help() -> list:
     return [[name, repr(default), text] for name, default, text in field_help()]
 
 
-# sections added since the golden file: new stages' (SimPO, KTO and RLOO, issue 48) and the rollout engine every RL stage shares; and fields
-# added to train: since (issue 36, FSDP: how the workers share the model, activation checkpointing, FSDP's resharding),
+# sections added since the golden file: new stages' (SimPO; KTO and RLOO, issue 48) and the rollout engine every RL
+# stage shares; and fields added to train: since (issue 36, FSDP: how the workers share the model, activation checkpointing, FSDP's resharding),
 # each with a default that keeps every recipe's run as it was (ddp, none, true)
 NEW_SECTIONS = ("train.simpo.", "train.rollout.", "train.parallelism", "train.activation_checkpointing",
-                "train.reshard_after_forward", "train.kto.", "train.rloo.")
+                "train.reshard_after_forward", "train.kto.", "train.rloo.",
+                # issue 47: whether a user's mistake is retried, and the check of what a local Ray can hold (defaults
+                # keep every recipe's run as it was: a mistake failed every attempt anyway)
+                "cluster.retry_mistakes", "cluster.check_local_fit")
 # help lines that changed on purpose: the stage list names the new stage; train.grpo.rollout* moved to train.rollout;
 # data.format says what a verb implies when it is not given, data.train_path that one path needs no list (issue 38)
-CHANGED_HELP = {"train.stage", "train.grpo.rollout", "train.grpo.rollout_actors", "train.grpo.rollout_actor_cpus",
+CHANGED_HELP = {"cluster.max_failures", "train.faults",  # issue 47: what max_failures counts; the 'bug' kind
+                "train.stage", "train.grpo.rollout", "train.grpo.rollout_actors", "train.grpo.rollout_actor_cpus",
                 "train.grpo.rollout_actor_gpus", "train.grpo.rollout_overlap", "data.format", "data.train_path"}
 
 

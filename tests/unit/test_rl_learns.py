@@ -5,7 +5,7 @@ tokens hold one); a policy that finds the reward ends near 100% (or at the share
 worst in the measured seeds). PPO's critic must learn too: its value loss falls and its values end at the returns.
 
 The mean reward of the last K steps must beat that of the first K by MARGIN. Measured over 5 seeds
-(bench/bench_rl_learns.py; docs/testing.md has the table): the smallest margin was 0.49 (GRPO, PPO) and 0.67
+(tests/soak/test_rl_margins.py; docs/testing.md has the table): the smallest margin was 0.49 (GRPO, PPO) and 0.67
 (agent); with the advantages' sign flipped or the rewards shuffled across completions it was at most +0.11, and with
 PPO's value loss's sign flipped the critic's values ended 5 to 7 away from the returns (0.06 at most when right).
 RLOO, measured the same way with this module's learning_curve (seeds 0-4): 0.98 at the smallest; with its

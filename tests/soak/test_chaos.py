@@ -1,7 +1,7 @@
-"""Chaos benchmark (issue 16): one tiny run on a local 2-worker-node cluster meets ~10 mixed faults,
-beside an uninterrupted twin. Not a test: it prints one table and a verdict per check.
+"""The chaos table (issue 16): one tiny run on a local 2-worker-node cluster meets ~10 mixed faults, beside an
+uninterrupted twin; one table, and the test fails naming each check that did not hold.
 
-The faults, in the order of the default ``--events`` (each in its own checkpoint interval):
+The faults, in the order of the default ``--chaos-events`` (each in its own checkpoint interval):
   raise:0 exit:1 sigkill:1 hang:1 oom:0   train.faults entries: they fire by themselves, once per run
   slow:1                                  a 6 s straggler: must not fail the run
   mlflow                                  the MLflow server stopped, then started again one checkpoint later
@@ -12,21 +12,22 @@ The faults, in the order of the default ``--events`` (each in its own checkpoint
 The outside actions (mlflow, driver, node) happen when the sample log shows their step trained, one at a
 time: an action waits until the one before it is over (the server or node back up), then acts.
 
-For each: the seconds from the fault (its marker's ``t``, or the moment this script acted) to the
+For each: the seconds from the fault (its marker's ``t``, or the moment this test acted) to the
 controller's ``detected-*`` record and to the first step after the restore, the step restored and the
 steps lost (fault step - restored step - 1; for the actions here, the last step logged before them minus
-the restored step). Then: every sample once (sample log), the global batch constant, one MLflow run
-with each step of ``loss`` once, and the final weights against the twin (bitwise when the world size
-never changed, else within the 1-vs-2-worker tolerance of tests/integration/test_training.py).
+the restored step). The checks: each fault fired and was restored from (the straggler and the MLflow outage
+without a restart), every sample once (sample log), the global batch constant, one MLflow run with each step of
+``loss`` once, and the final weights against the twin (bitwise when the world size never changed, else within
+the 1-vs-2-worker tolerance of tests/integration/test_training.py).
 
-Usage, from the repository root (~15-30 min on 2 busy cores):
-    .venv/bin/python bench/bench_chaos.py [--steps N] [--events raise:0,driver,...] [--keep] [--no-twin]
-Everything it starts (cluster, MLflow server, drivers) is stopped at the end, also on failure;
-``--keep`` keeps the work directory (runs, sample logs, driver logs, results.json) for inspection.
+Run by hand (marker ``soak``; ~15-30 min on 2 busy cores), from the repository root:
+    .venv/bin/python -m pytest -m soak -s tests/soak/test_chaos.py [--chaos-events raise:0,driver,...]
+                                                                    [--chaos-steps N] [--chaos-no-twin] [--keep]
+Everything it starts (cluster, MLflow server, drivers) is stopped at the end, also on failure; ``--keep`` keeps
+the work directory (runs, sample logs, driver logs, results.json) for inspection.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -41,20 +42,38 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+import pytest
 
-from tests.integration.conftest import MlflowServer  # noqa: E402  (the suite's real `mlflow server`)
-from tests.integration.local_cluster import RAY_BIN, _free_base, _sh  # noqa: E402
-from tests.integration.test_training import WEIGHT_ATOL_ACROSS_WORLD_SIZES  # noqa: E402
+from tests.integration.conftest import MlflowServer  # the suite's real `mlflow server`
+from tests.integration.local_cluster import RAY_BIN, REPO, _free_base, _sh
+from tests.integration.test_training import WEIGHT_ATOL_ACROSS_WORLD_SIZES
 
+pytestmark = [pytest.mark.soak, pytest.mark.timeout(3 * 3600)]
 DEFAULT_EVENTS = "raise:0,exit:1,sigkill:1,hang:1,oom:0,slow:1,mlflow,driver,node,sigkill:0"
 IN_RUN = ("raise", "exit", "sigkill", "hang", "oom", "slow")
 SLOTS = {"mlflow": 2, "driver": 2, "node": 4}  # checkpoint intervals an outside action needs; a fault: 1
 
 
 class BenchError(RuntimeError):
-    """The benchmark could not go on; the message says what it was waiting for."""
+    """The chaos run could not go on; the message says what it was waiting for."""
+
+
+@dataclass
+class Options:
+    events: str = DEFAULT_EVENTS
+    steps: int = 0                  # training steps (0: what the events need)
+    every: int = 10                 # checkpoint interval (steps)
+    slow_s: float = 6.0             # seconds of the slow fault
+    pad_s: float = 6.0              # seconds of each straggler that leaves time for the node to rejoin
+    collective_timeout: float = 15.0  # train.collective_timeout_s (hang detection)
+    resource_timeout: float = 20.0  # cluster.resource_timeout_s
+    start_timeout: float = 180.0    # seconds to wait for a Ray node / the MLflow server
+    start_tries: int = 4            # tries of cluster/local/start.sh (busy machines)
+    run_timeout: float = 3600.0     # seconds for each run
+    stall_timeout: float = 420.0    # abort when no step is trained for this long
+    no_twin: bool = False           # no uninterrupted twin (no weight comparison)
+    workdir: Optional[str] = None   # where runs and logs go (default: a new temporary directory)
+    keep: bool = False              # keep the work directory
 
 
 @dataclass
@@ -93,7 +112,7 @@ def plan(events: str, every: int, slow_s: float, pad_s: float):
                 faults += [f"{(slot + 2) * every + k}:slow:0:{pad_s:g}" for k in range(1, every)]
             slot += SLOTS[kind]
         else:
-            raise SystemExit(f"--events: unknown event {name!r} (kinds: {', '.join(IN_RUN + tuple(SLOTS))})")
+            raise ValueError(f"--chaos-events: unknown event {name!r} (kinds: {', '.join(IN_RUN + tuple(SLOTS))})")
         out.append(ev)
     return out, faults, max([(slot + 1) * every] + [e.step + 1 for e in out])
 
@@ -138,7 +157,7 @@ class Chaos:
         self.events, self.faults, need = plan(args.events, args.every, args.slow_s, args.pad_s)
         self.steps = args.steps or need
         if self.steps < need:
-            raise SystemExit(f"--steps {self.steps}: these events need at least {need} steps")
+            raise ValueError(f"--chaos-steps {self.steps}: these events need at least {need} steps")
         self.mlflow = MlflowServer(self.work / "mlflow", start_timeout_s=args.start_timeout)
         self.driver: Optional[subprocess.Popen] = None
         self.cluster_up = False
@@ -383,6 +402,8 @@ class Chaos:
                 if ev.kind == "mlflow" and ev.t_end:
                     during = [r for r in rows if r["rank"] == 0 and ev.t < r["t"] < ev.t_end]
                     row["notes"].append(f"down {ev.t_end - ev.t:.0f}s, {len(during)} steps trained meanwhile")
+                    if ev.t_end > rows[-1]["t"]:  # the run ended with the server down: nothing could send its points
+                        row["notes"].append("back only after the last step: give the run steps or events after it")
                 table.append(row)
                 continue
             g = restart_after(ev.t)
@@ -491,58 +512,52 @@ def print_report(r: dict) -> None:
           f"missing: {r['mlflow_steps_missing'] or 'none'}")
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--events", default=DEFAULT_EVENTS,
-                    help="comma list, in order: kind:rank faults (kind:rank@step at that step), mlflow, driver, node")
-    ap.add_argument("--steps", type=int, default=0, help="training steps (default: what the events need)")
-    ap.add_argument("--every", type=int, default=10, help="checkpoint interval (steps)")
-    ap.add_argument("--slow-s", type=float, default=6.0, help="seconds of the slow fault")
-    ap.add_argument("--pad-s", type=float, default=6.0, help="seconds of each straggler that leaves time for the node to rejoin")
-    ap.add_argument("--collective-timeout", type=float, default=15.0, help="train.collective_timeout_s (hang detection)")
-    ap.add_argument("--resource-timeout", type=float, default=20.0, help="cluster.resource_timeout_s")
-    ap.add_argument("--start-timeout", type=float, default=180.0, help="seconds to wait for a Ray node / MLflow server")
-    ap.add_argument("--start-tries", type=int, default=4, help="tries of cluster/local/start.sh (busy machines)")
-    ap.add_argument("--run-timeout", type=float, default=3600.0, help="seconds for each run")
-    ap.add_argument("--stall-timeout", type=float, default=420.0, help="abort when no step is trained for this long")
-    ap.add_argument("--no-twin", action="store_true", help="skip the uninterrupted twin (no weight comparison)")
-    ap.add_argument("--workdir", help="where runs and logs go (default: a new temporary directory)")
-    ap.add_argument("--keep", action="store_true", help="keep the work directory")
-    args = ap.parse_args()
+def failures(r: dict) -> List[str]:
+    """The checks of the report that did not hold, one line each."""
+    bad = [f"{row['event']} (step {row['step']}): {note}" for row in r["table"] for note in row["notes"]
+           if note.startswith(("did not fire", "not reached", "no restart seen", "the group did not grow back",
+                               "back only after the last step"))
+           or note.endswith("restart(s)!")]
+    bad += [] if r["exactly_once"] else [f"samples not trained exactly once (repeating steps {r['repeated_steps']}, "
+                                         f"samples per step {r['global_batch_sizes']})"]
+    bad += [] if r["mlflow_runs"] == 1 else [f"{r['mlflow_runs']} MLflow runs, not 1"]
+    bad += [f"MLflow loss of steps {r[k]} {what}" for k, what in (("mlflow_steps_twice", "logged twice"),
+                                                                    ("mlflow_steps_missing", "missing")) if r[k]]
+    w = r["weights"]
+    bad += [] if not w["compared"] or w["ok"] else [f"final weights differ from the twin's by {w['max_abs_diff']:.3g}"]
+    return bad
 
-    bench = Chaos(args)
-    bench.log(f"work dir {bench.work}; {bench.steps} steps; train.faults={bench.faults}")
+
+def test_a_run_survives_every_fault_of_the_chaos_schedule(request):
+    get = request.config.getoption
+    opts = Options(events=get("--chaos-events", None) or DEFAULT_EVENTS, steps=get("--chaos-steps", 0),
+                   no_twin=get("--chaos-no-twin", False), keep=get("--keep", False))
+    run = Chaos(opts)
+    run.log(f"work dir {run.work}; {run.steps} steps; train.faults={run.faults}")
     try:
-        (bench.work / "mlflow").mkdir(parents=True, exist_ok=True)
+        (run.work / "mlflow").mkdir(parents=True, exist_ok=True)
         failed: List[BaseException] = []
 
         def start_mlflow():
             try:
-                bench.mlflow.start()
-            except BaseException as e:  # noqa: BLE001 - reported below, in the main thread
+                run.mlflow.start()
+            except BaseException as e:  # noqa: BLE001 - raised below, in the main thread
                 failed.append(e)
 
         server = threading.Thread(target=start_mlflow)  # ~10-60 s, while the cluster starts
         server.start()
-        bench.start_cluster()
+        run.start_cluster()
         server.join()
         if failed:
             raise BenchError(f"the MLflow server did not start: {failed[0]}")
-        twin = None if args.no_twin else bench.run_twin()
+        twin = None if opts.no_twin else run.run_twin()
         t0 = time.monotonic()
-        chaos = bench.run_chaos()
-        bench.seconds["chaos"] = time.monotonic() - t0
-        bench.log(f"chaos run: {bench.steps} steps in {time.monotonic() - t0:.0f}s")
-        result = bench.report(chaos, twin)
-        (bench.work / "results.json").write_text(json.dumps(result, indent=1, default=str))
+        chaos = run.run_chaos()
+        run.seconds["chaos"] = time.monotonic() - t0
+        run.log(f"chaos run: {run.steps} steps in {time.monotonic() - t0:.0f}s")
+        result = run.report(chaos, twin)
+        (run.work / "results.json").write_text(json.dumps(result, indent=1, default=str))
         print_report(result)
-        return 0
-    except (BenchError, RuntimeError) as e:  # RuntimeError: MlflowServer could not start
-        print(f"bench_chaos: {e}", file=sys.stderr)
-        return 1
     finally:
-        bench.cleanup()
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+        run.cleanup()
+    assert not failures(result), "checks that did not hold:\n" + "\n".join(failures(result))

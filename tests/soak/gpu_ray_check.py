@@ -1,4 +1,4 @@
-"""The GPU path through Ray Train, on one lent GPU, in one device call (issue 25). Not a test.
+"""The GPU path through Ray Train, on one lent GPU, in one device call (issue 25): a table, and a verdict.
 
 Parts, in this order (``--parts``; each is skipped, and says so, once ``--budget-s`` is spent):
 
@@ -7,7 +7,7 @@ Parts, in this order (``--parts``; each is skipped, and says so, once ``--budget
            against the bare engine (``minimind_ray.engine``, this process, no Ray) on the same GPU, data and
            settings, compile off and on, side by side: tokens/s and MFU over the same window of steps, peak
            memory against the estimate (engine/memory.py), the extra seconds of each checkpoint
-  restore  deterministic algorithms (bench/gpu_site/sitecustomize.py in the workers): a fault-free run and one
+  restore  deterministic algorithms (tests/soak/gpu_site/sitecustomize.py in the workers): a fault-free run and one
            whose worker raises at a step (``train.faults``) and is restored from its checkpoint on CUDA; the
            restored step, the seconds from the fault to the first step after, final weights equal or not
   oom      a micro-batch the GPU cannot hold (by the estimate, about 1.3x its memory): exit code 2, one line,
@@ -18,22 +18,21 @@ Parts, in this order (``--parts``; each is skipped, and says so, once ``--budget
            pipeline (bf16 autocast) of the same steps: tokens/s, the final loss (bf16 weights under FSDP's
            MixedPrecisionPolicy vs autocast); the bare engine on a process group of one: peak memory against the
            estimate, and the 0.5B preset's tokens/s and peak with activation checkpointing
-  profile  torch.profiler over a few bare-engine steps (bf16, compiled): kernel table and trace under --out
-  mfu      the MFU candidates, before/after in this call on the bare engine (bench-only switches, the
-           product code is untouched): SDPA ``enable_gqa`` instead of ``repeat_kv`` copies, fused AdamW, a
-           larger micro-batch, CUDA graphs (compile mode reduce-overhead), the loss on bf16 logits; each
-           row's per-step loss against an fp32 eager run of the same steps
+  profile  torch.profiler over a few bare-engine steps (bf16, compiled): the kernel table and a trace under --out,
+           the top 5 kernels and how busy the device was
 
 One table is printed and written to ``--out`` (``$OUT`` on the device): gpu_ray_check.md, .json, the
-profile files and the pipelines' log tails.
+profile files and the pipelines' log tails. Then the verdict (``failures``): a part that failed, a restore not
+bit-equal, an out-of-memory run that did not end in one line with exit 2; the exit code is 1 when there is one.
+tests/soak/test_gpu.py runs it under pytest (marker ``soak``).
 
-On the device (no Ray there; the carried wheels, see bench/gpu_ray_check.sh)::
+On the device (no Ray there; the carried wheels, see tests/soak/gpu_ray_check.sh)::
 
-    bench/gpu_ray_check.sh                    # = python3 bench/gpu_ray_check.py --out $OUT --budget-s 400
+    tests/soak/gpu_ray_check.sh           # = python3 -m tests.soak.gpu_ray_check --out $OUT --budget-s 400
 
 On CPU here, the same code path with tiny sizes (preset tiny, seq 64, gloo, fp32, no compile)::
 
-    .venv/bin/python bench/gpu_ray_check.py --cpu --out /tmp/gpu-ray-smoke
+    .venv/bin/python -m tests.soak.gpu_ray_check --cpu --out /tmp/gpu-ray-smoke
 """
 from __future__ import annotations
 
@@ -52,18 +51,14 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))
+from minimind_ray.config import load_config
+from minimind_ray.engine.loop import Hooks, run
+from minimind_ray.engine.memory import GiB, estimate
+from minimind_ray.engine.metrics import peak_flops
+from minimind_ray.engine.state import TrainState
 
-from gpu_ray_variants import VARIANTS, apply_variant, kernel_summary  # noqa: E402
-from minimind_ray.config import load_config  # noqa: E402
-from minimind_ray.engine.loop import Hooks, run  # noqa: E402  (engine/__init__.py imports nothing since issue 33)
-from minimind_ray.engine.state import TrainState  # noqa: E402
-from minimind_ray.engine.memory import GiB, estimate  # noqa: E402
-from minimind_ray.engine.metrics import peak_flops  # noqa: E402
-
-PARTS = ("env", "speed", "restore", "oom", "fsdp", "profile", "mfu")
+REPO = Path(__file__).resolve().parents[2]
+PARTS = ("env", "speed", "restore", "oom", "fsdp", "profile")
 
 
 class Setup:
@@ -137,28 +132,18 @@ class Stamps(Hooks):
         self.peak = max(self.peak, metrics["peak_mem_gb"])
 
 
-def engine_run(s: Setup, prepared: str, compile_: bool, variant: str = "baseline", steps=None, precision=None,
-               micro=None, profile_steps: int = 0):
+def engine_run(s: Setup, prepared: str, compile_: bool, steps=None, profile_steps: int = 0):
     """Train ``steps`` on the bare engine in this process; tokens/s over the log-synchronised window."""
-    steps = steps or s.steps
-    micro = micro or (VARIANTS[variant].get("micro", s.micro) if variant in VARIANTS else s.micro)
-    over = s.overrides(micro=micro, max_steps=steps, compile=compile_)
-    if precision:
-        over.append(f"train.precision={precision}")
-    cfg = load_config(None, over)
+    steps, micro = steps or s.steps, s.micro
+    cfg = load_config(None, s.overrides(micro=micro, max_steps=steps, compile=compile_))
     if s.device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    undo = apply_variant(variant, None)  # module-level switches (attention, loss) before the model is built
-    try:
-        state = TrainState.build(cfg, prepared, device=s.device)
-        apply_variant(variant, state)  # state-level switches (optimizer, compile mode)
-        hooks = Stamps()
-        if profile_steps:
-            return profile_run(s, state, hooks, profile_steps)
-        run(state, hooks)
-    finally:
-        undo()
+    state = TrainState.build(cfg, prepared, device=s.device)
+    hooks = Stamps()
+    if profile_steps:
+        return profile_run(s, state, profile_steps)
+    run(state, hooks)
     if s.device.type == "cuda":
         torch.cuda.synchronize()
     a, b = window(hooks.t, s.log_every, steps)
@@ -171,7 +156,7 @@ def engine_run(s: Setup, prepared: str, compile_: bool, variant: str = "baseline
             "loss": hooks.loss, "window": (a, b), "micro": micro}
 
 
-def profile_run(s: Setup, state, hooks, n: int):
+def profile_run(s: Setup, state, n: int):
     """torch.profiler over ``n`` steps after the warm-up; a kernel table and a gzip'd trace under --out."""
     from torch.profiler import ProfilerActivity, profile, schedule
 
@@ -197,18 +182,20 @@ def profile_run(s: Setup, state, hooks, n: int):
         wall_us = (time.perf_counter() - t_active) * 1e6
     state.stream.close()
     key = "self_cuda_time_total" if s.device.type == "cuda" else "self_cpu_time_total"
-    table = prof.key_averages().table(sort_by=key, row_limit=40)
-    (s.out / "profile_kernels.txt").write_text(table)
+    (s.out / "profile_kernels.txt").write_text(prof.key_averages().table(sort_by=key, row_limit=40))
     trace = s.work / "trace.json"
     prof.export_chrome_trace(str(trace))
     with open(trace, "rb") as f, gzip.open(s.out / "profile_trace.json.gz", "wb") as g:
         shutil.copyfileobj(f, g)
     if (s.out / "profile_trace.json.gz").stat().st_size > 15 << 20:
         (s.out / "profile_trace.json.gz").unlink()  # over what a device call brings back
-    summary = kernel_summary(prof.key_averages(), s.device.type, n)
-    summary["busy"] = summary["device_us_per_step"] * n / wall_us  # 1 - this: the device idles, launch-bound
-    summary["step_ms"] = wall_us / n / 1000
-    return summary
+    attr = "self_device_time_total" if s.device.type == "cuda" else "self_cpu_time_total"
+    events = [e for e in prof.key_averages() if float(getattr(e, attr, 0) or 0) > 0 and not e.key.startswith(
+        "ProfilerStep") and (s.device.type != "cuda" or "CUDA" in str(getattr(e, "device_type", "")))]  # kernels
+    events.sort(key=lambda e: -getattr(e, attr))
+    busy = sum(getattr(e, attr) for e in events) / wall_us  # 1 - this: the device idles, launch-bound
+    return {"top": [(e.key[:120], round(getattr(e, attr) / n, 1)) for e in events[:5]], "busy": busy,
+            "step_ms": wall_us / n / 1000}
 
 
 def pipeline(s: Setup, name: str, *over, extra_pythonpath=None, expect_rc=0):
@@ -286,7 +273,7 @@ def part_speed(s: Setup):
 
 
 def part_restore(s: Setup):
-    site = REPO / "bench" / "gpu_site"  # torch.use_deterministic_algorithms(True) in every worker it reaches
+    site = Path(__file__).resolve().parent / "gpu_site"  # torch.use_deterministic_algorithms(True) in every worker it reaches
     steps, every, fault = 40, 10, 25
     over = s.overrides(max_steps=steps) + [f"checkpoint.interval={every}"]
     marks = Path(tempfile.gettempdir()) / "gpu_site_deterministic"
@@ -419,53 +406,34 @@ def part_profile(s: Setup):
     summary = engine_run(s, s.prepared, compile_=not s.cpu, steps=20, profile_steps=5)
     s.results["profile"] = summary
     s.row("profile (5 steps, bf16, compiled)" if not s.cpu else "profile (5 steps, CPU)",
-          "; ".join(f"{k} {v:.0%}" for k, v in summary["shares"].items()),
-          f"device busy {summary['busy']:.0%} of the steps' wall time", "profile_kernels.txt", "")
+          "top 5: " + "; ".join(f"{k} {us:.0f} us/step" for k, us in summary["top"]),
+          f"device busy {summary['busy']:.0%} of the steps' wall time ({summary['step_ms']:.1f} ms a step)",
+          "profile_kernels.txt", "")
 
 
-def part_mfu(s: Setup):
-    compile_ = not s.cpu
-    steps = 60 if not s.cpu else 30
-    refs = {}  # micro-batch -> an fp32 eager run of the same steps: what each variant's loss is held against
-
-    def reference(micro):
-        if micro not in refs:
-            refs[micro] = engine_run(s, s.prepared, compile_=False, steps=steps, precision="fp32", micro=micro)
-            s.results["mfu"][f"fp32_eager_micro_{micro}"] = {k: v for k, v in refs[micro].items() if k != "loss"}
-        return refs[micro]
-
-    s.results["mfu"] = {}
-    for name, v in VARIANTS.items():
-        if s.cpu and v.get("cuda_only"):
-            s.row(f"mfu: {name}", "n/a on CPU", "", "", "")
-            continue
-        if s.left() < 45:
-            s.row(f"mfu: {name}", f"skipped: {s.left():.0f} s of the budget left", "", "", "")
-            continue
-        try:
-            r = engine_run(s, s.prepared, compile_=compile_, steps=steps, variant=name)
-        except Exception as e:  # a candidate that does not run (e.g. CUDA graphs refusing the step) is a result too
-            s.results["mfu"][name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
-            s.row(f"mfu: {name}", f"FAILED: {type(e).__name__}: {str(e)[:300]}", "", "", "")
-            continue
-        ref = reference(r["micro"]) if s.left() > 60 or r["micro"] in refs else {"loss": {}}
-        common = sorted(set(r["loss"]) & set(ref["loss"]))
-        dl = max(abs(r["loss"][k] - ref["loss"][k]) for k in common) if common else float("nan")
-        s.results["mfu"][name] = {**{k: val for k, val in r.items() if k != "loss"}, "max_loss_diff_vs_fp32": dl}
-        s.row(f"mfu: {name}", f"{r['tok_s']:,.0f} tok/s, {r['mfu']:.1%} MFU", f"micro {r['micro']} x {s.seq}",
-              f"peak {r['peak_gib']:.2f} GiB", f"|loss - fp32 eager| max {dl:.1e} over steps 1-{steps}")
+def failures(results: dict) -> list:
+    """The check's verdict: one line per part that failed or gave the wrong answer (none: it passed)."""
+    bad = [f"{part}: {r['error'][:300]}" for part, r in results.items() if isinstance(r, dict) and "error" in r]
+    if "equal" in results.get("restore", {}) and not results["restore"]["equal"]:
+        bad.append(f"restore: the final weights differ from the fault-free run's (max |dw| "
+                   f"{results['restore']['max_abs_diff']:.1e})")
+    if "ok" in results.get("oom", {}) and not results["oom"]["ok"]:
+        bad.append(f"oom: not one line with exit 2 after one worker start: {results['oom']}")
+    if "sharded" in results.get("fsdp", {}) and not results["fsdp"]["sharded"]:
+        bad.append("fsdp: the checkpoint is not sharded")
+    return bad
 
 
-def main():
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT", "gpu-ray-check-out"))
     ap.add_argument("--cpu", action="store_true", help="smoke mode: the same code path, tiny sizes, on CPU")
     ap.add_argument("--cpu-compile", action="store_true", help="--cpu with torch.compile too (minutes on 2 cores)")
     ap.add_argument("--parts", default=",".join(PARTS))
-    ap.add_argument("--budget-s", type=float, default=400.0, help="stop starting parts and MFU rows after this")
+    ap.add_argument("--budget-s", type=float, default=400.0, help="stop starting parts after this")
     ap.add_argument("--micro", type=int, default=0)
     ap.add_argument("--steps", type=int, default=0)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if not args.cpu:
         assert torch.cuda.is_available(), "no CUDA device: use --cpu for the smoke mode"
     s = Setup(args)
@@ -490,8 +458,10 @@ def main():
     (s.out / "gpu_ray_check.md").write_text(text)
     (s.out / "gpu_ray_check.json").write_text(json.dumps(s.results, indent=1, default=str))
     (s.out / "pipeline_logs.txt").write_text("\n\n".join(s.logs)[-4_000_000:])
-    print("\n" + text, flush=True)
+    bad = failures(s.results)
+    print("\n" + text + "\nverdict: " + ("passed" if not bad else "FAILED\n  " + "\n  ".join(bad)), flush=True)
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,6 +1,6 @@
 """Deterministic algorithms in every Ray worker of a run whose driver has this directory on its PYTHONPATH.
 
-bench/gpu_ray_check.py's restore part puts it there: the driver passes its PYTHONPATH on to the run's workers
+tests/soak/gpu_ray_check.py's restore part puts it there: the driver passes its PYTHONPATH on to the run's workers
 (minimind_ray/raytrain/runtime_env.py:worker_pythonpath), and Python imports ``sitecustomize`` from the path
 at start. Only Ray's worker processes (default_worker.py) change; the driver and Ray's daemons do not.
 CUDA kernels with atomic adds need not repeat bit for bit; under these settings a restored run can be
@@ -14,7 +14,7 @@ if sys.argv and sys.argv[0].endswith("default_worker.py"):
     import torch
 
     torch.use_deterministic_algorithms(True)
-    import tempfile  # a marker per process: bench/gpu_ray_check.py counts them (a worker's first prints are not forwarded)
+    import tempfile  # a marker per process: tests/soak/gpu_ray_check.py counts them (a worker's first prints are not forwarded)
 
     marks = os.path.join(tempfile.gettempdir(), "gpu_site_deterministic")
     os.makedirs(marks, exist_ok=True)

@@ -7,7 +7,7 @@
 # file on 2 cores). Each file is mutated in a copy of the repository under a temporary directory (mutmut writes its
 # mutants/ there), kept when KEEP=1 for `mutmut results` / `mutmut show <mutant>` in it.
 #
-# Usage:  bash bench/mutation.sh [FILE ...]      default: the five files below; CHILDREN=2 parallel test processes
+# Usage:  bash tests/mutation.sh [FILE ...]      default: the five files below; CHILDREN=2 parallel test processes
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
@@ -30,7 +30,7 @@ FILES=("$@")
                                  minimind_ray/data/stream.py minimind_ray/store/checkpoint.py)
 printf '%-34s %8s %7s %9s %8s %6s\n' file mutants killed survived "no test" score
 for file in "${FILES[@]}"; do
-    tests=${TESTS[$file]:?"no tests listed for $file in bench/mutation.sh"}
+    tests=${TESTS[$file]:?"no tests listed for $file in tests/mutation.sh"}
     work=$(mktemp -d "/tmp/mutation-$(basename "$file" .py)-XXXX")
     cp -r minimind_ray pipelines tests pyproject.toml "$work/"
     for t in $tests; do [ -e "$work/$t" ] || { echo "$t: no such test file" >&2; exit 2; }; done

@@ -1,5 +1,5 @@
 """Chaos soak (issue 32): many tiny runs, each with 1-3 SIGKILLs of training-worker processes at random moments,
-the worker group's start included. Not a test: it prints one table and "N of N survived, bit-exact".
+the worker group's start included. It prints one table and "N of N survived, bit-exact", and fails otherwise.
 
 One cluster/local head (4 logical CPUs, its dashboard on 127.0.0.1) serves every run. First an uninterrupted run of
 the tiny recipe (2 workers, a checkpoint every 5 steps) gives the reference weights and time T0. Then each soak run
@@ -13,12 +13,12 @@ A run survives when its command exits 0 within 3 x T0 and its final weights equa
 still going at 6 x T0 is stopped (a hang). For each failed run the driver's log and the Ray Train controller's logs
 of the session are kept in the work directory.
 
-Usage, from the repository root (about 20-30 min for 20 runs on 2 cores):
-    .venv/bin/python bench/chaos_soak.py [--runs 20] [--seed 0] [--steps 40] [--keep]
+Run by hand (marker ``soak``; about 20-30 min for 20 runs on 2 cores), from the repository root:
+    .venv/bin/python -m pytest -m soak -s tests/soak/test_chaos_soak.py [--soak-runs 20] [--soak-seed 0]
+                                                                         [--soak-steps 40] [--keep]
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -34,9 +34,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import List, Optional
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-from tests.integration.local_cluster import _free_base, _sh, start_cluster  # noqa: E402 (the suite's cluster/local)
+import pytest
+
+from tests.integration.local_cluster import REPO, _free_base, _sh, start_cluster  # the suite's cluster/local
+
+pytestmark = [pytest.mark.soak, pytest.mark.timeout(4 * 3600)]
 
 PY = sys.executable
 RAY = str(Path(PY).parent / "ray")
@@ -115,8 +117,16 @@ class Killer(threading.Thread):
             self.seen.update(soak_workers(self.token))
 
 
+@dataclass
+class Options:
+    runs: int = 20
+    seed: int = 0     # the kills' plan (their count and delays)
+    steps: int = 40
+    keep: bool = False  # keep the work directory (runs, logs, results.json)
+
+
 class Soak:
-    def __init__(self, args):
+    def __init__(self, args: Options):
         self.args = args
         self.work = Path(tempfile.mkdtemp(prefix="mmr-soak-")).resolve()
         self.state = tempfile.mkdtemp(prefix="mmrs", dir="/tmp")  # short: Ray's socket paths live under it
@@ -129,7 +139,7 @@ class Soak:
         """cluster/local/start.sh with no worker nodes: a head of 4 logical CPUs (stop.sh stops exactly it)."""
         r = start_cluster("0", "--state-dir", self.state, "--port", str(self.base), "--head-cpus", "4", env=self.env)
         if r.returncode != 0:
-            raise SystemExit(f"cluster/local/start.sh failed: {r.stderr[-2000:]}")
+            raise RuntimeError(f"cluster/local/start.sh failed: {r.stderr[-2000:]}")
         self.env["RAY_ADDRESS"] = f"127.0.0.1:{self.base}"
 
     def stop_cluster(self):
@@ -195,7 +205,7 @@ class Soak:
             ref = SoakRun("reference")
             self.run_once(ref, limit_s=900)
             if ref.rc != 0:
-                raise SystemExit(f"the uninterrupted run failed (rc {ref.rc}): {self.work / 'logs' / 'reference.log'}")
+                raise RuntimeError(f"the uninterrupted run failed (rc {ref.rc}): {self.work / 'logs' / 'reference.log'}")
             # the first run prepared the data and warmed the caches: time a second one as T0
             t0_run = SoakRun("reference-2")
             self.run_once(t0_run, limit_s=900)
@@ -238,10 +248,8 @@ class Soak:
         return 0 if len(ok) == len(runs) else 1
 
 
-if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--runs", type=int, default=20)
-    ap.add_argument("--seed", type=int, default=0, help="the kills' plan (their count and delays)")
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--keep", action="store_true", help="keep the work directory (runs, logs, results.json)")
-    sys.exit(Soak(ap.parse_args()).main())
+def test_every_run_survives_its_kills_bit_exact_within_3x(request):
+    get = request.config.getoption
+    soak = Soak(Options(runs=get("--soak-runs", 20), seed=get("--soak-seed", 0), steps=get("--soak-steps", 40),
+                        keep=get("--keep", False)))
+    assert soak.main() == 0, f"not every run survived, bit-exact, within 3x: the table above; logs in {soak.work}"

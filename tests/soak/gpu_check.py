@@ -1,7 +1,7 @@
-"""The GPU path on one GPU, without Ray: what a lent GPU is checked with (not a test).
+"""The GPU path on one GPU, without Ray: what a lent GPU without Ray is checked with.
 
-The engine (``minimind_ray/engine``) needs only torch, so this script runs where Ray is not installed
-(the lent machine has no Ray wheel and cannot fetch one). It prints, for the 26M ``minimind2-small``:
+The engine (``minimind_ray/engine``) needs only torch, so this check runs where Ray is not installed. It prints, for
+the 26M ``minimind2-small``:
 
 1. NCCL: a world-of-1 process group on the GPU and an all-reduce through it.
 2. Training speed, one process: fp32 eager, bf16 autocast eager, bf16 + ``torch.compile``: tokens/s
@@ -12,9 +12,11 @@ The engine (``minimind_ray/engine``) needs only torch, so this script runs where
    kernels with atomics need not repeat bit for bit, so the run-to-run figure is the floor).
 5. ``bench/bench_moe.py`` on CUDA in bf16 and fp32 (grouped GEMM dispatch and host syncs).
 
-    python bench/gpu_check.py --prepared DIR [--micro 64] [--steps 60]
+    python3 -m tests.soak.gpu_check --prepared DIR [--micro 64] [--steps 60]
 
-``DIR`` is data prepared for seq 512 with the minimind2 tokenizer (``minimind-ray prepare``).
+``DIR`` is data prepared for seq 512 with the minimind2 tokenizer (``minimind-ray prepare``). The exit code is 1
+when the all-reduce is wrong, or the resume is not bit-equal under ``--deterministic``; tests/soak/test_gpu.py
+runs it under pytest (marker ``soak``).
 """
 from __future__ import annotations
 
@@ -29,15 +31,13 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from minimind_ray.config import load_config
+from minimind_ray.engine.loop import Hooks, run
+from minimind_ray.engine.metrics import peak_flops
+from minimind_ray.engine.state import TrainState
+from minimind_ray.engine.step import train_step
 
-from minimind_ray.config import load_config  # noqa: E402
-from minimind_ray.engine.loop import Hooks, run  # noqa: E402
-from minimind_ray.engine.state import TrainState  # noqa: E402
-from minimind_ray.engine.step import train_step  # noqa: E402
-
-
+REPO = Path(__file__).resolve().parents[2]
 DEVICE = torch.device("cuda", 0)
 
 
@@ -82,8 +82,6 @@ def speed(args, precision, compile_):
     tokens = (args.steps + 1 - warm) * args.micro * cfg.data.max_seq_len
     tps = tokens / dt
     flops = state.model.flops_per_token(cfg.data.max_seq_len) * tps
-    from minimind_ray.engine.metrics import peak_flops
-
     peak = peak_flops(state.device)
     return {"precision": precision, "compile": compile_, "tokens_per_s": tps, "mfu": flops / peak if peak else float("nan"),
             "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30, "first_steps_s": clock.t[warm] - t0,
@@ -132,8 +130,8 @@ def speed_checks(args, dev):
           f"{max(abs(comp[s] - bf16[s]) for s in common):.2e}", flush=True)
 
 
-def main():
-    ap = argparse.ArgumentParser()
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prepared", required=True)
     ap.add_argument("--micro", type=int, default=64)
     ap.add_argument("--steps", type=int, default=60)
@@ -141,7 +139,7 @@ def main():
     ap.add_argument("--parts", default="1,2,3,4,5", help="which numbered checks to run")
     ap.add_argument("--deterministic", action="store_true",
                     help="torch.use_deterministic_algorithms for check 4 (set CUBLAS_WORKSPACE_CONFIG=:4096:8)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     assert torch.cuda.is_available(), "no CUDA device"
     dev = torch.cuda.get_device_name(0)
     print(f"torch {torch.__version__}, {dev}, bf16 supported: {torch.cuda.is_bf16_supported()}, "
@@ -155,6 +153,7 @@ def main():
     x = torch.arange(4.0, device="cuda")
     dist.all_reduce(x)
     print(f"1. NCCL world of 1: backend {dist.get_backend()}, all_reduce -> {x.tolist()}", flush=True)
+    bad = [] if x.tolist() == [0.0, 1.0, 2.0, 3.0] else [f"1. the all-reduce of a world of 1 gave {x.tolist()}"]
     dist.destroy_process_group()
 
     if "2" in parts:
@@ -164,13 +163,17 @@ def main():
         rr, rs, equal = resume_diff(args, 10)
         print(f"\n4. 20 bf16 steps (deterministic algorithms: {args.deterministic}): straight vs straight max |dw| "
               f"{rr:.2e}; straight vs 10 + resume + 10 max |dw| {rs:.2e} (bit-equal: {equal})", flush=True)
+        bad += [] if equal or not args.deterministic else ["4. the resumed run is not bit-equal under deterministic "
+                                                           "algorithms"]
     if "5" in parts:
         for prec in ("bf16", "fp32"):
             print(f"\n5. bench_moe --device cuda --precision {prec}", flush=True)
             subprocess.run([sys.executable, str(REPO / "bench/bench_moe.py"), "--device", "cuda",
                             "--precision", prec, "--batch", "8", "--seq", "512", "--iters", "5"],
                            check=False, env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])})
+    print("verdict: " + ("passed" if not bad else "FAILED: " + "; ".join(bad)), flush=True)
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
