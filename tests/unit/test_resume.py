@@ -31,6 +31,10 @@ def test_identity_ignores_runtime_settings_and_follows_the_training_ones():
                     "cluster.max_failures=9", "checkpoint.interval=3", "train.max_steps=500",
                     "train.micro_batch_size=2", "data.cache_dir=/tmp/other", "train.precision=bf16"):
         assert run_identity(_cfg(runtime)) == base, runtime
+    # a defining field written at its default is the run left as it was: so is a field a later version adds
+    from minimind_ray.config import RunConfig
+
+    assert run_identity(_cfg(f"train.seed={RunConfig().train.seed}", f"data.pack={RunConfig().data.pack}")) == base
     for defining in ("train.lr=3e-3", "train.seed=7", "model.hidden_size=96", "data.max_seq_len=32",
                      "train.global_batch_size=32", "train.stage=sft", "data.shuffle=false"):
         overrides = [defining] + (["data.format=sft"] if defining == "train.stage=sft" else [])
