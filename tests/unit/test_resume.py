@@ -80,7 +80,8 @@ def test_an_explicit_name_keeps_working(tmp_path):
 def test_the_same_command_after_a_finished_run_is_a_no_op_that_says_where_its_results_are(tmp_path, capsys):
     """Issue 38: running a finished command again exits 0 and names the run directory, its export and its MLflow
     run, before Ray starts; --fresh starts anew; resume=must still refuses."""
-    from minimind_ray.cli import _load, build_parser, main
+    from minimind_ray.cli import build_parser, main
+    from minimind_ray.raytrain.train_verb import load_run_config
 
     argv = ["pretrain", "--config", "pipelines/configs/tiny.yaml", "train.max_steps=12",
             f"checkpoint.storage_path={tmp_path}"]
@@ -96,7 +97,7 @@ def test_the_same_command_after_a_finished_run_is_a_no_op_that_says_where_its_re
     out = capsys.readouterr().out.strip().splitlines()
     assert out[-1].startswith(f"[minimind-ray] {run_dir.name} already finished at step 12: {run_dir}, "
                               f"{run_dir / 'export'}, MLflow 0123abcd; raise train.max_steps above 12"), out
-    assert _load(build_parser().parse_args([*argv, "--fresh"]), "pretrain").resume == "never"
+    assert load_run_config(build_parser().parse_args([*argv, "--fresh"]), "pretrain").resume == "never"
     with pytest.raises(ConfigError, match="resume: must, but run .* finished at step 12") as e:
         decide_run(dataclasses.replace(cfg, resume="must"), str(tmp_path))
     assert not isinstance(e.value, RunFinished)
