@@ -129,15 +129,20 @@ RUNTIME_FIELDS = (
 
 
 def run_identity(cfg: "RunConfig") -> str:
-    """``<stage>-<10 hex>``: a hash of the settings that define the training (model, data, stage,
-    optimisation, seed), without the runtime-only ones in :data:`RUNTIME_FIELDS`. The default run name:
-    the same command finds the same run again, whatever the cluster size or tracking server."""
+    """``<stage>-<10 hex>``: a hash of the settings that define the training (model, data, stage, optimisation,
+    seed), without the runtime-only ones in :data:`RUNTIME_FIELDS`, and of those only the ones that differ from the
+    config's defaults (the stage always counts). The default run name: the same command finds the same run again,
+    whatever the cluster size or tracking server, and a later version that adds a field (a new stage's section, a new
+    option at its default) still finds it."""
     import hashlib
     import json
 
-    flat = flatten(to_dict(cfg))
-    kept = {k: v for k, v in flat.items()
-            if not any(k == f or k.startswith(f + ".") for f in RUNTIME_FIELDS)}
+    def defining(d: dict) -> dict:
+        return {k: v for k, v in flatten(d).items() if not any(k == f or k.startswith(f + ".") for f in RUNTIME_FIELDS)}
+
+    defaults = defining(to_dict(RunConfig()))
+    kept = {k: v for k, v in defining(to_dict(cfg)).items()
+            if k == "train.stage" or k not in defaults or defaults[k] != v}
     digest = hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()
     return f"{cfg.train.stage}-{digest[:10]}"
 

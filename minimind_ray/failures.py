@@ -218,15 +218,26 @@ class FailurePolicy:
         return v
 
 
-def run_stopped(error: BaseException) -> Optional[RunStopped]:
-    """The :class:`RunStopped` inside what ``fit()`` raised, or None."""
+# where Ray Train and Ray keep the exceptions they wrap: a worker's (``_base_exc``), a health check's, the controller's,
+# a task error's cause, Python's own chain
+WRAPPED = ("_base_exc", "health_check_failure", "controller_failure", "cause", "__cause__", "__context__")
+
+
+def within(error: BaseException) -> Iterator[BaseException]:
+    """``error`` and every exception it wraps (Ray Train's wrappers, causes, each worker's failure)."""
     stack, seen = [error], set()
     while stack:
         e = stack.pop()
         if not isinstance(e, BaseException) or id(e) in seen:
             continue
         seen.add(id(e))
-        if isinstance(e, RunStopped):
-            return e
-        stack += [getattr(e, a, None) for a in ("controller_failure", "__cause__", "__context__")]
-    return None
+        yield e
+        stack += [getattr(e, a, None) for a in WRAPPED]
+        failures = getattr(e, "worker_failures", None)
+        if isinstance(failures, dict):
+            stack += list(failures.values())
+
+
+def run_stopped(error: BaseException) -> Optional[RunStopped]:
+    """The :class:`RunStopped` inside what ``fit()`` raised, or None."""
+    return next((e for e in within(error) if isinstance(e, RunStopped)), None)

@@ -8,12 +8,12 @@ import argparse
 import sys
 import time
 
-from minimind_ray.cli import print_run_summary
 from minimind_ray.config import load_config
 from minimind_ray.console import set_verbose
 from minimind_ray.generate import generate_text
 from minimind_ray.model.sampling import SamplingParams
 from minimind_ray.raytrain.driver import run
+from minimind_ray.raytrain.train_verb import print_run_summary
 from minimind_ray.store.weights import build_inference_model
 
 PROMPTS = ["What is the capital of France?", "What is 12 plus 7?", "中国的首都是哪里？", "Who are you?"]

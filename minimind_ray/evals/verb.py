@@ -22,6 +22,10 @@ import sys
 from minimind_ray.config_checks import ConfigError, int_at_least, read_yaml
 from minimind_ray.evals.config import EvalTaskConfig, validate_task
 from minimind_ray.evals.registry import summary_line, task_for, task_kinds
+from minimind_ray.generate_verb import add_rope_scaling_arguments, rope_scaling_of
+
+HELP = ("benchmark scores (ceval, cmmlu, mc, gen, toolcall, your own task class) or the loss of any weights "
+        "(docs/evaluation.md)")
 
 # flag -> EvalTaskConfig field, for the flags that override a task YAML
 _FLAGS = {"task": "task", "data": "data", "shots": "shots", "chat_template": "chat_template", "limit": "limit",
@@ -40,6 +44,8 @@ def task_kind(text: str) -> str:
 
 
 def add_arguments(sp: argparse.ArgumentParser) -> None:
+    sp.description = __doc__  # the usage lines above, laid out as written
+    sp.formatter_class = argparse.RawDescriptionHelpFormatter
     sp.add_argument("weights_arg", nargs="?", metavar="WEIGHTS", help=".pth, checkpoint dir, run dir, HF folder or URI")
     sp.add_argument("--weights", help="the same as WEIGHTS (the older spelling)")
     sp.add_argument("--preset", help="model preset for a bare .pth (default: inferred from shapes)")
@@ -75,6 +81,7 @@ def add_arguments(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--batches", type=int_at_least(0), default=0, help="loss: micro-batches to use (0 = all)")
     sp.add_argument("--micro-batch-size", dest="micro_batch_size", type=int_at_least(1), default=8,
                     help="loss: micro-batch size")
+    add_rope_scaling_arguments(sp)
 
 
 def task_from_args(args) -> EvalTaskConfig:
@@ -129,7 +136,7 @@ def print_kinds() -> None:
           "(docs/evaluation.md)")
 
 
-def run_from_args(args) -> int:
+def run(args) -> int:
     if args.task == "list":
         print_kinds()
         return 0
@@ -142,12 +149,9 @@ def run_from_args(args) -> int:
     if args.log_samples and task.task == "loss":
         raise ValueError("eval: --log-samples: the loss task has no per-question records")
     from minimind_ray.evals.run import evaluate_task  # lazy: numpy, pyarrow, torch, only when this runs
-    from minimind_ray.store.weights import rope_scaling_spec  # lazy: pyarrow, torch, only when this runs
 
-    rope = rope_scaling_spec(getattr(args, "rope_scaling", None), getattr(args, "factor", None),
-                             getattr(args, "original_max_position_embeddings", None))  # cli.add_rope_scaling_arguments
     res = evaluate_task(weights, task, preset=args.preset, tokenizer=args.tokenizer, device=args.device,
-                        workers=args.workers, rope_scaling=rope, log_samples=args.log_samples)
+                        workers=args.workers, rope_scaling=rope_scaling_of(args), log_samples=args.log_samples)
     print(format_table(res))
     if args.out:
         from minimind_ray.fsio import write_text_atomic  # lazy: pyarrow, only when this runs

@@ -33,7 +33,7 @@ from minimind_ray.raytrain.driver import run
 from minimind_ray.raytrain.resume import RunFinished, storage_root
 from minimind_ray.raytrain.session import connect_ray
 from minimind_ray.raytrain.lineage import TAG_DATA, TAG_MANIFEST, manifest_sha256
-from minimind_ray.serve.launch import add_arguments, serve_from_args
+from minimind_ray.serve import launch
 from minimind_ray.tracking.parents import child_tags, end_run, record, register_version, start_parent
 from minimind_ray.tracking.runs import resolve_tracking_uri
 
@@ -283,10 +283,8 @@ def _serve(ctx: _Context, step: StepConfig) -> Dict[str, Any]:
 
     model = ctx.model(step)
     p = argparse.ArgumentParser(prog="serve step")
-    add_arguments(p)
-    args = p.parse_args([model["checkpoint_dir"], *step.serve_args])
-    args.rope_scaling = None  # as the weights record (the serve verb's default)
-    serve_from_args(args)
+    launch.add_arguments(p)  # the serve verb's own flags
+    launch.run(p.parse_args([model["checkpoint_dir"], *step.serve_args]))
     return {"served": model["checkpoint_dir"]}
 
 

@@ -7,4 +7,6 @@
 - :mod:`~minimind_ray.raytrain.worker`: ``train_loop_per_worker``: restore, loop the engine, report.
 - :mod:`~minimind_ray.raytrain.progress`: the progress actor and the driver's console view.
 - :mod:`~minimind_ray.raytrain.faults`: fault injection and the sample log (for recovery tests and benchmarks).
+- the verbs: :mod:`~minimind_ray.raytrain.train_verb` (one per stage, and a finished run's summary),
+  :mod:`~minimind_ray.raytrain.prepare_verb`, :mod:`~minimind_ray.raytrain.sweep_verb`.
 """

@@ -22,13 +22,12 @@ or an ``ActorDiedError`` carrying its message), the host refusing an allocation 
 from __future__ import annotations
 
 import logging
-from typing import Dict, Iterator, Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 from minimind_ray.config import RunConfig  # the Ray layer is above the config: it runs what a RunConfig says
 from minimind_ray.engine.memory import GiB, advice, estimate
+from minimind_ray.failures import within
 from minimind_ray.memory_errors import MemorySeen, OutOfMemory, read_oom
-
-_WRAPPED = ("_base_exc", "health_check_failure", "controller_failure", "cause", "__cause__", "__context__")
 
 
 class OutOfMemoryStop(RuntimeError):
@@ -42,26 +41,11 @@ class OutOfMemoryStop(RuntimeError):
         return f"rank {self.rank} ran out of memory: {self.text}"
 
 
-def _within(error: BaseException) -> Iterator[BaseException]:
-    """``error`` and every exception it wraps (Ray Train's wrappers, causes, each worker's failure)."""
-    stack, seen = [error], set()
-    while stack:
-        e = stack.pop()
-        if not isinstance(e, BaseException) or id(e) in seen:
-            continue
-        seen.add(id(e))
-        yield e
-        stack += [getattr(e, a, None) for a in _WRAPPED]
-        failures = getattr(e, "worker_failures", None)
-        if isinstance(failures, dict):
-            stack += list(failures.values())
-
-
 def find_oom(error: BaseException) -> Optional[Tuple[MemorySeen, str]]:
     """(figures, message) of the first out-of-memory error in ``error``, or None."""
     import torch
 
-    for e in _within(error):
+    for e in within(error):
         text = e.text if isinstance(e, OutOfMemoryStop) else str(e)
         seen = read_oom(text)
         if seen is None and isinstance(e, torch.OutOfMemoryError):
@@ -204,7 +188,7 @@ def explain(cfg: RunConfig, error: BaseException) -> Optional[OutOfMemory]:
     if found is None or found[0].injected:
         return None
     seen = found[0]
-    rank = next((e.rank for e in _within(error) if isinstance(e, OutOfMemoryStop)), None)
+    rank = next((e.rank for e in within(error) if isinstance(e, OutOfMemoryStop)), None)
     device = "cuda" if seen.where == "gpu" else "cpu"
     est = estimate(cfg, device_type=device)
     budget, training = _budget(cfg, seen, device)

@@ -21,6 +21,7 @@ from typing import Optional
 from minimind_ray.config_checks import ConfigError
 from minimind_ray.console import after_ray_start, quiet_handlers, ray_init_options
 from minimind_ray.fsio import is_uri
+from minimind_ray.generate_verb import add_rope_scaling_arguments, rope_scaling_of
 from minimind_ray.serve.options import API_KEY_ENV, ServeOptions, is_mlflow_uri
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -30,8 +31,12 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
+HELP = "serve WEIGHTS on Ray Serve: an OpenAI-compatible API and a chat page (docs/serving.md)"
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The serve command's flags (shared by the CLI verb and pipelines/serve.py)."""
+    """The serve command's flags: the CLI verb's (``python -m pipelines.serve`` is that verb), ``python -m
+    minimind_ray.serve.launch``'s and the pipeline's serve step's (its ``serve_args``)."""
     d = ServeOptions()
     p.add_argument("weights", help=ServeOptions.__dataclass_fields__["weights"].metadata["help"])
     p.add_argument("--host", default=d.host, help="bind address (default 127.0.0.1: this machine only; "
@@ -71,6 +76,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--detach", action="store_true",
                    help="on a cluster: deploy and return, leaving the app running (stop: serve shutdown / "
                         "serve.delete(APP_NAME))")
+    add_rope_scaling_arguments(p)
 
 
 def options_from_args(args: argparse.Namespace) -> ServeOptions:
@@ -195,9 +201,10 @@ def _as_args(opts: ServeOptions) -> dict:
     return {k: v for k, v in dataclasses.asdict(opts).items() if v is not None}
 
 
-def serve_from_args(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     from minimind_ray.serve.model_io import check_source, pin_tokenizer  # lazy: tokenizers, torch, only when this runs
 
+    args.rope_scaling = rope_scaling_of(args)  # a dict (ServeOptions.rope_scaling) that travels to the replicas
     opts = options_from_args(args)
     check_source(opts.weights, opts.tracking_uri)  # a one-line error before Ray starts
     opts.tokenizer = pin_tokenizer(opts.weights, opts.tokenizer)
@@ -249,7 +256,7 @@ def main(argv: Optional[list] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m pipelines.serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
-    return serve_from_args(p.parse_args(argv))
+    return run(p.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -12,18 +12,24 @@ Parts, in this order (``--parts``; each is skipped, and says so, once ``--budget
            restored step, the seconds from the fault to the first step after, final weights equal or not
   oom      a micro-batch the GPU cannot hold (by the estimate, about 1.3x its memory): exit code 2, one line,
            the worker group started once
+  profile  torch.profiler over a few bare-engine steps (bf16, compiled): the kernel table and a trace under --out,
+           the top 5 kernels, the share of device time by kind of kernel, and how busy the device was
+  mfu      the MFU candidates (tests/soak/gpu_mfu.py), before/after in this call on the bare engine (switches of one
+           run; the product code is untouched): fused AdamW, larger micro-batches, SDPA ``enable_gqa`` instead of
+           ``repeat_kv`` copies, all three together, CUDA graphs (compile mode reduce-overhead), the loss on bf16
+           logits; tokens/s and MFU against the baseline's, and each row's per-step loss against an fp32 eager run
+           of the same steps and batch. A candidate that fails to run is a row of the table, not a failure
   fsdp     FSDP2 on CUDA (issue 36), sharded over the one rank one GPU allows (NCCL takes one rank per GPU; the
            memory FSDP saves needs 2+ GPUs): ``minimind-ray pretrain ... train.parallelism=fsdp`` with a fault,
            restored from its sharded (DCP) checkpoint, and with activation checkpointing (and compile), against the DDP
            pipeline (bf16 autocast) of the same steps: tokens/s, the final loss (bf16 weights under FSDP's
            MixedPrecisionPolicy vs autocast); the bare engine on a process group of one: peak memory against the
            estimate, and the 0.5B preset's tokens/s and peak with activation checkpointing
-  profile  torch.profiler over a few bare-engine steps (bf16, compiled): the kernel table and a trace under --out,
-           the top 5 kernels and how busy the device was
 
 One table is printed and written to ``--out`` (``$OUT`` on the device): gpu_ray_check.md, .json, the
 profile files and the pipelines' log tails. Then the verdict (``failures``): a part that failed, a restore not
 bit-equal, an out-of-memory run that did not end in one line with exit 2; the exit code is 1 when there is one.
+An MFU candidate that does not run (CUDA graphs refusing the step, say) is a result, not a failure.
 tests/soak/test_gpu.py runs it under pytest (marker ``soak``).
 
 On the device (no Ray there; the carried wheels, see tests/soak/gpu_ray_check.sh)::
@@ -33,11 +39,11 @@ On the device (no Ray there; the carried wheels, see tests/soak/gpu_ray_check.sh
 On CPU here, the same code path with tiny sizes (preset tiny, seq 64, gloo, fp32, no compile)::
 
     .venv/bin/python -m tests.soak.gpu_ray_check --cpu --out /tmp/gpu-ray-smoke
+    .venv/bin/python -m tests.soak.gpu_ray_check --cpu --parts env,mfu --out /tmp/mfu-rehearsal   # one part
 """
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import os
 import re
@@ -56,9 +62,10 @@ from minimind_ray.engine.loop import Hooks, run
 from minimind_ray.engine.memory import GiB, estimate
 from minimind_ray.engine.metrics import peak_flops
 from minimind_ray.engine.state import TrainState
+from tests.soak.gpu_mfu import VARIANTS, Candidate, profile_run
 
 REPO = Path(__file__).resolve().parents[2]
-PARTS = ("env", "speed", "restore", "oom", "fsdp", "profile")
+PARTS = ("env", "speed", "restore", "oom", "profile", "mfu", "fsdp")  # issue 51: FSDP2 if it fits, after the MFU rows
 
 
 class Setup:
@@ -132,18 +139,27 @@ class Stamps(Hooks):
         self.peak = max(self.peak, metrics["peak_mem_gb"])
 
 
-def engine_run(s: Setup, prepared: str, compile_: bool, steps=None, profile_steps: int = 0):
-    """Train ``steps`` on the bare engine in this process; tokens/s over the log-synchronised window."""
-    steps, micro = steps or s.steps, s.micro
-    cfg = load_config(None, s.overrides(micro=micro, max_steps=steps, compile=compile_))
+def engine_run(s: Setup, prepared: str, compile_: bool, steps=None, profile_steps: int = 0, variant: str = "baseline",
+               precision=None, micro=None):
+    """Train ``steps`` on the bare engine in this process; tokens/s over the log-synchronised window. ``variant``:
+    an MFU candidate's switches (tests/soak/gpu_mfu.py); ``precision``, ``micro``: in place of the Setup's."""
+    steps = steps or s.steps
+    micro = micro or s.micro * VARIANTS[variant].get("micro_x", 1)
+    over = s.overrides(micro=micro, max_steps=steps, compile=compile_)
+    cfg = load_config(None, over + ([f"train.precision={precision}"] if precision else []))
     if s.device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    state = TrainState.build(cfg, prepared, device=s.device)
+    if compile_:  # compiled afresh, as in a new process: no recompile limit reached, no batch size made dynamic
+        torch._dynamo.reset()
     hooks = Stamps()
-    if profile_steps:
-        return profile_run(s, state, profile_steps)
-    run(state, hooks)
+    with Candidate(variant) as switches:  # its module-level switches on while the model is built and trained
+        state = TrainState.build(cfg, prepared, device=s.device)
+        switches.on_state(state)
+        if profile_steps:
+            return profile_run(s, state, profile_steps)
+        run(state, hooks)
+        note = switches.verify()
     if s.device.type == "cuda":
         torch.cuda.synchronize()
     a, b = window(hooks.t, s.log_every, steps)
@@ -153,49 +169,7 @@ def engine_run(s: Setup, prepared: str, compile_: bool, steps=None, profile_step
     del state
     return {"tok_s": tok_s, "mfu": mfu_of(tok_s, cfg, s.device), "peak_gib": peak,
             "estimate_gib": (est.total - (est.parts["runtime"] if s.device.type == "cuda" else 0)) / GiB,
-            "loss": hooks.loss, "window": (a, b), "micro": micro}
-
-
-def profile_run(s: Setup, state, n: int):
-    """torch.profiler over ``n`` steps after the warm-up; a kernel table and a gzip'd trace under --out."""
-    from torch.profiler import ProfilerActivity, profile, schedule
-
-    from minimind_ray.engine.step import train_step
-
-    def sync():
-        if s.device.type == "cuda":
-            torch.cuda.synchronize()
-
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if s.device.type == "cuda" else [])
-    warm = 12  # compiled and warm before the profiler starts
-    for step in range(1, warm + 1):
-        train_step(state, state.stream.next_step(), step)
-    sync()
-    with profile(activities=acts, schedule=schedule(wait=0, warmup=1, active=n, repeat=1)) as prof:
-        for step in range(warm + 1, warm + n + 2):
-            if step == warm + 2:
-                sync()
-                t_active = time.perf_counter()
-            train_step(state, state.stream.next_step(), step)
-            prof.step()
-        sync()
-        wall_us = (time.perf_counter() - t_active) * 1e6
-    state.stream.close()
-    key = "self_cuda_time_total" if s.device.type == "cuda" else "self_cpu_time_total"
-    (s.out / "profile_kernels.txt").write_text(prof.key_averages().table(sort_by=key, row_limit=40))
-    trace = s.work / "trace.json"
-    prof.export_chrome_trace(str(trace))
-    with open(trace, "rb") as f, gzip.open(s.out / "profile_trace.json.gz", "wb") as g:
-        shutil.copyfileobj(f, g)
-    if (s.out / "profile_trace.json.gz").stat().st_size > 15 << 20:
-        (s.out / "profile_trace.json.gz").unlink()  # over what a device call brings back
-    attr = "self_device_time_total" if s.device.type == "cuda" else "self_cpu_time_total"
-    events = [e for e in prof.key_averages() if float(getattr(e, attr, 0) or 0) > 0 and not e.key.startswith(
-        "ProfilerStep") and (s.device.type != "cuda" or "CUDA" in str(getattr(e, "device_type", "")))]  # kernels
-    events.sort(key=lambda e: -getattr(e, attr))
-    busy = sum(getattr(e, attr) for e in events) / wall_us  # 1 - this: the device idles, launch-bound
-    return {"top": [(e.key[:120], round(getattr(e, attr) / n, 1)) for e in events[:5]], "busy": busy,
-            "step_ms": wall_us / n / 1000}
+            "loss": hooks.loss, "window": (a, b), "micro": micro, "note": note}
 
 
 def pipeline(s: Setup, name: str, *over, extra_pythonpath=None, expect_rc=0):
@@ -406,9 +380,52 @@ def part_profile(s: Setup):
     summary = engine_run(s, s.prepared, compile_=not s.cpu, steps=20, profile_steps=5)
     s.results["profile"] = summary
     s.row("profile (5 steps, bf16, compiled)" if not s.cpu else "profile (5 steps, CPU)",
-          "top 5: " + "; ".join(f"{k} {us:.0f} us/step" for k, us in summary["top"]),
+          "top 5: " + "; ".join(f"{k} {us:.0f} us/step" for k, us in summary["top"][:5]),
           f"device busy {summary['busy']:.0%} of the steps' wall time ({summary['step_ms']:.1f} ms a step)",
-          "profile_kernels.txt", "")
+          "profile_kernels.txt", "; ".join(f"{k} {v:.0%}" for k, v in summary["shares"].items()))
+
+
+def part_mfu(s: Setup):
+    """Each MFU candidate (tests/soak/gpu_mfu.py) on the bare engine, against the baseline of this call."""
+    compile_, steps = not s.cpu, (60 if not s.cpu else 30)
+    res = s.results["mfu"] = {}
+    refs = {}  # micro-batch -> an fp32 eager run of the same steps: what each candidate's loss is held against
+
+    def reference(micro):
+        if micro not in refs:
+            try:
+                refs[micro] = engine_run(s, s.prepared, compile_=False, steps=steps, precision="fp32", micro=micro)
+            except Exception as e:
+                refs[micro] = {"loss": {}, "error": f"{type(e).__name__}: {e}"[:2000]}
+            res[f"fp32_eager_micro_{micro}"] = {k: v for k, v in refs[micro].items() if k != "loss"}
+        return refs[micro]
+
+    for name, spec in VARIANTS.items():
+        if s.cpu and spec.get("cuda_only"):
+            s.row(f"mfu: {name}", "n/a on CPU", spec["what"], "", "")
+            continue
+        if s.left() < 45:
+            s.row(f"mfu: {name}", f"skipped: {s.left():.0f} s of the budget left", spec["what"], "", "")
+            continue
+        try:
+            r = engine_run(s, s.prepared, compile_=compile_, steps=steps, variant=name)
+        except Exception as e:  # a candidate that does not run is a result too, not the check's failure
+            res[name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+            s.row(f"mfu: {name}", f"FAILED: {type(e).__name__}: {str(e)[:300]}", spec["what"], "", "")
+            continue
+        if s.cpu and name == "baseline":  # fp32 eager already: its own reference
+            refs.setdefault(r["micro"], r)
+        ref = reference(r["micro"]) if s.left() > 60 or r["micro"] in refs else {"loss": {}}
+        common = sorted(set(r["loss"]) & set(ref["loss"]))
+        dl = max(abs(r["loss"][k] - ref["loss"][k]) for k in common) if common else float("nan")
+        base = res.get("baseline", {}).get("tok_s")
+        res[name] = {**{k: v for k, v in r.items() if k != "loss"}, "max_loss_diff_vs_fp32": dl,
+                     "vs_baseline": r["tok_s"] / base if base else None}
+        mfu = "MFU n/a (no peak FLOP/s known)" if r["mfu"] != r["mfu"] else f"{r['mfu']:.1%} MFU"
+        s.row(f"mfu: {name}", f"{r['tok_s']:,.0f} tok/s, {mfu}" +
+              (f", {r['tok_s'] / base:.2f}x the baseline" if base and name != "baseline" else ""),
+              f"{spec['what']}; micro {r['micro']} x {s.seq}", f"peak {r['peak_gib']:.2f} GiB",
+              f"loss vs fp32 eager: max diff {dl:.1e} over steps 1-{steps}" + (f"; {r['note']}" if r["note"] else ""))
 
 
 def failures(results: dict) -> list:
@@ -430,7 +447,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cpu", action="store_true", help="smoke mode: the same code path, tiny sizes, on CPU")
     ap.add_argument("--cpu-compile", action="store_true", help="--cpu with torch.compile too (minutes on 2 cores)")
     ap.add_argument("--parts", default=",".join(PARTS))
-    ap.add_argument("--budget-s", type=float, default=400.0, help="stop starting parts after this")
+    ap.add_argument("--budget-s", type=float, default=400.0, help="stop starting parts and MFU rows after this")
     ap.add_argument("--micro", type=int, default=0)
     ap.add_argument("--steps", type=int, default=0)
     args = ap.parse_args(argv)

@@ -31,6 +31,10 @@ def test_identity_ignores_runtime_settings_and_follows_the_training_ones():
                     "cluster.max_failures=9", "checkpoint.interval=3", "train.max_steps=500",
                     "train.micro_batch_size=2", "data.cache_dir=/tmp/other", "train.precision=bf16"):
         assert run_identity(_cfg(runtime)) == base, runtime
+    # a defining field written at its default is the run left as it was: so is a field a later version adds
+    from minimind_ray.config import RunConfig
+
+    assert run_identity(_cfg(f"train.seed={RunConfig().train.seed}", f"data.pack={RunConfig().data.pack}")) == base
     for defining in ("train.lr=3e-3", "train.seed=7", "model.hidden_size=96", "data.max_seq_len=32",
                      "train.global_batch_size=32", "train.stage=sft", "data.shuffle=false"):
         overrides = [defining] + (["data.format=sft"] if defining == "train.stage=sft" else [])
@@ -76,7 +80,8 @@ def test_an_explicit_name_keeps_working(tmp_path):
 def test_the_same_command_after_a_finished_run_is_a_no_op_that_says_where_its_results_are(tmp_path, capsys):
     """Issue 38: running a finished command again exits 0 and names the run directory, its export and its MLflow
     run, before Ray starts; --fresh starts anew; resume=must still refuses."""
-    from minimind_ray.cli import _load, build_parser, main
+    from minimind_ray.cli import build_parser, main
+    from minimind_ray.raytrain.train_verb import load_run_config
 
     argv = ["pretrain", "--config", "pipelines/configs/tiny.yaml", "train.max_steps=12",
             f"checkpoint.storage_path={tmp_path}"]
@@ -92,7 +97,7 @@ def test_the_same_command_after_a_finished_run_is_a_no_op_that_says_where_its_re
     out = capsys.readouterr().out.strip().splitlines()
     assert out[-1].startswith(f"[minimind-ray] {run_dir.name} already finished at step 12: {run_dir}, "
                               f"{run_dir / 'export'}, MLflow 0123abcd; raise train.max_steps above 12"), out
-    assert _load(build_parser().parse_args([*argv, "--fresh"]), "pretrain").resume == "never"
+    assert load_run_config(build_parser().parse_args([*argv, "--fresh"]), "pretrain").resume == "never"
     with pytest.raises(ConfigError, match="resume: must, but run .* finished at step 12") as e:
         decide_run(dataclasses.replace(cfg, resume="must"), str(tmp_path))
     assert not isinstance(e.value, RunFinished)

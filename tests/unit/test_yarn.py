@@ -8,8 +8,9 @@ import math
 import pytest
 import torch
 
-from minimind_ray.cli import build_parser, main, rope_scaling_of
+from minimind_ray.cli import build_parser, main
 from minimind_ray.config import ModelConfig
+from minimind_ray.generate_verb import rope_scaling_of
 from minimind_ray.model.minimind import build_model
 from minimind_ray.model.presets import preset_values
 from minimind_ray.store.pth import save_pth
@@ -139,7 +140,7 @@ def test_serve_carries_the_switch_to_the_replicas_model(pth):
 
     args = build_parser().parse_args(["serve", str(pth), "--tokenizer", "minimind2", "--rope-scaling", "yarn",
                                       "--factor", str(FACTOR), "--original-max-position-embeddings", str(ORIG)])
-    args.rope_scaling = rope_scaling_of(args)  # what cmd_serve does before serve_from_args
+    args.rope_scaling = rope_scaling_of(args)  # what serve/launch.py:run does before options_from_args
     opts = options_from_args(args)
     assert opts.rope_scaling["type"] == "yarn" and opts.rope_scaling["factor"] == FACTOR
     served = load_served_model(opts.weights, tokenizer=opts.tokenizer, rope_scaling=opts.rope_scaling)
