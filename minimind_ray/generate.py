@@ -10,8 +10,6 @@ from torch import Tensor
 from minimind_ray.model.kv_cache import KVCache
 from minimind_ray.model.sampling import SamplingParams, sample_tokens
 
-SamplingConfig = SamplingParams  # the name cli.py still imports (one type: model/sampling.py:SamplingParams)
-
 
 @torch.inference_mode()
 def generate_tokens(model, input_ids: Tensor, max_new_tokens: int, temperature: float = 0.85,

@@ -69,9 +69,9 @@ def weights_of(args) -> str:
 
 
 def sampling_of(args):
-    from minimind_ray.generate import SamplingConfig  # lazy: torch, only when this runs
+    from minimind_ray.model.sampling import SamplingParams  # lazy: torch, only when this runs
 
-    return SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+    return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                           top_k=args.top_k, repetition_penalty=args.repetition_penalty, seed=args.seed)
 
 
