@@ -33,7 +33,8 @@ class KTOObjective(Objective):
 
     def setup(self, model: nn.Module, device: torch.device) -> None:
         ref = self.cfg.train.kto.reference
-        self.reference = load_frozen(self.cfg.model, ref, device) if ref else frozen_copy(model).to(device)
+        self.reference = (load_frozen(self.cfg.model, ref, device, "train.kto.reference") if ref
+                          else frozen_copy(model).to(device))
 
     def _kl_sums(self, policy, batch: Batch) -> torch.Tensor:
         """[sum over the micro-batch's mismatched pairs of log pi - log ref, their count] (float64)."""

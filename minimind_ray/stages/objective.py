@@ -17,7 +17,6 @@ and a 2-worker run at the same global batch take the same steps.
 """
 from __future__ import annotations
 
-import copy
 from typing import Dict, List, Tuple
 
 import torch
@@ -25,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minimind_ray.failures import reading
+from minimind_ray.rl.plan import frozen_copy  # the reference policy's copy, as RL's plan base makes it
 
 Batch = Dict[str, torch.Tensor]
 
@@ -104,15 +104,6 @@ class Objective:
         ce = F.cross_entropy(out.logits.float().flatten(0, 1), batch["targets"].flatten(), ignore_index=-100,
                              reduction="sum")
         return ce, out.aux_loss, {}
-
-
-def frozen_copy(model: nn.Module) -> nn.Module:
-    """A copy of ``model`` that never trains (a reference policy), in eval mode."""
-    ref = copy.deepcopy(model)
-    ref.eval()
-    for p in ref.parameters():
-        p.requires_grad_(False)
-    return ref
 
 
 def load_frozen(cfg_model, weights: str, device: torch.device, field: str) -> nn.Module:

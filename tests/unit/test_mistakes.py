@@ -259,3 +259,16 @@ def test_a_pipeline_checks_the_next_training_step_against_the_weights_a_step_jus
         check_the_next_training_step(ctx, pretrain)
     grpo = next(s for s in pipe.steps if s.name == "grpo")
     check_the_next_training_step(ctx, grpo)  # the last training step: nothing after it
+
+
+@pytest.mark.parametrize("stage", ["dpo", "kto"])
+def test_a_reference_that_does_not_load_is_the_users_mistake_naming_its_field(stage):
+    """In a worker (the check before Ray refuses it first): weights of another architecture as a stage's reference
+    fail its set-up as a Mistake that names the field, so the controller ends the run instead of retrying it."""
+    from minimind_ray.stages import build_objective
+
+    ref = FIXTURE / "checkpoint_step4"  # hidden 32: not tiny's
+    cfg = load_config(None, ["data.train_path=[demo]", f"train.stage={stage}", "model.preset=tiny",
+                             "train.micro_batch_size=2", "train.global_batch_size=4", f"train.{stage}.reference={ref}"])
+    with pytest.raises(Mistake, match=rf"^train.{stage}.reference={ref}: RuntimeError: .*size mismatch"):
+        build_objective(cfg).setup(build_model(cfg.model), torch.device("cpu"))
