@@ -27,6 +27,11 @@ os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING", "false")
+# The S3-protocol server's endpoint and credentials (tests/s3_server.py), in the standard AWS variables before any Ray
+# starts: every node of the session's Ray has them, as a real cluster's nodes would (never a runtime_env's env_vars)
+from tests import s3_server  # noqa: E402
+
+S3_STORE = s3_server.reserve()
 
 # Named tokenizers (data.tokenizer=minimind2|minimind3|auto) go through the real fetch code with a mirror, into a cache
 # of this session: tests never write to the user's ~/.cache. The mirror is ../shared/minimind (MINIMIND_SHARED); where
@@ -168,6 +173,13 @@ def ray_session():
                  runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def s3():
+    """moto's S3 server on 127.0.0.1 with the bucket ``mmr-test``, behind the proxy every client reaches
+    (AWS_ENDPOINT_URL): tests/s3_server.py."""
+    return s3_server.store()
 
 
 @pytest.fixture

@@ -37,6 +37,7 @@ from minimind_ray.raytrain.runtime_env import shipped_modules, side_cpus, worker
 from minimind_ray.raytrain.spec import WorkerSpec
 from minimind_ray.raytrain.validation import validation_config
 from minimind_ray.stages import get_stage
+from minimind_ray.store.reach import check_storage
 from minimind_ray.tracking.artifacts import log_final_artifacts
 from minimind_ray.tracking.runs import finish_run, resolve_tracking_uri, start_run
 
@@ -307,6 +308,7 @@ def run(cfg: RunConfig, *, tags: Optional[Dict[str, str]] = None, callbacks=(), 
     A sweep or pipeline passes its MLflow ``tags`` (the parent run), Ray Train ``callbacks`` (Tune's report) and
     ``report_every_eval`` (each eval step's score reported, for ASHA); every run is tagged with its lineage."""
     storage = storage_root(cfg)
+    check_storage(storage)  # a store that is down reads as empty: one line naming it, before Ray (store/reach.py)
     name, plan = decide_run(cfg, storage)  # before Ray is imported: a finished run or a choice for the user is a second
     import ray
     from ray.train import CheckpointConfig, FailureConfig, RunConfig as RayRunConfig, ScalingConfig
