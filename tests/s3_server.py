@@ -128,20 +128,22 @@ class S3Store:
             self._cut = False
 
     def cut_at(self, pattern: bytes, nth: int = 1, seconds: float = 20.0) -> None:
-        """Cut the store for ``seconds`` as the ``nth`` PUT/POST whose request line holds ``pattern`` begins."""
+        """Cut the store for ``seconds`` as the upload of the ``nth`` object whose path holds ``pattern`` begins (its
+        first PUT, or the POST that starts its multipart upload)."""
         with self._lock:
-            self._trigger = (pattern, nth, seconds)
+            self._trigger = (pattern, nth, seconds, set())
 
     def _maybe_trigger(self, chunk: bytes) -> bool:
         with self._lock:
             if self._trigger is None or not chunk.startswith((b"PUT ", b"POST ")):
                 return False
             line = chunk.split(b"\r\n", 1)[0]
-            pattern, left, seconds = self._trigger
-            if pattern not in line:
+            pattern, nth, seconds, seen = self._trigger
+            path = line.split(b" ")[1].split(b"?")[0] if line.count(b" ") >= 2 else b""
+            if pattern not in path or path in seen:  # an object's multipart upload is several requests: one object
                 return False
-            if left > 1:
-                self._trigger = (pattern, left - 1, seconds)
+            seen.add(path)
+            if len(seen) < nth:
                 return False
             self._trigger = None
         self.cut(line.decode("latin-1"))

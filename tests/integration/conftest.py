@@ -31,8 +31,9 @@ class MlflowServer:
     away mid-run and bring the same one back.
     """
 
-    def __init__(self, root: Path, start_timeout_s: float = 90.0):
+    def __init__(self, root: Path, start_timeout_s: float = 90.0, artifacts: str = ""):
         self.root = root
+        self.artifacts = artifacts or str(root / "artifacts")  # a folder, or a bucket (s3://...: issue 49)
         self.port = _free_port()
         self.uri = f"http://127.0.0.1:{self.port}"
         self.start_timeout_s = start_timeout_s
@@ -42,7 +43,7 @@ class MlflowServer:
         mlflow_bin = Path(sys.executable).with_name("mlflow")
         cmd = [str(mlflow_bin), "server", "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1",
                "--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}",
-               "--artifacts-destination", str(self.root / "artifacts")]
+               "--artifacts-destination", self.artifacts]
         env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
         env.pop("MLFLOW_TRACKING_URI", None)
         log = open(self.root / "server.log", "ab")
