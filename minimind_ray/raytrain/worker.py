@@ -3,9 +3,12 @@ from the newest complete checkpoint, loop the engine, hand checkpoints and metri
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import tempfile
+import time
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -122,13 +125,35 @@ class RayHooks(Hooks):
         # the only ray.train.report of the loop: it is a barrier, so it comes with a checkpoint
         # (a few keys: every metric already went to MLflow, and Ray logs what it is given)
         brief = {k: metrics[k] for k in ("step", "epoch", "loss", "eval_loss", "tracking_summary") if k in metrics}
-        with tempfile.TemporaryDirectory(prefix="mmr-ckpt-") as tmp:
-            self.state.save(tmp, self.run_id, self.spec.prepared_dir, reported=brief)
-            # eval.tasks: Ray Train runs raytrain/validation.py on this checkpoint in a task of its own
-            if validate is None:
-                validate = validation_due(self.spec.cfg, step, self.state.total_steps)
-            self.faults.before_report(step)
-            ray.train.report(brief, checkpoint=Checkpoint.from_directory(tmp), validation=validate)
+        if validate is None:  # eval.tasks: Ray Train runs raytrain/validation.py on this checkpoint in a task of its own
+            validate = validation_due(self.spec.cfg, step, self.state.total_steps)
+        started = time.perf_counter()
+        if self.spec.cfg.checkpoint.upload == "async":
+            self._report_async(step, brief, validate)
+        else:
+            with tempfile.TemporaryDirectory(prefix="mmr-ckpt-") as tmp:
+                self.state.save(tmp, self.run_id, self.spec.prepared_dir, reported=brief)
+                self.faults.before_report(step)
+                ray.train.report(brief, checkpoint=Checkpoint.from_directory(tmp), validation=validate)
+        if self.logger is not None:  # what the checkpoint cost the loop (bench/bench_checkpoint_upload.py)
+            self.logger.log_metrics({"perf/checkpoint_blocked_s": time.perf_counter() - started}, step=step)
+
+    def _report_async(self, step, brief, validate):
+        """checkpoint.upload=async: the files go to a staging folder of this node, which outlives this call; Ray
+        Train's one upload thread copies them to storage and removes the folder once they are all there (an upload
+        that fails leaves it, and fails the group: :func:`remove_staging` takes it then). The report itself is still
+        the ranks' barrier (Ray agrees on the checkpoint's name first); what it no longer waits for is the upload, so
+        a restart may find this checkpoint half uploaded, which COMPLETE.json's sizes refuse."""
+        import ray.train
+        from ray.train import Checkpoint, CheckpointUploadMode
+
+        staging = tempfile.mkdtemp(prefix="mmr-ckpt-")
+        _STAGING.append(staging)
+        self.state.save(staging, self.run_id, self.spec.prepared_dir, reported=brief)
+        self.faults.before_report(step)
+        ray.train.report(brief, checkpoint=Checkpoint.from_directory(staging), validation=validate,
+                         checkpoint_upload_mode=CheckpointUploadMode.ASYNC, delete_local_checkpoint_after_upload=True)
+        _STAGING[:] = [d for d in _STAGING if os.path.isdir(d)]  # the uploaded ones are gone
 
     def report_restored_final(self, meta):
         """The last step's checkpoint was saved, but a worker died before Ray Train registered it: this group
@@ -158,7 +183,17 @@ def train_loop_per_worker(spec: WorkerSpec) -> None:
         _train(spec, rank, world, device, faults)
     except Exception as e:
         faults.record_failure(e)  # a chaos run's record of where this rank failed; a no-op otherwise
+        remove_staging()
         raise
+
+
+_STAGING: List[str] = []  # this worker's async checkpoints not yet uploaded (their staging folders)
+
+
+def remove_staging() -> None:
+    """A failed worker's staging folders: never left on the node (a restarted group writes its own)."""
+    while _STAGING:
+        shutil.rmtree(_STAGING.pop(), ignore_errors=True)
 
 
 def _train(spec: WorkerSpec, rank: int, world: int, device: torch.device, faults: FaultInjector) -> None:

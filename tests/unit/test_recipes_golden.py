@@ -32,7 +32,9 @@ def _help() -> list:
 # added to train: since (issue 36, FSDP: how the workers share the model, activation checkpointing, FSDP's resharding),
 # each with a default that keeps every recipe's run as it was (ddp, none, true)
 NEW_SECTIONS = ("train.simpo.", "train.rollout.", "train.parallelism", "train.activation_checkpointing",
-                "train.reshard_after_forward")
+                "train.reshard_after_forward",
+                # issue 49: how a checkpoint reaches storage (the same files either way; a bucket's upload off the step)
+                "checkpoint.upload")
 # help lines that changed on purpose: the stage list names the new stage; train.grpo.rollout* moved to train.rollout;
 # data.format says what a verb implies when it is not given, data.train_path that one path needs no list (issue 38)
 CHANGED_HELP = {"train.stage", "train.grpo.rollout", "train.grpo.rollout_actors", "train.grpo.rollout_actor_cpus",
