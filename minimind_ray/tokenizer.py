@@ -122,6 +122,7 @@ class Tokenizer:
         self._hf = hf
         self.config = dict(config)
         self.path = path
+        self.source = path  # where it was loaded from for other machines to load it too: a URI, or ``path``
         self.vocab_size: int = hf.get_vocab_size(with_added_tokens=True)
         self.bos_token = _token_name(self.config.get("bos_token")) or SPECIAL_TOKENS[1]
         self.eos_token = _token_name(self.config.get("eos_token")) or SPECIAL_TOKENS[2]
@@ -142,10 +143,11 @@ class Tokenizer:
 
     # pickling: the Rust object serialises as its JSON; the compiled template is rebuilt lazily
     def __getstate__(self):
-        return {"json": self._hf.to_str(), "config": self.config, "path": self.path}
+        return {"json": self._hf.to_str(), "config": self.config, "path": self.path, "source": self.source}
 
     def __setstate__(self, state):
         self.__init__(tokenizers.Tokenizer.from_str(state["json"]), state["config"], state["path"])
+        self.source = state.get("source", self.path)
 
     def encode(self, text: str) -> List[int]:
         return self._hf.encode(text, add_special_tokens=False).ids
@@ -230,7 +232,9 @@ def load_tokenizer(path_or_dir: str) -> Tokenizer:
     if is_uri(path_or_dir):  # a tokenizer in a bucket: this node's own copy (the tokenizers library reads files)
         uri = str(path_or_dir)
         uri = uri.rsplit("/", 1)[0] if uri.endswith(".json") else uri
-        path_or_dir = local_copy(uri, TOKENIZER_FILES, cache_root())
+        tok = load_tokenizer(local_copy(uri, TOKENIZER_FILES, cache_root()))
+        tok.source = uri  # what a manifest records: every node can load it (the local copy is this node's)
+        return tok
     path = os.path.abspath(path_or_dir)
     d = os.path.dirname(path) if path.endswith(".json") else path
     tj = path if path.endswith(".json") else os.path.join(d, "tokenizer.json")
