@@ -2,6 +2,7 @@
 from the newest complete checkpoint, loop the engine, hand checkpoints and metrics over."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -147,7 +148,9 @@ class RayHooks(Hooks):
         import ray.train
         from ray.train import Checkpoint, CheckpointUploadMode
 
-        staging = tempfile.mkdtemp(prefix="mmr-ckpt-")
+        root = staging_root(self.spec.run_dir)
+        root.mkdir(parents=True, exist_ok=True)
+        staging = tempfile.mkdtemp(prefix=f"step{step}-rank{self.state.rank}-", dir=root)
         _STAGING.append(staging)
         self.state.save(staging, self.run_id, self.spec.prepared_dir, reported=brief)
         self.faults.before_report(step)
@@ -168,6 +171,16 @@ class RayHooks(Hooks):
     def close(self):
         if self.logger is not None:
             self.logger.close()
+        # the last async uploads: Ray waits for them once the train function returns; waiting here costs nothing more
+        # and lets the run's staging folder go (an upload that fails is raised by Ray, which stops this worker)
+        deadline = time.monotonic() + 3600
+        while any(os.path.isdir(d) for d in _STAGING) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        _STAGING.clear()
+        try:
+            staging_root(self.spec.run_dir).rmdir()
+        except OSError:
+            pass
 
 
 def train_loop_per_worker(spec: WorkerSpec) -> None:
@@ -179,6 +192,7 @@ def train_loop_per_worker(spec: WorkerSpec) -> None:
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     device = pick_device(spec.use_gpu)
     faults = FaultInjector(spec.cfg, spec.run_dir, rank, device)
+    remove_staging(spec.run_dir)  # what an earlier group of this run left on this node (checkpoint.upload=async)
     try:
         _train(spec, rank, world, device, faults)
     except Exception as e:
@@ -190,10 +204,20 @@ def train_loop_per_worker(spec: WorkerSpec) -> None:
 _STAGING: List[str] = []  # this worker's async checkpoints not yet uploaded (their staging folders)
 
 
-def remove_staging() -> None:
-    """A failed worker's staging folders: never left on the node (a restarted group writes its own)."""
+def staging_root(run_dir: str) -> Path:
+    """This node's folder of a run's async checkpoints not yet uploaded (checkpoint.upload=async)."""
+    return Path(tempfile.gettempdir()) / f"mmr-staging-{hashlib.sha256(run_dir.encode()).hexdigest()[:12]}"
+
+
+def remove_staging(run_dir: Optional[str] = None) -> None:
+    """A failed worker's staging folders, or (``run_dir``, as a group starts) all a run's folders on this node: a
+    worker whose group failed from an upload raised in Ray's thread, or was killed, never got to remove its own.
+    No upload of the run is in flight then: a group starts after the one before has stopped, and no rank of it writes
+    a checkpoint before every rank has started (the first step's collectives come first)."""
     while _STAGING:
         shutil.rmtree(_STAGING.pop(), ignore_errors=True)
+    if run_dir:
+        shutil.rmtree(staging_root(run_dir), ignore_errors=True)
 
 
 def _train(spec: WorkerSpec, rank: int, world: int, device: torch.device, faults: FaultInjector) -> None:
