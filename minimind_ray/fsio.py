@@ -30,7 +30,10 @@ def filesystem(location: PathLike) -> Tuple[pafs.FileSystem, str]:
     """(pyarrow filesystem, path inside it) for a local path or any URI pyarrow understands."""
     location = str(location)
     if is_uri(location):
-        return pafs.FileSystem.from_uri(location)
+        try:
+            return pafs.FileSystem.from_uri(location)
+        except (ValueError, OSError) as e:  # pyarrow's text repeats the URI as given, credentials and all
+            raise type(e)(redact_text(str(e))) from None
     return pafs.LocalFileSystem(), os.path.abspath(location)
 
 

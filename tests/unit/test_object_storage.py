@@ -122,3 +122,23 @@ def test_the_store_down_at_the_start_is_one_line_naming_the_field_and_the_endpoi
     assert r.returncode != 0 and len(err) == 1, r.stdout + r.stderr
     assert err[0].startswith(f"config error: checkpoint.storage_path: {storage} cannot be read at {s3.endpoint} (")
     assert "Traceback" not in r.stdout + r.stderr and "Ray" not in r.stdout and took < 30, (took, r.stdout)
+
+
+def test_credentials_in_a_uri_are_never_said(s3):
+    """Keys belong in the AWS variables or files; a URI that carries them works but is said redacted (fsio.redact),
+    in the storage check's line and in a checkpoint's refusal."""
+    from tests.s3_server import ACCESS_KEY, SECRET_KEY
+
+    with_keys = f"s3://{ACCESS_KEY}:{SECRET_KEY}@nobucket-y/runs"
+    with pytest.raises(StorageUnreachable) as e:
+        check_storage(with_keys)
+    assert SECRET_KEY not in str(e.value) and ACCESS_KEY not in str(e.value)
+    assert str(e.value).startswith("checkpoint.storage_path: s3://***@nobucket-y/runs cannot be read"), str(e.value)
+    # unescaped, the secret's '/' makes the URI unparsable: pyarrow's error repeats the URI, which fsio redacts
+    with pytest.raises(ValueError) as e:
+        ck.open_checkpoint(f"s3://{ACCESS_KEY}:{SECRET_KEY}@mmr-test/unit/none/checkpoint_x")
+    assert SECRET_KEY not in str(e.value) and "s3://***@mmr-test/unit/none/checkpoint_x" in str(e.value)
+    escaped = SECRET_KEY.replace("/", "%2F").replace("+", "%2B")
+    with pytest.raises(ck.CheckpointError) as e:
+        ck.open_checkpoint(f"s3://{ACCESS_KEY}:{escaped}@mmr-test/unit/none/checkpoint_x")
+    assert escaped not in str(e.value) and SECRET_KEY not in str(e.value) and str(e.value).startswith("s3://***@mmr-test/unit/none/checkpoint_x: ")
