@@ -255,7 +255,7 @@ read_cluster_env() {
   WORKER_CPUS="${seen[MMRAY_WORKER_CPUS]}"; WORKER_GPUS="${seen[MMRAY_WORKER_GPUS]}"
   SLOT="${seen[MMRAY_SLOT]}"; OBJ_MB="${seen[MMRAY_OBJECT_STORE_MB]}"
   PRIVATE="${seen[MMRAY_NO_SHARED_DISK]:-0}"  # optional: a cluster.env written before the option
-  (( PRIVATE_ASKED )) && PRIVATE=1  # --node K --no-shared-disk: this node without a shared disk, whatever the rest
+  if (( PRIVATE_ASKED )); then PRIVATE=1; fi  # --node K --no-shared-disk: this node without a shared disk
 }
 
 if [[ -n "$ONLY_NODE" ]]; then
