@@ -108,7 +108,7 @@ def cli_stderr(capsys) -> str:
 OWN_RAY = ("integration/test_node_faults.py", "integration/test_local_cluster.py",
            "integration/test_sweep.py")
 HEAVIEST_FIRST = tuple(f"integration/test_{n}.py" for n in (
-    "training", "grpo", "tracking_training", "pipeline", "serve", "recipes", "resume", "evals", "stages", "oom")) + (
+    "training", "grpo", "tracking_training", "object_storage", "pipeline", "serve", "recipes", "resume", "evals", "stages", "oom")) + (
     "unit/test_precision.py", "integration/test_use_model.py", "integration/test_tracking.py",
     "integration/test_data_pipeline.py",
     # issue 36's: 33 s and 28 s at load 5, 100 s and 87 s at load 30; before the many small files
