@@ -30,7 +30,10 @@ def filesystem(location: PathLike) -> Tuple[pafs.FileSystem, str]:
     """(pyarrow filesystem, path inside it) for a local path or any URI pyarrow understands."""
     location = str(location)
     if is_uri(location):
-        return pafs.FileSystem.from_uri(location)
+        try:
+            return pafs.FileSystem.from_uri(location)
+        except (ValueError, OSError) as e:  # pyarrow's text repeats the URI as given, credentials and all
+            raise type(e)(redact_text(str(e))) from None
     return pafs.LocalFileSystem(), os.path.abspath(location)
 
 
@@ -102,6 +105,63 @@ def write_bytes_atomic(location: PathLike, data: bytes) -> None:
     with fs.open_output_stream(tmp) as f:
         f.write(data)
     fs.move(tmp, path)
+
+
+def upload_dir(local_dir: PathLike, location: PathLike, names=None) -> None:
+    """Copy the files of ``local_dir`` (or only ``names``, in that order: a marker last) to ``location``, a local
+    path or a URI; each object is one PUT, whole or absent."""
+    fs, root = filesystem(location)
+    root = root.rstrip("/")
+    names = list(names) if names is not None else sorted(
+        str(p.relative_to(local_dir)) for p in Path(local_dir).rglob("*") if p.is_file())
+    for name in names:
+        dest = f"{root}/{name}"
+        fs.create_dir(dest.rsplit("/", 1)[0], recursive=True)
+        with open(Path(local_dir) / name, "rb") as src, fs.open_output_stream(dest) as out:
+            while True:
+                block = src.read(8 << 20)
+                if not block:
+                    break
+                out.write(block)
+
+
+def local_copy(location: PathLike, names, cache_root: PathLike) -> str:
+    """A local directory holding ``names`` read from ``location`` (a URI); the same local path when it is one.
+    Downloaded once per node into ``cache_root/remote/<hash of the URI>`` (a whole directory renamed into place);
+    a name the location lacks is left out. Readers that need local files (the tokenizers library, export) use it:
+    on a cluster with no shared disk every node makes its own copy from the bucket."""
+    import hashlib
+    import shutil
+
+    location = str(location)
+    if not is_uri(location):
+        return os.path.abspath(location)
+    out = Path(cache_root) / "remote" / hashlib.sha256(location.rstrip("/").encode()).hexdigest()[:24]
+    if out.is_dir():
+        return str(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".copy-", dir=out.parent))
+    try:
+        fs, root = filesystem(location)
+        for name in names:
+            try:
+                with fs.open_input_stream(f"{root.rstrip('/')}/{name}") as src:
+                    (tmp / name).write_bytes(src.read())
+            except FileNotFoundError:
+                continue
+        try:
+            os.replace(tmp, out)
+        except OSError:  # another process of this node got there first: its copy is as good
+            pass
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(out)
+
+
+def exists(location: PathLike) -> bool:
+    """Is there a file at ``location`` (a local path or a URI)?"""
+    fs, path = filesystem(location)
+    return fs.get_file_info(path).type == pafs.FileType.File
 
 
 # --------------------------------------------------------------------------- secrets in URIs

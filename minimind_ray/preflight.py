@@ -1,6 +1,8 @@
 """Everything a run's config and files can decide, decided before Ray starts (docs/reliability.md, "Mistakes and
 faults"): the first of the driver's steps (raytrain/driver.py:run). Each refusal is one line naming the field or file.
 
+* **The run's storage**, when it is a bucket: reachable (store/reach.py), or one line naming
+  ``checkpoint.storage_path`` and the endpoint.
 * **The weights it starts from** (``train.init_from``): read cheaply (store/inspect.py): its kind, a complete
   checkpoint, its architecture. With no ``model.*`` written by the user, the run takes that architecture (LitGPT reads
   a checkpoint's own config the same way) and says so; with one written that differs, the run is refused, naming both.
@@ -42,6 +44,7 @@ from minimind_ray.stages import get_stage
 from minimind_ray.store.checkpoint import CheckpointError
 from minimind_ray.store.inspect import WeightsInfo, architecture, differences, inspect_weights
 from minimind_ray.store.pth import WeightsError
+from minimind_ray.store.reach import check_storage
 from minimind_ray.store.weights import resolve_checkpoint
 from minimind_ray.tokenizer import resolve_tokenizer
 
@@ -64,6 +67,7 @@ class Checked:
 
 def check_before_ray(cfg: RunConfig, local_ray: bool) -> Checked:
     """The checks of the module's docstring, in order; raises ConfigError (or the tokenizer's fetch error)."""
+    check_storage(cfg.checkpoint.storage_path)  # a store that is down would read as an empty one (store/reach.py)
     cfg, lines = adopt_architecture(cfg)
     check_parents(cfg)
     tokenizer = resolve_tokenizer(cfg.data.tokenizer, cfg.data.cache_dir, cfg.model.generation)

@@ -32,8 +32,8 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from minimind_ray.data.demo import write_demo_corpus
 from minimind_ray.data.sources import iter_records, resolve_sources
-from minimind_ray.fsio import atomic_write, write_json_atomic
-from minimind_ray.tokenizer_fetch import PINNED, fetch_tokenizer
+from minimind_ray.fsio import atomic_write, exists, is_uri, join, local_copy, upload_dir, write_json_atomic
+from minimind_ray.tokenizer_fetch import PINNED, cache_root, fetch_tokenizer
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2: MiniMind's layout
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")  # all a tokenizer directory holds
@@ -122,6 +122,7 @@ class Tokenizer:
         self._hf = hf
         self.config = dict(config)
         self.path = path
+        self.source = path  # where it was loaded from for other machines to load it too: a URI, or ``path``
         self.vocab_size: int = hf.get_vocab_size(with_added_tokens=True)
         self.bos_token = _token_name(self.config.get("bos_token")) or SPECIAL_TOKENS[1]
         self.eos_token = _token_name(self.config.get("eos_token")) or SPECIAL_TOKENS[2]
@@ -142,10 +143,11 @@ class Tokenizer:
 
     # pickling: the Rust object serialises as its JSON; the compiled template is rebuilt lazily
     def __getstate__(self):
-        return {"json": self._hf.to_str(), "config": self.config, "path": self.path}
+        return {"json": self._hf.to_str(), "config": self.config, "path": self.path, "source": self.source}
 
     def __setstate__(self, state):
         self.__init__(tokenizers.Tokenizer.from_str(state["json"]), state["config"], state["path"])
+        self.source = state.get("source", self.path)
 
     def encode(self, text: str) -> List[int]:
         return self._hf.encode(text, add_special_tokens=False).ids
@@ -227,6 +229,12 @@ def load_tokenizer(path_or_dir: str) -> Tokenizer:
     Without a tokenizer_config.json, MiniMind's special-token names are assumed and there
     is no chat template (SFT/DPO data then cannot be rendered).
     """
+    if is_uri(path_or_dir):  # a tokenizer in a bucket: this node's own copy (the tokenizers library reads files)
+        uri = str(path_or_dir)
+        uri = uri.rsplit("/", 1)[0] if uri.endswith(".json") else uri
+        tok = load_tokenizer(local_copy(uri, TOKENIZER_FILES, cache_root()))
+        tok.source = uri  # what a manifest records: every node can load it (the local copy is this node's)
+        return tok
     path = os.path.abspath(path_or_dir)
     d = os.path.dirname(path) if path.endswith(".json") else path
     tj = path if path.endswith(".json") else os.path.join(d, "tokenizer.json")
@@ -359,9 +367,23 @@ def resolve_tokenizer(spec: str, cache_dir: str, generation: Optional[str] = Non
         return load_tokenizer(fetch_tokenizer(spec))
     if spec != "builtin":
         return load_tokenizer(spec)
+    if is_uri(cache_dir):  # data.cache_dir in a bucket: the tokenizer lives there too, for every node to read
+        return _builtin_in_bucket(join(cache_dir, "tokenizer-builtin"), join(cache_dir, "demo"))
     out = os.path.join(os.path.abspath(cache_dir), "tokenizer-builtin")
     if os.path.exists(os.path.join(out, "tokenizer_config.json")):
         return load_tokenizer(out)
 
     demo = write_demo_corpus(os.path.join(os.path.abspath(cache_dir), "demo"))
     return train_tokenizer([demo["pretrain"], demo["sft"], demo["dpo"]], out)
+
+
+def _builtin_in_bucket(out: str, demo_dir: str) -> Tokenizer:
+    """The builtin tokenizer at a URI: trained once (into a local temporary directory, uploaded with
+    tokenizer_config.json last: its presence says the pair is whole), then read by every node from the bucket.
+    (Before, ``os.path.abspath`` of an ``s3://`` cache made a local ``./s3:/...`` folder on the driver.)"""
+    if not exists(join(out, "tokenizer_config.json")):
+        demo = write_demo_corpus(demo_dir)
+        with tempfile.TemporaryDirectory(prefix="mmr-tokenizer-") as tmp:
+            train_tokenizer([demo["pretrain"], demo["sft"], demo["dpo"]], os.path.join(tmp, "tok"))
+            upload_dir(os.path.join(tmp, "tok"), out, TOKENIZER_FILES)
+    return load_tokenizer(out)

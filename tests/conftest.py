@@ -27,6 +27,11 @@ os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING", "false")
+# The S3-protocol server's endpoint and credentials (tests/s3_server.py), in the standard AWS variables before any Ray
+# starts: every node of the session's Ray has them, as a real cluster's nodes would (never a runtime_env's env_vars)
+from tests import s3_server  # noqa: E402
+
+S3_STORE = s3_server.reserve()
 
 # Named tokenizers (data.tokenizer=minimind2|minimind3|auto) go through the real fetch code with a mirror, into a cache
 # of this session: tests never write to the user's ~/.cache. The mirror is ../shared/minimind (MINIMIND_SHARED); where
@@ -103,7 +108,7 @@ def cli_stderr(capsys) -> str:
 OWN_RAY = ("integration/test_node_faults.py", "integration/test_local_cluster.py",
            "integration/test_sweep.py")
 HEAVIEST_FIRST = tuple(f"integration/test_{n}.py" for n in (
-    "training", "grpo", "tracking_training", "pipeline", "serve", "recipes", "resume", "evals", "stages", "oom")) + (
+    "training", "grpo", "tracking_training", "object_storage", "pipeline", "serve", "recipes", "resume", "evals", "stages", "oom")) + (
     "unit/test_precision.py", "integration/test_use_model.py", "integration/test_mlflow_ui.py",
     "integration/test_tracking.py", "integration/test_cli_errors.py",
     "integration/test_data_pipeline.py",
@@ -184,6 +189,13 @@ def ray_session():
                  runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def s3():
+    """moto's S3 server on 127.0.0.1 with the bucket ``mmr-test``, behind the proxy every client reaches
+    (AWS_ENDPOINT_URL): tests/s3_server.py."""
+    return s3_server.store()
 
 
 @pytest.fixture

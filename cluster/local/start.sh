@@ -27,6 +27,11 @@
 #   --object-store-mb M object store per node in MiB (default 512)
 #   --timeout S         seconds to wait for each node (default 240: a head on a busy 2-core machine, load ~20, took
 #                       94 s to bring its dashboard up and more than 120 s in all)
+#   --no-shared-disk    every node in a mount namespace of its own (cluster/local/private_disk.sh): private
+#                       /tmp, /var/tmp, /dev/shm and ~/.cache, the code and the venv read-only; nodes then
+#                       share no disk, as machines of a real cluster: every location of a run must be in
+#                       shared storage (s3://...). Needs root or CAP_SYS_ADMIN (`unshare --mount`); kept
+#                       for nodes restarted with --node
 #   --drain-timeout S   on SIGTERM (stop.sh, kill_node.sh --graceful) a node first asks
 #                       the GCS to drain it and waits up to S seconds for its workers to
 #                       finish (Ray's default 30; here 0 = stop at once, as there is no
@@ -40,7 +45,7 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_common.sh"
 
 N=2; NAME=local; STATE_DIR=""; BASE=27000; HEAD_CPUS=2; WORKER_CPUS=2; WORKER_GPUS=0
-SLOT=trainslot; OBJ_MB=512; TIMEOUT=240; ONLY_NODE=""
+SLOT=trainslot; OBJ_MB=512; TIMEOUT=240; ONLY_NODE=""; PRIVATE=0; PRIVATE_ASKED=0
 DRAIN="${RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S:-0}"
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -59,6 +64,7 @@ while [[ $# -gt 0 ]]; do
     --timeout) TIMEOUT="$2"; shift 2;;
     --drain-timeout) DRAIN="$2"; shift 2;;
     --node) ONLY_NODE="$2"; shift 2;;
+    --no-shared-disk) PRIVATE=1; PRIVATE_ASKED=1; shift;;
     -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0;;
     [0-9]*) N="$1"; shift;;
     *) refuse "unknown argument: $(shown "$1") (see --help)";;
@@ -139,7 +145,13 @@ launch() {  # node-name k extra-args... : start `ray start --block` for one node
   # setsid: the node gets its own session, so its PID names all its processes.
   # (No --node-ip-address 127.0.0.1: Ray resolves loopback to this machine's IP anyway;
   # the nodes register under that IP and 127.0.0.1:<port> reaches the same listeners.)
-  setsid "$RAY_BIN" start --block --disable-usage-stats --log-style record \
+  local own=()  # --no-shared-disk: the node's own mount namespace (private_disk.sh), the same PID after its execs
+  if (( PRIVATE )); then
+    command -v unshare >/dev/null || die "--no-shared-disk needs unshare (util-linux)"
+    own=(env "MMRAY_SHARED_RO=$REPO_ROOT:$(cd "$RAY_BIN_DIR/.." && pwd -P)"
+         unshare --mount --propagation private -- bash "$REPO_ROOT/cluster/local/private_disk.sh")
+  fi
+  setsid "${own[@]}" "$RAY_BIN" start --block --disable-usage-stats --log-style record \
     --node-name "$node" --temp-dir="$tdir" \
     --node-manager-port "$NM" --object-manager-port "$OM" \
     --dashboard-agent-listen-port "$AG" --dashboard-agent-grpc-port "$AGG" \
@@ -206,6 +218,7 @@ write_cluster_env() {
     printf 'MMRAY_WORKER_GPUS=%q\n' "$WORKER_GPUS"
     printf 'MMRAY_SLOT=%q\n' "$SLOT"
     printf 'MMRAY_OBJECT_STORE_MB=%q\n' "$OBJ_MB"
+    printf 'MMRAY_NO_SHARED_DISK=%q\n' "$PRIVATE"
   } > "$CLUSTER_ENV"
 }
 
@@ -221,7 +234,7 @@ read_cluster_env() {
     [[ "$line" =~ ^(export\ )?([A-Z_]+)=(.*)$ ]] || refuse "$f:$n: not a KEY=VALUE line: $(shown "$line")"
     key="${BASH_REMATCH[2]}" val="${BASH_REMATCH[3]}"
     case "$key" in
-      MMRAY_BASE_PORT|MMRAY_NUM_WORKER_NODES|MMRAY_WORKER_CPUS|MMRAY_WORKER_GPUS|MMRAY_OBJECT_STORE_MB)
+      MMRAY_BASE_PORT|MMRAY_NUM_WORKER_NODES|MMRAY_WORKER_CPUS|MMRAY_WORKER_GPUS|MMRAY_OBJECT_STORE_MB|MMRAY_NO_SHARED_DISK)
         [[ "$val" =~ $uint ]] || refuse "$f:$n: $key must be a whole number, got $(shown "$val")";;
       MMRAY_SLOT)
         [[ "$val" =~ ^[A-Za-z][A-Za-z0-9_-]{0,63}$ ]] || refuse "$f:$n: $key must be a resource name, got $(shown "$val")";;
@@ -241,6 +254,8 @@ read_cluster_env() {
   BASE="${seen[MMRAY_BASE_PORT]}"; N="${seen[MMRAY_NUM_WORKER_NODES]}"
   WORKER_CPUS="${seen[MMRAY_WORKER_CPUS]}"; WORKER_GPUS="${seen[MMRAY_WORKER_GPUS]}"
   SLOT="${seen[MMRAY_SLOT]}"; OBJ_MB="${seen[MMRAY_OBJECT_STORE_MB]}"
+  PRIVATE="${seen[MMRAY_NO_SHARED_DISK]:-0}"  # optional: a cluster.env written before the option
+  if (( PRIVATE_ASKED )); then PRIVATE=1; fi  # --node K --no-shared-disk: this node without a shared disk
 }
 
 if [[ -n "$ONLY_NODE" ]]; then

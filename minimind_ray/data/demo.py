@@ -30,6 +30,8 @@ import random
 import zlib
 from typing import Dict, List
 
+from minimind_ray.fsio import exists, filesystem, is_uri, join, upload_dir
+
 _VERSION = 5  # 2: sorting in the SFT mix, sorting RL prompts, tool-call chats, eval sets; 3: sorting subjects;
 #            4: the tool chats add three or four digits; 5: kto.jsonl (the other files as in 4)
 
@@ -389,6 +391,8 @@ def write_demo_corpus(out_dir: str, seed: int = 0, n_pretrain: int = 40000, n_sf
     The defaults give about 1M pretrain tokens with the builtin tokenizer (5 MB),
     enough that a small model learns the facts rather than memorising documents.
     """
+    if is_uri(out_dir):  # a bucket: written here, uploaded with its stamp last; every node then reads the bucket's
+        return _demo_in_bucket(out_dir, seed, n_pretrain, n_sft, n_dpo, n_prompt)
     out_dir = os.path.abspath(out_dir)
     paths = {name: os.path.join(out_dir, f"{name}.jsonl") for name in ("pretrain", "sft", "dpo", "kto", "prompt")}
     paths["tool_sft"] = os.path.join(out_dir, "tool_sft.jsonl")
@@ -416,3 +420,28 @@ def write_demo_corpus(out_dir: str, seed: int = 0, n_pretrain: int = 40000, n_sf
         json.dump(stamp, f)
     os.replace(tmp, stamp_path)
     return paths
+
+
+def _demo_in_bucket(uri: str, seed: int, *counts: int) -> Dict[str, str]:
+    """:func:`write_demo_corpus` for a URI (``data.cache_dir=s3://...``): the corpus is written into a local temporary
+    directory and uploaded, ``demo.json`` last, unless the bucket already holds it; the paths returned are URIs, which
+    the prepare's tasks on any node read (a local path of the driver's would be on no other node)."""
+    import shutil
+    import tempfile
+
+    tmp = tempfile.mkdtemp(prefix="mmr-demo-")
+    try:
+        local = write_demo_corpus(tmp, seed, *counts)
+        names = {k: os.path.relpath(v, tmp) for k, v in local.items()}
+        stamp = os.path.join(tmp, "demo.json")
+        fs_stamp = join(uri, "demo.json")
+        have = exists(fs_stamp) and all(exists(join(uri, n)) for n in names.values())
+        if have:
+            fs, path = filesystem(fs_stamp)
+            with fs.open_input_stream(path) as f, open(stamp, "rb") as mine:
+                have = f.read() == mine.read()
+        if not have:
+            upload_dir(tmp, uri, [*sorted(set(names.values())), "demo.json"])
+        return {k: join(uri, n) for k, n in names.items()}
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

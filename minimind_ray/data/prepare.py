@@ -301,7 +301,7 @@ def prepare(sources: List[str], out_dir: str, tokenizer, data_cfg, digests: Opti
         "version": PREPARED_VERSION,
         **row_settings(data_cfg),
         "tokenizer_hash": tokenizer.hash(),
-        "tokenizer_path": tokenizer.path,
+        "tokenizer_path": getattr(tokenizer, "source", tokenizer.path),  # a bucket's URI, not the driver's copy
         "vocab_size": tokenizer.vocab_size,
         "token_bytes": tokenizer.token_bytes(),  # bits per byte (engine/evaluate.py): the bytes each id spells
         "id_dtype": np.dtype(formats.id_dtype(tokenizer.vocab_size)).name,

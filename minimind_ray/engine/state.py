@@ -218,7 +218,7 @@ class TrainState:
         from minimind_ray.store.checkpoint import CheckpointMeta, write_rank_files, write_shared_files
         from minimind_ray.store.sharded import write_sharded  # lazy: pyarrow, only when this runs
 
-        write_rank_files(ckpt_dir, self.rank, self.rng.state_dict())
+        rank_files = write_rank_files(ckpt_dir, self.rank, self.rng.state_dict())  # every rank's, with sizes
         sharded_files = write_sharded(ckpt_dir, sharded_state(self.model, self.optimizer)) if self.sharded else None
         if self.rank == 0:
             meta = CheckpointMeta(step=self.step, epoch=(self.step - 1) // self.stream.steps_per_epoch,
@@ -232,7 +232,7 @@ class TrainState:
             if self.parts:
                 train_state["parts"] = {n: p.train_state() for n, p in self.parts.items()}
             write_shared_files(ckpt_dir, model_state=None if self.sharded else self.model.state_dict(),
-                               train_state=train_state, meta=meta, sharded_files=sharded_files,
+                               train_state=train_state, meta=meta, sharded_files=sharded_files, rank_files=rank_files,
                                part_states={n: p.model.state_dict() for n, p in self.parts.items()})
 
     def restore(self, stored):

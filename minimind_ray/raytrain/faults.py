@@ -34,7 +34,7 @@ import torch
 from minimind_ray.config import RunConfig  # the Ray layer is above the config: it runs what a RunConfig says
 from minimind_ray.failures import FailurePolicy, RunStopped
 from minimind_ray.fault_schedule import FaultSpec, fault_schedule, start_faults
-from minimind_ray.fsio import filesystem, join, write_bytes_atomic
+from minimind_ray.fsio import filesystem, is_uri, join, write_bytes_atomic
 from minimind_ray.raytrain.oom import stop_on_out_of_memory
 from minimind_ray.store.checkpoint import newest_complete
 
@@ -341,18 +341,24 @@ class SampleLog:
     by bench/bench_train.py for recovery and checkpoint timings."""
 
     def __init__(self, directory: Optional[str], rank: int, world: int, attempt: int):
-        self.f, self.attempt = None, attempt
-        if directory:
+        self.f, self.attempt, self.uri = None, attempt, None
+        if directory and is_uri(directory):  # a bucket has no append: one object per line (a cluster with no shared
+            self.uri = join(directory, f"rank{rank}")  # disk, tests/integration/test_node_faults.py)
+        elif directory:
             Path(directory).mkdir(parents=True, exist_ok=True)
             self.f = open(Path(directory) / f"rank{rank}.jsonl", "a")
         self.rank, self.world = rank, world
 
     def write(self, step: int, batches: List[Dict[str, torch.Tensor]]) -> None:
-        if self.f is None:
+        if self.f is None and self.uri is None:
             return
         ids = torch.cat([b["sample_ids"] for b in batches]).tolist()
-        self.f.write(json.dumps({"step": step, "rank": self.rank, "world": self.world,
-                                 "attempt": self.attempt, "t": time.time(), "ids": ids}) + "\n")
+        line = json.dumps({"step": step, "rank": self.rank, "world": self.world,
+                           "attempt": self.attempt, "t": time.time(), "ids": ids})
+        if self.uri is not None:
+            write_bytes_atomic(join(self.uri, f"{time.time_ns()}-{self.attempt}-{step}.json"), line.encode())
+            return
+        self.f.write(line + "\n")
         self.f.flush()
 
 

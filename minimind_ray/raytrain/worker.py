@@ -3,11 +3,15 @@ from the newest complete checkpoint, loop the engine, hand checkpoints and metri
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
+import os
+import shutil
 import tempfile
+import time
 import traceback
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -125,13 +129,37 @@ class RayHooks(Hooks):
         # the only ray.train.report of the loop: it is a barrier, so it comes with a checkpoint
         # (a few keys: every metric already went to MLflow, and Ray logs what it is given)
         brief = {k: metrics[k] for k in ("step", "epoch", "loss", "eval_loss", "tracking_summary") if k in metrics}
-        with tempfile.TemporaryDirectory(prefix="mmr-ckpt-") as tmp:
-            self.state.save(tmp, self.run_id, self.spec.prepared_dir, reported=brief)
-            # eval.tasks: Ray Train runs raytrain/validation.py on this checkpoint in a task of its own
-            if validate is None:
-                validate = validation_due(self.spec.cfg, step, self.state.total_steps)
-            self.faults.before_report(step)
-            ray.train.report(brief, checkpoint=Checkpoint.from_directory(tmp), validation=validate)
+        if validate is None:  # eval.tasks: Ray Train runs raytrain/validation.py on this checkpoint in a task of its own
+            validate = validation_due(self.spec.cfg, step, self.state.total_steps)
+        started = time.perf_counter()
+        if self.spec.cfg.checkpoint.upload == "async":
+            self._report_async(step, brief, validate)
+        else:
+            with tempfile.TemporaryDirectory(prefix="mmr-ckpt-") as tmp:
+                self.state.save(tmp, self.run_id, self.spec.prepared_dir, reported=brief)
+                self.faults.before_report(step)
+                ray.train.report(brief, checkpoint=Checkpoint.from_directory(tmp), validation=validate)
+        if self.logger is not None:  # what the checkpoint cost the loop (bench/bench_checkpoint_upload.py)
+            self.logger.log_metrics({"perf/checkpoint_blocked_s": time.perf_counter() - started}, step=step)
+
+    def _report_async(self, step, brief, validate):
+        """checkpoint.upload=async: the files go to a staging folder of this node, which outlives this call; Ray
+        Train's one upload thread copies them to storage and removes the folder once they are all there (an upload
+        that fails leaves it, and fails the group: :func:`remove_staging` takes it then). The report itself is still
+        the ranks' barrier (Ray agrees on the checkpoint's name first); what it no longer waits for is the upload, so
+        a restart may find this checkpoint half uploaded, which COMPLETE.json's sizes refuse."""
+        import ray.train
+        from ray.train import Checkpoint, CheckpointUploadMode
+
+        root = staging_root(self.spec.run_dir)
+        root.mkdir(parents=True, exist_ok=True)
+        staging = tempfile.mkdtemp(prefix=f"step{step}-rank{self.state.rank}-", dir=root)
+        _STAGING.append(staging)
+        self.state.save(staging, self.run_id, self.spec.prepared_dir, reported=brief)
+        self.faults.before_report(step)
+        ray.train.report(brief, checkpoint=Checkpoint.from_directory(staging), validation=validate,
+                         checkpoint_upload_mode=CheckpointUploadMode.ASYNC, delete_local_checkpoint_after_upload=True)
+        _STAGING[:] = [d for d in _STAGING if os.path.isdir(d)]  # the uploaded ones are gone
 
     def report_restored_final(self, meta):
         """The last step's checkpoint was saved, but a worker died before Ray Train registered it: this group
@@ -146,6 +174,16 @@ class RayHooks(Hooks):
     def close(self):
         if self.logger is not None:
             self.logger.close()
+        # the last async uploads: Ray waits for them once the train function returns; waiting here costs nothing more
+        # and lets the run's staging folder go (an upload that fails is raised by Ray, which stops this worker)
+        deadline = time.monotonic() + 3600
+        while any(os.path.isdir(d) for d in _STAGING) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        _STAGING.clear()
+        try:
+            staging_root(self.spec.run_dir).rmdir()
+        except OSError:
+            pass
 
 
 def train_loop_per_worker(spec: WorkerSpec) -> None:
@@ -157,14 +195,35 @@ def train_loop_per_worker(spec: WorkerSpec) -> None:
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     device = pick_device(spec.use_gpu)
     faults = FaultInjector(spec.cfg, spec.run_dir, rank, device)
+    remove_staging(spec.run_dir)  # what an earlier group of this run left on this node (checkpoint.upload=async)
     try:
         _train(spec, rank, world, device, faults)
     except Exception as e:
         faults.record_failure(e)  # a chaos run's record of where this rank failed; a no-op otherwise
+        remove_staging()
         with contextlib.suppress(AttributeError, TypeError):  # what the controller compares and the driver logs
             setattr(e, STEP_ATTR, faults.step)  # (failures.signature, the run's error.log)
             setattr(e, TRACEBACK_ATTR, traceback.format_exc()[-20000:])
         raise
+
+
+_STAGING: List[str] = []  # this worker's async checkpoints not yet uploaded (their staging folders)
+
+
+def staging_root(run_dir: str) -> Path:
+    """This node's folder of a run's async checkpoints not yet uploaded (checkpoint.upload=async)."""
+    return Path(tempfile.gettempdir()) / f"mmr-staging-{hashlib.sha256(run_dir.encode()).hexdigest()[:12]}"
+
+
+def remove_staging(run_dir: Optional[str] = None) -> None:
+    """A failed worker's staging folders, or (``run_dir``, as a group starts) all a run's folders on this node: a
+    worker whose group failed from an upload raised in Ray's thread, or was killed, never got to remove its own.
+    No upload of the run is in flight then: a group starts after the one before has stopped, and no rank of it writes
+    a checkpoint before every rank has started (the first step's collectives come first)."""
+    while _STAGING:
+        shutil.rmtree(_STAGING.pop(), ignore_errors=True)
+    if run_dir:
+        shutil.rmtree(staging_root(run_dir), ignore_errors=True)
 
 
 def _train(spec: WorkerSpec, rank: int, world: int, device: torch.device, faults: FaultInjector) -> None:

@@ -145,12 +145,13 @@ def completion_logprobs(model, input_ids: Tensor, attention_mask: Tensor, comple
 
 def run_tokenizer(cfg, manifest: dict):
     """The tokenizer the prompts were prepared with, to turn completions into text for the rewards:
-    the manifest's path when this machine has it, else ``data.tokenizer`` resolved here; checked by hash."""
+    the manifest's path when it is a URI or this machine has it (a path the driver wrote is on no other node of a
+    cluster without a shared disk), else ``data.tokenizer`` resolved here; checked by hash."""
     # lazy: pyarrow, tokenizers, only when this runs
     from minimind_ray.tokenizer import load_tokenizer, resolve_tokenizer
 
     path = manifest.get("tokenizer_path")
-    if path and os.path.exists(path):
+    if path and ("://" in path or os.path.exists(path)):  # a bucket's tokenizer (issue 49) loads on any node
         tok = load_tokenizer(path)
     else:
         tok = resolve_tokenizer(cfg.data.tokenizer, cfg.data.cache_dir, cfg.model.generation)

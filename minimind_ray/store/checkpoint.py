@@ -33,7 +33,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import pyarrow.fs as pafs
 import torch
 
-from minimind_ray.fsio import filesystem, is_uri, redact, redact_obj, torch_save_atomic, write_json_atomic
+from minimind_ray.fsio import (filesystem, is_uri, redact, redact_obj, torch_save_atomic, write_bytes_atomic,
+                               write_json_atomic)
 from minimind_ray.store import sharded as sharded_store
 from minimind_ray.store.sharded import METADATA as SHARDED_METADATA, read_whole_model
 
@@ -46,7 +47,10 @@ PREFIX = "checkpoint_"  # Ray Train's directory names inside a run directory
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used; the message names it and why."""
+    """A checkpoint that cannot be used; the message names it and why (a URI's credentials redacted)."""
+
+    def __init__(self, msg: str):
+        super().__init__(redact(str(msg)))
 
 
 @dataclass
@@ -86,16 +90,30 @@ class CheckpointMeta:
 # --------------------------------------------------------------------------- writing
 
 
-def write_rank_files(ckpt_dir, rank: int, rng: Dict[str, Any]) -> None:
-    """What every rank contributes: its RNG state."""
-    torch_save_atomic(rng, Path(ckpt_dir) / RNG_DIR / f"rank_{rank}.pt")
+def write_rank_files(ckpt_dir, rank: int, rng: Dict[str, Any]) -> Dict[str, int]:
+    """What every rank contributes: its RNG state. Every rank calls it together (a collective when distributed):
+    returns every rank's files with their sizes, for rank 0's COMPLETE.json. On object storage an upload keeps no
+    order, so COMPLETE.json may arrive before another rank's file: only a record of that file's size lets a reader
+    tell a whole checkpoint from a cut one."""
+    import torch.distributed as dist
+
+    name = f"{RNG_DIR}/rank_{rank}.pt"
+    torch_save_atomic(rng, Path(ckpt_dir) / name)
+    mine = {name: (Path(ckpt_dir) / name).stat().st_size}
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return mine
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return {n: size for files in everyone for n, size in files.items()}
 
 
 def write_shared_files(ckpt_dir, *, model_state: Optional[Dict[str, torch.Tensor]], train_state: Dict[str, Any],
                        meta: CheckpointMeta, part_states: Optional[Dict[str, Dict[str, torch.Tensor]]] = None,
-                       sharded_files: Optional[Dict[str, int]] = None) -> None:
+                       sharded_files: Optional[Dict[str, int]] = None,
+                       rank_files: Optional[Dict[str, int]] = None) -> None:
     """Rank 0 writes the shared state (and each part's weights, ``<name>.pth``), then the COMPLETE marker listing
-    every file. A sharded checkpoint has no ``model_state`` here but every rank's ``sharded_files``
+    every file of every rank with its size: ``rank_files`` (:func:`write_rank_files`' answer; by default the RNG
+    files in this directory). A sharded checkpoint has no ``model_state`` here but every rank's ``sharded_files``
     (store/sharded.py:write_sharded, written before)."""
     from minimind_ray.model.minimind import clean_state_dict  # lazy: omegaconf, yaml, only when this runs
 
@@ -108,6 +126,9 @@ def write_shared_files(ckpt_dir, *, model_state: Optional[Dict[str, torch.Tensor
     write_json_atomic(ckpt_dir / META, redact_obj(meta.to_json()))  # a URI's credentials never reach storage
     files = {name: (ckpt_dir / name).stat().st_size for name in (*(n for n, _ in weights), TRAIN_STATE, META, *parts)}
     files.update(sharded_files or {})
+    if rank_files is None:
+        rank_files = {f"{RNG_DIR}/{p.name}": p.stat().st_size for p in sorted((ckpt_dir / RNG_DIR).glob("rank_*.pt"))}
+    files.update(rank_files)
     write_json_atomic(ckpt_dir / COMPLETE, {"files": files, "rng_ranks": list(range(meta.world_size)),
                                             "step": meta.step})
 
@@ -226,19 +247,20 @@ class StoredCheckpoint:
         return _torch_load(self.fs, f"{self.path}/{RNG_DIR}/rank_{rank}.pt", f"{self.location}/{RNG_DIR}/rank_{rank}.pt")
 
 
-def open_checkpoint(location, filesystem_=None, deep: bool = False) -> StoredCheckpoint:
+def open_checkpoint(location, filesystem_=None, deep: bool = False, where: Optional[str] = None) -> StoredCheckpoint:
     """Verify a checkpoint once and return a reader for it.
 
-    ``location`` is a local path or a storage URI (or a path on ``filesystem_``). Every file
-    listed in ``COMPLETE.json`` must be there at its size, and every rank's RNG file must exist.
-    ``deep`` also loads every RNG file, whose size rank 0 cannot know: use it for a checkpoint
-    that Ray never registered, whose upload a crash may have cut short."""
+    ``location`` is a local path or a storage URI (or a path on ``filesystem_``, named ``where`` to users). Every
+    file listed in ``COMPLETE.json`` (every rank's, since issue 49) must be there at its size, and every rank's RNG
+    file must exist: an upload to object storage keeps no order, and a checkpoint whose listed files are not all
+    there is never restored. ``deep`` also loads every RNG file (a checkpoint written before COMPLETE.json listed
+    them, which Ray never registered: a crash may have cut its upload short)."""
     if filesystem_ is not None:
         fs, root = filesystem_, str(location)
     else:
         fs, root = filesystem(location)
     root = root.rstrip("/")
-    where = str(location)
+    where = where or str(location)
     rec = _complete_record(fs, root, where)
     names = list(rec["files"])
     for name, info in zip(names, fs.get_file_info([f"{root}/{n}" for n in names])):
@@ -292,13 +314,12 @@ def newest_complete(run_dir, deep: bool = False, newer_than: int = -1) -> Option
     for step, path in checkpoints_in(run_dir):
         if step <= newer_than:
             break
+        # named to users as a URI they can pass back
+        where = f"{str(run_dir).rstrip('/')}/{Path(path).name}" if is_uri(run_dir) else path
         try:
-            ck = open_checkpoint(path, fs, deep=deep)
+            return open_checkpoint(path, fs, deep=deep, where=where)
         except CheckpointError:
             continue
-        if is_uri(run_dir):  # name it to users as a URI they can pass back
-            ck.location = f"{str(run_dir).rstrip('/')}/{Path(path).name}"
-        return ck
     return None
 
 
@@ -360,16 +381,28 @@ def prune_untracked(run_dir, kept_names) -> List[str]:
     return sorted(removed)
 
 
+LATEST_SUFFIX = "-latest"
+
+
 def mark_latest(run_dir: str, stage: str) -> Optional[str]:
-    """``<storage>/<stage>-latest``: a link to the newest finished run of a stage beside it, for chaining stages
-    without copying run names (``train.init_from=runs/pretrain-latest``). Local storage only (a relative symlink,
-    replaced atomically); None where it cannot be made (a URI, a directory of that name)."""
+    """``<storage>/<stage>-latest``: the newest finished run of a stage beside it, for chaining stages without copying
+    run names (``train.init_from=runs/pretrain-latest``). On local storage a relative symlink, replaced atomically; on
+    object storage, which has no links, a pointer object ``<stage>-latest.json`` (``{"run": <name>}``, one PUT: whole
+    or absent) that :func:`follow_latest` reads wherever a ``-latest`` path is accepted. None where it cannot be
+    made (a directory of that name, a store that refuses the write)."""
     import os
 
     if is_uri(run_dir):
-        return None
+        parent, name = str(run_dir).rstrip("/").rsplit("/", 1)
+        pointer = f"{parent}/{stage}{LATEST_SUFFIX}.json"
+        try:
+            write_bytes_atomic(pointer, json.dumps({"run": name, "stage": stage}).encode())
+        except (OSError, ValueError) as e:  # the store refused it, or a URI pyarrow cannot open (ArrowInvalid)
+            print(redact(f"[minimind-ray] could not write {pointer}: {e}"), flush=True)
+            return None
+        return f"{parent}/{stage}{LATEST_SUFFIX}"
     run = Path(run_dir)
-    link, tmp = run.parent / f"{stage}-latest", run.parent / f".{stage}-latest.{os.getpid()}"
+    link, tmp = run.parent / f"{stage}{LATEST_SUFFIX}", run.parent / f".{stage}{LATEST_SUFFIX}.{os.getpid()}"
     try:
         if tmp.is_symlink():
             tmp.unlink()
@@ -380,3 +413,29 @@ def mark_latest(run_dir: str, stage: str) -> Optional[str]:
             tmp.unlink()
         return None
     return str(link)
+
+
+def follow_latest(location: str) -> str:
+    """``<storage>/<stage>-latest`` (or its ``.json``) on object storage -> the run directory its pointer object names;
+    anything else as it is (a local ``-latest`` is a symlink the filesystem follows). A pointer that names no
+    run is an error naming the pointer."""
+    location = str(location)
+    if not is_uri(location):
+        return location
+    base = location.rstrip("/")
+    if base.endswith(f"{LATEST_SUFFIX}.json"):
+        pointer = base
+    elif base.endswith(LATEST_SUFFIX):
+        pointer = base + ".json"
+    else:
+        return location
+    fs, path = filesystem(pointer)
+    if fs.get_file_info(path).type != pafs.FileType.File:
+        return location
+    try:
+        run = json.loads(_read_bytes(fs, path))["run"]
+        if not isinstance(run, str) or not run or "/" in run:
+            raise ValueError(f"run {run!r} is not a run name")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{pointer}: not a -latest pointer ({type(e).__name__}: {e})") from e
+    return f"{pointer.rsplit('/', 1)[0]}/{run}"

@@ -18,11 +18,13 @@ class CheckpointConfig:
                                            "eval/<task>/acc (eval.tasks) or loss; None = the newest")
     score_order: str = _f("max", "max | min: which end of score_metric is best")
     storage_path: str = _f("runs", "local directory or URI (s3://, gs://) of run storage; shared by all nodes on a cluster")
+    upload: str = _f("async", "sync | async: how a checkpoint reaches checkpoint.storage_path. sync: the step waits for every file's upload (Ray Train's report); async: the files are written to a local staging folder, the loop goes on while one background thread per worker uploads them (Ray Train's CheckpointUploadMode.ASYNC), the folder is removed once uploaded, and an upload that fails fails the worker group like any fault. A restart restores only a checkpoint whose COMPLETE.json files are all in storage at their sizes, in both modes. On local disk both cost the same; on a bucket async takes the upload off the step (docs/reliability.md, bench/bench_checkpoint_upload.py)")
     preemption_check_interval: Optional[int] = _f(None, "optimizer steps between asks for a drain notice (ray.train.get_preemption_info, a barrier of the ranks); on one, every rank checkpoints that step and waits for Ray Train's restart, so no step is lost (docs/reliability.md). None = every train.log_interval, 0 = never", ge=0)
 
 
 def validate_checkpoint(c: CheckpointConfig) -> None:
     need(c.score_order in ("max", "min"), "checkpoint.score_order", "must be max or min")
+    need(c.upload in ("sync", "async"), "checkpoint.upload", f"must be sync or async, got {c.upload!r}")
 
 
 def validation_due(cfg, step: int, total_steps: int) -> bool:

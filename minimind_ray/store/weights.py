@@ -39,8 +39,8 @@ from minimind_ray.model.lora import adapter_rank, apply_lora, merge_adapters, me
 from minimind_ray.model.minimind import build_model, clean_state_dict, unwrap_model
 from minimind_ray.model.presets import PRESETS, preset_values
 from minimind_ray.model.rope import YARN, rope_tables
-from minimind_ray.store.checkpoint import (CheckpointMeta, StoredCheckpoint, is_checkpoint, newest_complete,
-                                           open_checkpoint)
+from minimind_ray.store.checkpoint import (CheckpointMeta, StoredCheckpoint, follow_latest, is_checkpoint,
+                                           newest_complete, open_checkpoint)
 from minimind_ray.store.pth import WeightsError, check_float_tensors, load_pth, one_line, read_pth
 
 log = logging.getLogger(__name__)
@@ -75,7 +75,8 @@ def model_config_of(run_config: Dict[str, Any]) -> ModelConfig:
 
 def resolve_checkpoint(source: str) -> Optional[StoredCheckpoint]:
     """The verified checkpoint a source names (itself, or a run directory's newest complete one),
-    or None when the source is a file."""
+    or None when the source is a file. ``<storage>/<stage>-latest`` in a bucket is its pointer's run."""
+    source = follow_latest(source)
     fs, path = filesystem(source)
     info = fs.get_file_info(path)
     if info.type == pafs.FileType.File:
@@ -214,6 +215,7 @@ def _read_file(source: str, assumed: Optional[ModelConfig]) -> LoadedWeights:
 
 
 def _load(source: str, assumed: Optional[ModelConfig]) -> LoadedWeights:
+    source = follow_latest(source)  # <storage>/<stage>-latest in a bucket: the run its pointer names
     fs, path = filesystem(source)
     info = fs.get_file_info(path)
     if info.type == pafs.FileType.NotFound:

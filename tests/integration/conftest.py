@@ -31,10 +31,12 @@ class MlflowServer:
     away mid-run and bring the same one back.
     """
 
-    def __init__(self, root: Path, start_timeout_s: float = 90.0, store: str | None = None):
-        """``store``: serve an existing backend store (a tracked run's ``sqlite:///...``) instead of ``root``'s."""
+    def __init__(self, root: Path, start_timeout_s: float = 90.0, store: str | None = None, artifacts: str = ""):
+        """``store``: serve an existing backend store (a tracked run's ``sqlite:///...``) instead of ``root``'s;
+        ``artifacts``: a folder, or a bucket (s3://...: issue 49)."""
         self.root = root
         self.store = store or f"sqlite:///{root / 'mlflow.db'}"
+        self.artifacts = artifacts or str(root / "artifacts")
         self.port = _free_port()
         self.uri = f"http://127.0.0.1:{self.port}"
         self.start_timeout_s = start_timeout_s
@@ -44,7 +46,7 @@ class MlflowServer:
         mlflow_bin = Path(sys.executable).with_name("mlflow")
         cmd = [str(mlflow_bin), "server", "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1",
                "--backend-store-uri", self.store,
-               "--artifacts-destination", str(self.root / "artifacts")]
+               "--artifacts-destination", self.artifacts]
         env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
         env.pop("MLFLOW_TRACKING_URI", None)
         log = open(self.root / "server.log", "ab")

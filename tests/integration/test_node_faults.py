@@ -2,7 +2,11 @@
 stopping exactly what it started): a head and worker nodes 1 and 2, one trainslot each. The cluster is started once
 for the module (a 3-node start and stop cost ~35 CPU seconds on 2 cores); each test begins with two worker nodes.
 
-* A run sent with `ray job submit` loses a node mid-run (SIGKILL): elastic 2 -> 1 -> 2 workers, every sample once.
+* A spot notice drains a node (below).
+* User plug-ins reach the workers of every RL stage.
+* A run sent with `ray job submit` to worker nodes that share no disk (issue 49: both started again with
+  ``--no-shared-disk``; every location of the run in a bucket) loses a node mid-run (SIGKILL): elastic 2 -> 1 -> 2
+  workers, every sample once.
 * Last, the scripts themselves (cluster/local/*.sh): what start.sh printed and wrote, a node killed and started
   again, and a stop that ends exactly what start.sh started, decoys named like Ray's processes untouched.
 * A spot notice drains a node (checkpoint on preemption, issue 23): the tiny run on 2 workers (a fixed size: it waits
@@ -26,6 +30,7 @@ import sys
 import threading
 import time
 import urllib.request
+import uuid
 from collections import defaultdict
 from datetime import datetime, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -52,9 +57,11 @@ class NodeCluster:
         self.workers = [1, 2]  # worker node indices, in start order
         self.dashboard = f"http://127.0.0.1:{base + 1}"
 
-    def start(self, node: int) -> None:
-        """start.sh --node: a worker node (back, or new), retried like the first start."""
-        r = start_cluster("--node", str(node), "--state-dir", self.state, env=self.env)
+    def start(self, node: int, private: bool = False) -> None:
+        """start.sh --node: a worker node (back, or new), retried like the first start; ``private``: with a disk of
+        its own (--no-shared-disk)."""
+        r = start_cluster("--node", str(node), "--state-dir", self.state, *(["--no-shared-disk"] if private else []),
+                          env=self.env)
         assert r.returncode == 0, r.stderr[-3000:]
         self.workers.append(node)
 
@@ -111,65 +118,6 @@ def _lines(samples: Path, rank: int = 0):
         except json.JSONDecodeError:
             pass
     return out
-
-
-@pytest.mark.timeout(900)
-def test_a_submitted_job_continues_after_losing_a_worker_node(two_worker_nodes, tmp_path):
-    """`ray job submit` (the repo as the job's working dir) runs the tiny pretrain on the cluster, with one training
-    worker per node (trainslot), elastic 1..2 workers. A worker node is killed mid-run: the run restarts from its last
-    checkpoint on the node that is left. The node is started again: Ray Train's elastic policy sees its trainslot come
-    back and restarts the group with 2 workers from the newest checkpoint (docs/training.md, "Elastic scale-up").
-    The world goes 2 -> 1 -> 2 workers, every sample is trained once and every step trains one global batch of 16
-    samples, whatever the world size; the job succeeds, its MLflow run FINISHED and tagged with the job's id."""
-    from mlflow.tracking import MlflowClient
-
-    cluster = two_worker_nodes
-    env, base, lost = cluster.env, cluster.base, cluster.workers[-1]
-    steps, name = 25, "node-loss"  # 15 steps after the scale-up: enough to see 2 workers train again
-    samples, log = tmp_path / "samples" / name, tmp_path / "driver.log"
-    # Rank 0 stalls up to 300 s at step 14, which the run reaches on 1 worker: room for the node to come
-    # back and for the group to grow. A resize ends the stall early: the new group restores from the
-    # step-10 checkpoint and the fault, fired once per run, does not fire again.
-    # the job client follows the job's log to its end: its exit is the job's
-    with open(log, "w") as out:
-        driver = subprocess.Popen(
-            [str(RAY_BIN), "job", "submit", "--address", f"http://127.0.0.1:{base + 1}", "--working-dir", str(REPO),
-             "--", "python", "-m", "pipelines.pretrain", *common_args(tmp_path, name),
-             "cluster.num_workers=2", "cluster.min_workers=1", "cluster.worker_resource=trainslot",
-             "cluster.resource_timeout_s=20", f"train.max_steps={steps}", "checkpoint.interval=5",
-             "train.faults=[14:slow:0:300]"],
-            cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        _wait_for("step 8 on 2 workers", lambda: any(r["step"] >= 8 for r in _lines(samples)), driver, log)
-        cluster.kill(lost)
-        _wait_for("step on 1 worker", lambda: any(r["world"] == 1 for r in _lines(samples)), driver, log)
-        cluster.start(lost)
-        assert driver.wait(timeout=600) == 0 and "succeeded" in log.read_text().lower(), log.read_text()[-5000:]
-    finally:
-        if driver.poll() is None:
-            driver.kill()
-    ckpts = [c for c in (tmp_path / "runs" / name).glob("checkpoint_*") if c.is_dir()]
-    assert ckpts and max(open_checkpoint(c).step for c in ckpts) == steps
-    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
-    runs = client.search_runs([e.experiment_id for e in client.search_experiments()],
-                              filter_string=f"attributes.run_name = '{name}'")
-    assert len(runs) == 1 and runs[0].info.status == "FINISHED"
-    assert "ray.job_submission_id" in runs[0].data.tags
-    # cluster.resource_timeout_s reached the submitted job's controller: a restart that still asked for 2 workers
-    # (the coordinator had not yet seen the node die) gave up after 20 s, not Ray Train's default 60
-    waits = re.findall(r"could not be placed within cluster\.resource_timeout_s \(([\d.]+) s\)", log.read_text())
-    assert waits and all(float(w) == 20 for w in waits), waits
-    per_step, attempts = sample_record({"base": tmp_path}, name)
-    assert_exactly_once(per_step, steps=steps)
-    worlds = [r["world"] for r in _lines(samples)]
-    assert [w for i, w in enumerate(worlds) if i == 0 or w != worlds[i - 1]] == [2, 1, 2], worlds
-    # every step a worker group completed trained 16 samples, split over its ranks (8 + 8, or 16 on one)
-    lines = defaultdict(list)
-    for f in samples.glob("rank*.jsonl"):
-        for r in map(json.loads, f.read_text().splitlines()):
-            lines[r["attempt"], r["world"], r["step"]].append(len(r["ids"]))
-    complete = {k: v for k, v in lines.items() if len(v) == k[1]}
-    assert {k[1] for k in complete} == {1, 2} and all(sum(v) == 16 for v in complete.values()), complete
 
 
 DEADLINE_S = 18  # the notice's length here (AWS gives ~120 s, GCE ~30 s): the ranks hold until it passes
@@ -378,6 +326,105 @@ def test_user_plugins_reach_the_workers_of_every_rl_stage(two_worker_nodes, tmp_
     seen = {p.name.split("-")[0]: json.loads(p.read_text())["file"] for p in marks.glob("*.json")}
     assert set(seen) == {"ppo", "agent", "tool"}, sorted(p.name for p in marks.glob("*.json"))
     assert not any(f.startswith(str(plugins)) for f in seen.values()), seen  # Ray's copy, not the user's folder
+
+
+@pytest.mark.timeout(900)
+def test_a_job_on_nodes_that_share_no_disk_continues_after_losing_a_worker_node(two_worker_nodes, mlflow_server, s3,
+                                                                               tmp_path):
+    """`ray job submit` (the repo as the job's working dir) runs the tiny pretrain on the cluster, with one training
+    worker per node (trainslot), elastic 1..2 workers, on worker nodes that share no disk (issue 49): both are started
+    again with ``start.sh --node K --no-shared-disk``: each in a mount namespace of its own (cluster/local/
+    private_disk.sh) with fresh /tmp, /var/tmp, /dev/shm and ~/.cache and the code and venv read-only. The head is
+    the driver's machine: the job's driver, its working folder and everything the test writes are in this machine's
+    /tmp, which no worker node can see. So every location of the run is in the bucket (data.cache_dir: the demo
+    corpus, the builtin tokenizer, the prepared data; checkpoint.storage_path; the sample log), MLflow is a server.
+    A worker node is killed mid-run: the run restarts from its last checkpoint on the node that is left. The node is
+    started again (without a shared disk): Ray Train's elastic policy sees its trainslot come back and restarts the
+    group with 2 workers from the newest checkpoint (docs/training.md, "Elastic scale-up"). The world goes 2 -> 1 -> 2
+    workers, every sample is trained once and every step trains one global batch of 16 samples, whatever the world
+    size; the job succeeds, its MLflow run FINISHED and tagged with the job's id."""
+    from mlflow.tracking import MlflowClient
+
+    cluster = two_worker_nodes
+    for node in list(cluster.workers):  # the module's worker nodes again, each with a disk of its own
+        cluster.kill(node)
+        cluster.start(node, private=True)
+    env, base, lost = cluster.env, cluster.base, cluster.workers[-1]
+    # a file this machine (the driver's) wrote is on neither worker node: a task on each (one trainslot apiece) looks
+    mine = tmp_path / "driver-only.txt"
+    mine.write_text("written by the driver's machine")
+    seen = ray_query(f"127.0.0.1:{base}", "@ray.remote(num_cpus=0, resources={'trainslot': 1})\n"
+                     "def look(p):\n    import os\n    return [os.path.exists(p), ray.get_runtime_context().get_node_id()]\n"
+                     f"print(json.dumps([__import__('os').path.exists({str(mine)!r}), "
+                     f"ray.get([look.remote({str(mine)!r}) for _ in range(2)])]))\n")
+    assert seen[0] is True and [s[0] for s in seen[1]] == [False, False] and len({s[1] for s in seen[1]}) == 2, seen
+    mine.unlink()
+    steps, name = 25, "node-loss"  # 15 steps after the scale-up: enough to see 2 workers train again
+    top = f"nodes-{uuid.uuid4().hex[:8]}"
+    runs, samples, log = s3.uri(top, "runs"), f"{top}/samples/{name}/", tmp_path / "driver.log"
+    # Rank 0 stalls up to 300 s at step 14, which the run reaches on 1 worker: room for the node to come
+    # back and for the group to grow. A resize ends the stall early: the new group restores from the
+    # step-10 checkpoint and the fault, fired once per run, does not fire again.
+    # the job client follows the job's log to its end: its exit is the job's
+    with open(log, "w") as out:
+        driver = subprocess.Popen(
+            [str(RAY_BIN), "job", "submit", "--address", f"http://127.0.0.1:{base + 1}", "--working-dir", str(REPO),
+             "--", "python", "-m", "pipelines.pretrain", "--config", "pipelines/configs/tiny.yaml", f"name={name}",
+             f"checkpoint.storage_path={runs}", f"data.cache_dir={s3.uri(top, 'cache')}",
+             f"tracking.uri={mlflow_server.uri}", f"train.sample_log_dir={s3.uri(samples)}",
+             "cluster.num_workers=2", "cluster.min_workers=1", "cluster.worker_resource=trainslot",
+             "cluster.resource_timeout_s=20", f"train.max_steps={steps}", "checkpoint.interval=5",
+             "train.faults=[14:slow:0:300]"],
+            cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        _wait_for("step 8 on 2 workers", lambda: any(r["step"] >= 8 for r in _bucket_lines(s3, samples)), driver, log)
+        cluster.kill(lost)
+        _wait_for("step on 1 worker", lambda: any(r["world"] == 1 for r in _bucket_lines(s3, samples)), driver, log)
+        cluster.start(lost, private=True)
+        assert driver.wait(timeout=600) == 0 and "succeeded" in log.read_text().lower(), log.read_text()[-5000:]
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    run_dir = f"{runs}/{name}"
+    assert max(open_checkpoint(f"{run_dir}/{p.rsplit('/', 1)[1]}").step for _, p in checkpoints_in(run_dir)) == steps
+    client = MlflowClient(mlflow_server.uri)
+    found = client.search_runs([e.experiment_id for e in client.search_experiments()],
+                               filter_string=f"attributes.run_name = '{name}'")
+    assert len(found) == 1 and found[0].info.status == "FINISHED"
+    assert "ray.job_submission_id" in found[0].data.tags
+    # cluster.resource_timeout_s reached the submitted job's controller: a restart that still asked for 2 workers
+    # (the coordinator had not yet seen the node die) gave up after 20 s, not Ray Train's default 60
+    waits = re.findall(r"could not be placed within cluster\.resource_timeout_s \(([\d.]+) s\)", log.read_text())
+    assert waits and all(float(w) == 20 for w in waits), waits
+    lines = _bucket_lines(s3, samples, every_rank=True)
+    per_step = defaultdict(set)
+    for r in lines:
+        per_step[r["step"]].update(r["ids"])
+    assert_exactly_once(per_step, steps=steps)
+    worlds = [r["world"] for r in sorted((r for r in lines if r["rank"] == 0), key=lambda r: r["t"])]
+    assert [w for i, w in enumerate(worlds) if i == 0 or w != worlds[i - 1]] == [2, 1, 2], worlds
+    # every step a worker group completed trained 16 samples, split over its ranks (8 + 8, or 16 on one)
+    by = defaultdict(list)
+    for r in lines:
+        by[r["attempt"], r["world"], r["step"]].append(len(r["ids"]))
+    complete = {k: v for k, v in by.items() if len(v) == k[1]}
+    assert {k[1] for k in complete} == {1, 2} and all(sum(v) == 16 for v in complete.values()), complete
+    # nothing of the run on this machine's disk but what the test itself wrote: every location was the bucket
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["driver.log"]
+
+
+def _bucket_lines(s3, prefix: str, every_rank: bool = False) -> list:
+    """The sample log in the bucket (one object per rank and step: raytrain/faults.py:SampleLog), rank 0's unless
+    ``every_rank``, in the order written."""
+    keys = sorted((k for k in s3.keys(prefix) if k.endswith(".json")),  # not the folders' marker objects
+                  key=lambda k: int(k.rsplit("/", 1)[1].split("-", 1)[0]))
+    for k in keys:
+        if k not in _READ:  # objects are written once: each is read once
+            _READ[k] = json.loads(s3.read(k))
+    return [_READ[k] for k in keys if every_rank or f"{prefix}rank0/" in k]
+
+
+_READ: dict = {}
 
 
 @pytest.fixture

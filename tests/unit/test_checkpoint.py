@@ -93,10 +93,20 @@ def test_verify_refuses_incomplete_checkpoints(run_dir):
     assert ck.latest_checkpoint(run_dir) is None
 
 
-def test_deep_verify_reads_every_rank_file(run_dir):
+def test_complete_lists_every_ranks_files_and_deep_verify_reads_older_ones(run_dir):
     newest = ck.latest_checkpoint(run_dir)
+    rec = json.loads((newest / ck.COMPLETE).read_text())
+    # every rank's file with its size (issue 49): an upload keeps no order, COMPLETE.json may come first
+    assert {n: s for n, s in rec["files"].items() if n.startswith("rng/")} == {
+        f"rng/rank_{r}.pt": (newest / "rng" / f"rank_{r}.pt").stat().st_size for r in (0, 1)}
     rng1 = newest / "rng" / "rank_1.pt"
-    rng1.write_bytes(rng1.read_bytes()[:50])  # a rank killed while uploading: size unknown to rank 0
+    rng1.write_bytes(rng1.read_bytes()[:50])  # a rank killed while uploading
+    with pytest.raises(ck.CheckpointError, match=f"^{newest}: rng/rank_1.pt missing or of the wrong size; "
+                                                 f"checkpoint refused$"):
+        ck.open_checkpoint(newest)
+    # a COMPLETE.json written before it listed the other ranks' files: their sizes unknown, a deep verify reads them
+    rec["files"] = {n: s for n, s in rec["files"].items() if not n.startswith("rng/")}
+    (newest / ck.COMPLETE).write_text(json.dumps(rec))
     assert ck.open_checkpoint(newest).step == 8
     with pytest.raises(ck.CheckpointError, match="rank_1.pt: unreadable"):
         ck.open_checkpoint(newest, deep=True)
@@ -295,7 +305,7 @@ def test_parts_beside_the_policy_are_listed_verified_and_read(tmp_path):
     ck.write_shared_files(d, model_state=plain.model_state(), train_state=plain.train_state(), meta=meta,
                           part_states={"critic": critic})
     rec = json.loads((d / ck.COMPLETE).read_text())
-    assert set(rec["files"]) == {"model.pth", "train_state.pt", "meta.json", "critic.pth"}
+    assert set(rec["files"]) == {"model.pth", "train_state.pt", "meta.json", "critic.pth", "rng/rank_0.pt"}
     assert rec["rng_ranks"] == [0] and rec["step"] == 2
     assert all(rec["files"][n] == (d / n).stat().st_size for n in rec["files"])
     with_part = ck.open_checkpoint(f"{d}/", LOCAL)  # a path on a given filesystem, trailing slash and all
@@ -363,7 +373,7 @@ def test_a_sharded_checkpoint_written_by_one_process_reads_back_whole(tmp_path):
                                                  total_steps=8, config={}, prepared_dir="/nowhere"))
     assert not (d / ck.MODEL).exists()
     stored = ck.open_checkpoint(d)
-    assert stored.sharded and set(stored.record["files"]) == {"train_state.pt", "meta.json", *files}
+    assert stored.sharded and set(stored.record["files"]) == {"train_state.pt", "meta.json", "rng/rank_0.pt", *files}
     got = stored.model_state()
     assert set(got) == set(weights) and all(torch.equal(got[k], weights[k]) for k in weights)
     state = {"model": {k: torch.zeros_like(v) for k, v in weights.items()}, "optimizer": {"t": torch.ones(2)}}
@@ -390,10 +400,10 @@ def test_the_edges_of_names_defaults_and_failures(run_dir, tmp_path, monkeypatch
     path.write_text('{"step": 8}'.ljust(path.stat().st_size))
     with pytest.raises(ck.CheckpointError, match=f"^{ckpts[8]}/meta.json: missing"):
         ck.open_checkpoint(ckpts[8]).meta()
-    # without deep, a rank's RNG file is checked for existence only: the default of the search, as of latest_checkpoint
+    # every rank's RNG file is listed with its size (issue 49): a short one is refused by the default search too
     rng1 = ckpts[8] / "rng" / "rank_1.pt"
     rng1.write_bytes(rng1.read_bytes()[:50])
-    assert ck.newest_complete(run_dir).step == 8 and ck.latest_checkpoint(run_dir) == ckpts[8]
+    assert ck.newest_complete(run_dir).step == 4 and ck.latest_checkpoint(run_dir) == ckpts[4]
     assert ck.newest_complete(run_dir, deep=True).step == 4
     # a directory whose name ends in the characters a slash is stripped from
     odd = tmp_path / "runX" / "checkpoint_X"
