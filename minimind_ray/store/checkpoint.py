@@ -285,9 +285,10 @@ def is_checkpoint(location) -> bool:
 # --------------------------------------------------------------------------- a run's checkpoints
 
 
-def _checkpoint_dirs(run_dir) -> Tuple[Any, list]:
-    """(filesystem, FileInfo of every checkpoint_* directory) of a run directory; none if it is absent."""
-    fs, root = filesystem(run_dir)
+def _checkpoint_dirs(run_dir, fs=None) -> Tuple[Any, list]:
+    """(filesystem, FileInfo of every checkpoint_* directory) of a run directory; none if it is absent. ``fs``: the
+    run directory's filesystem when the caller resolved it already (``run_dir`` is then a path on it)."""
+    fs, root = (fs, str(run_dir)) if fs is not None else filesystem(run_dir)
     try:
         entries = fs.get_file_info(pafs.FileSelector(root.rstrip("/"), allow_not_found=True))
     except OSError:
@@ -295,10 +296,10 @@ def _checkpoint_dirs(run_dir) -> Tuple[Any, list]:
     return fs, [e for e in entries if e.type == pafs.FileType.Directory and e.base_name.startswith(PREFIX)]
 
 
-def checkpoints_in(run_dir) -> List[Tuple[int, str]]:
+def checkpoints_in(run_dir, fs=None) -> List[Tuple[int, str]]:
     """(step, path) of every checkpoint_* directory of a run with a well-formed COMPLETE marker,
     newest first; paths are on the run directory's filesystem. Markers only: open each before use."""
-    fs, entries = _checkpoint_dirs(run_dir)
+    fs, entries = _checkpoint_dirs(run_dir, fs)
     found = []
     for e in entries:
         try:
@@ -309,13 +310,15 @@ def checkpoints_in(run_dir) -> List[Tuple[int, str]]:
 
 
 def newest_complete(run_dir, deep: bool = False, newer_than: int = -1) -> Optional[StoredCheckpoint]:
-    """The newest checkpoint of a run that verifies (skipping broken ones), newer than ``newer_than``."""
-    fs, _ = filesystem(run_dir)
-    for step, path in checkpoints_in(run_dir):
+    """The newest checkpoint of a run that verifies (skipping broken ones), newer than ``newer_than``. The run
+    directory's filesystem is resolved once, for the listing and every checkpoint opened."""
+    fs, root = filesystem(run_dir)
+    uri = is_uri(run_dir)
+    for step, path in checkpoints_in(root, fs):
         if step <= newer_than:
             break
         # named to users as a URI they can pass back
-        where = f"{str(run_dir).rstrip('/')}/{Path(path).name}" if is_uri(run_dir) else path
+        where = f"{str(run_dir).rstrip('/')}/{Path(path).name}" if uri else path
         try:
             return open_checkpoint(path, fs, deep=deep, where=where)
         except CheckpointError:
