@@ -5,7 +5,7 @@ worker on a local Ray, a checkpoint every --every steps. Side by side in one pro
 
 - local disk: ``checkpoint.storage_path`` a local folder (sync);
 - S3, sync and async upload (``checkpoint.upload``), against moto's S3 server over HTTP on 127.0.0.1 (the tests'
-  tests/s3_server.py: moto behind a proxy, reached through AWS_ENDPOINT_URL);
+  cluster/local/s3_server.py: moto behind a proxy, reached through AWS_ENDPOINT_URL);
 - the same through the proxy capped at --mbps MB/s, a stand-in for a bucket across a network.
 
 Each run logs, per checkpoint, the seconds the loop was blocked by it (MLflow metric ``perf/checkpoint_blocked_s``,
@@ -38,15 +38,15 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", help="labels to run (default: all)")
     args = ap.parse_args()
 
-    from tests import s3_server
+    from cluster.local import s3_server  # lazy: the AWS variables must be set before Ray is imported
 
     store = s3_server.reserve()  # the AWS variables, set before Ray starts: its workers have them
     store.start()
-    import ray
-    from mlflow.tracking import MlflowClient
+    import ray  # lazy: after the AWS variables (above)
+    from mlflow.tracking import MlflowClient  # lazy: after the AWS variables (above)
 
-    from minimind_ray.config import load_config
-    from minimind_ray.raytrain.driver import run
+    from minimind_ray.config import load_config  # lazy: after the AWS variables (above)
+    from minimind_ray.raytrain.driver import run  # lazy: after the AWS variables (above)
 
     tmp = Path(tempfile.mkdtemp(prefix="mmr-bench-upload-"))
     uri = f"sqlite:///{tmp}/mlflow.db"

@@ -27,9 +27,10 @@ os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING", "false")
-# The S3-protocol server's endpoint and credentials (tests/s3_server.py), in the standard AWS variables before any Ray
-# starts: every node of the session's Ray has them, as a real cluster's nodes would (never a runtime_env's env_vars)
-from tests import s3_server  # noqa: E402
+# The S3-protocol server's endpoint and credentials (cluster/local/s3_server.py), in the standard AWS variables
+# before any Ray starts: every node of the session's Ray has them, as a real cluster's nodes would (never a
+# runtime_env's env_vars)
+from cluster.local import s3_server  # noqa: E402
 
 S3_STORE = s3_server.reserve()
 
@@ -108,7 +109,8 @@ def cli_stderr(capsys) -> str:
 OWN_RAY = ("integration/test_node_faults.py", "integration/test_local_cluster.py",
            "integration/test_sweep.py")
 HEAVIEST_FIRST = tuple(f"integration/test_{n}.py" for n in (
-    "training", "grpo", "tracking_training", "object_storage", "pipeline", "serve", "recipes", "resume", "evals", "stages", "oom")) + (
+    "training", "grpo", "tracking_training", "object_storage", "pipeline", "serve", "recipes", "resume", "evals",
+    "stages", "oom")) + (
     "unit/test_precision.py", "integration/test_use_model.py", "integration/test_mlflow_ui.py",
     "integration/test_tracking.py", "integration/test_cli_errors.py",
     "integration/test_data_pipeline.py",
@@ -194,7 +196,7 @@ def ray_session():
 @pytest.fixture(scope="session")
 def s3():
     """moto's S3 server on 127.0.0.1 with the bucket ``mmr-test``, behind the proxy every client reaches
-    (AWS_ENDPOINT_URL): tests/s3_server.py."""
+    (AWS_ENDPOINT_URL): cluster/local/s3_server.py."""
     return s3_server.store()
 
 

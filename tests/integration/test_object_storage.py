@@ -1,5 +1,5 @@
 """A run whose every location is a bucket (issue 49), against a real S3-protocol server over HTTP: moto's server mode
-behind the tests' proxy (tests/s3_server.py), reached the AWS way (AWS_ENDPOINT_URL, the AWS keys, and
+behind the tests' proxy (cluster/local/s3_server.py), reached the AWS way (AWS_ENDPOINT_URL, the AWS keys, and
 MLFLOW_S3_ENDPOINT_URL for the MLflow server, all set in this process before the session's Ray started: its nodes
 have them, as a cluster's nodes would; nothing is handed to the workers through a runtime_env).
 
@@ -37,7 +37,7 @@ import torch
 from minimind_ray.data.demo import write_demo_corpus
 from minimind_ray.raytrain.worker import staging_root
 from minimind_ray.store.checkpoint import CheckpointError, newest_complete, open_checkpoint
-from tests.s3_server import SECRET_KEY
+from cluster.local.s3_server import SECRET_KEY
 
 from .conftest import MlflowServer
 from .helpers import STEPS, assert_exactly_once, new_shared, run_tiny, sample_record

@@ -1,5 +1,5 @@
 """Checkpoints and pointers in a bucket, without Ray: the project's own code against a real S3-protocol server over HTTP
-(moto's server mode behind the tests' proxy, reached through AWS_ENDPOINT_URL: tests/s3_server.py; issue 49).
+(moto's server mode behind the tests' proxy, reached through AWS_ENDPOINT_URL: cluster/local/s3_server.py; issue 49).
 
 * A checkpoint in the bucket whose COMPLETE.json lists a file that is missing, or shorter than listed (any rank's),
   is refused in one line naming the object; the search for a run's newest checkpoint passes over it.
@@ -127,7 +127,7 @@ def test_the_store_down_at_the_start_is_one_line_naming_the_field_and_the_endpoi
 def test_credentials_in_a_uri_are_never_said(s3):
     """Keys belong in the AWS variables or files; a URI that carries them works but is said redacted (fsio.redact),
     in the storage check's line and in a checkpoint's refusal."""
-    from tests.s3_server import ACCESS_KEY, SECRET_KEY
+    from cluster.local.s3_server import ACCESS_KEY, SECRET_KEY
 
     with_keys = f"s3://{ACCESS_KEY}:{SECRET_KEY}@nobucket-y/runs"
     with pytest.raises(StorageUnreachable) as e:

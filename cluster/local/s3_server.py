@@ -1,4 +1,5 @@
-"""A real S3-protocol server for the tests: moto's server mode on 127.0.0.1, behind a small TCP proxy.
+"""A real S3-protocol server on one machine (for the tests, the benchmarks, and trying object storage locally):
+moto's server mode on 127.0.0.1, behind a small TCP proxy.
 
 Everything reaches it the way it would reach AWS, through the standard variables set in this process before any
 Ray starts (so every Ray node of the session, and every subprocess, has them, as a real cluster's nodes would):
