@@ -77,10 +77,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         return args.fn(args)
     except Exception as e:
+        worker_traceback = e.verdict.traceback.rstrip() if isinstance(e, RunStopped) else ""  # the worker's own
         if args.debug or not isinstance(e, user_errors()):
+            if worker_traceback:
+                print(worker_traceback, file=sys.stderr)
             raise
-        if isinstance(e, RunStopped) and e.verdict.kind != MISTAKE and e.verdict.traceback:
-            print(e.verdict.traceback.rstrip(), file=sys.stderr)  # an error that recurred may be a bug: its traceback
+        if worker_traceback and e.verdict.kind != MISTAKE:  # an error that recurred may be a bug: its traceback
+            print(worker_traceback, file=sys.stderr)
         message = " ".join(str(e).split()) or type(e).__name__  # one line, whatever the library wrote
         print(f"{'config error' if isinstance(e, ConfigError) else 'error'}: {message}", file=sys.stderr)
         return 2
