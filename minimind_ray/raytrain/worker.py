@@ -26,7 +26,7 @@ from minimind_ray.raytrain.oom import quiet_out_of_memory_tracebacks
 from minimind_ray.raytrain.preemption import PreemptionCheck
 from minimind_ray.raytrain.spec import WorkerSpec
 from minimind_ray.stages import get_stage
-from minimind_ray.store.checkpoint import StoredCheckpoint, choose_restore, open_checkpoint
+from minimind_ray.store.checkpoint import StoredCheckpoint, choose_restore, newest_complete, open_checkpoint
 from minimind_ray.store.config import validation_due
 from minimind_ray.tracking.logger import RunLogger
 from minimind_ray.tracking.names import metric_name
@@ -139,6 +139,7 @@ class RayHooks(Hooks):
                 self.state.save(tmp, self.run_id, self.spec.prepared_dir, reported=brief)
                 self.faults.before_report(step)
                 ray.train.report(brief, checkpoint=Checkpoint.from_directory(tmp), validation=validate)
+        _REPORTED["step"] = step
         if self.logger is not None:  # what the checkpoint cost the loop (bench/bench_checkpoint_upload.py)
             self.logger.log_metrics({"perf/checkpoint_blocked_s": time.perf_counter() - started}, step=step)
 
@@ -176,9 +177,7 @@ class RayHooks(Hooks):
             self.logger.close()
         # the last async uploads: Ray waits for them once the train function returns; waiting here costs nothing more
         # and lets the run's staging folder go (an upload that fails is raised by Ray, which stops this worker)
-        deadline = time.monotonic() + 3600
-        while any(os.path.isdir(d) for d in _STAGING) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for_uploads(3600)
         _STAGING.clear()
         try:
             staging_root(self.spec.run_dir).rmdir()
@@ -196,10 +195,18 @@ def train_loop_per_worker(spec: WorkerSpec) -> None:
     device = pick_device(spec.use_gpu)
     faults = FaultInjector(spec.cfg, spec.run_dir, rank, device)
     remove_staging(spec.run_dir)  # what an earlier group of this run left on this node (checkpoint.upload=async)
+    _REPORTED["step"] = None
     try:
         _train(spec, rank, world, device, faults)
     except Exception as e:
         faults.record_failure(e)  # a chaos run's record of where this rank failed; a no-op otherwise
+        # the checkpoint before this failure may still be on its way (checkpoint.upload=async): let it arrive, so a
+        # failure costs at most one checkpoint interval. Removing this rank's folder mid-copy left Ray's thread
+        # uploading a part of it, which the restart refused (CI, stop 52: rank 1 raised a step after a checkpoint,
+        # and the group went back two intervals, or could not restore at all). The other ranks' uploads are waited
+        # for in storage: the controller stops them as soon as this rank's error reaches it.
+        if wait_for_uploads(UPLOAD_WAIT_ON_FAILURE_S) and _REPORTED["step"] is not None:
+            wait_for_whole_checkpoint(spec.run_dir, _REPORTED["step"], PEERS_WAIT_ON_FAILURE_S)
         remove_staging()
         with contextlib.suppress(AttributeError, TypeError):  # what the controller compares and the driver logs
             setattr(e, STEP_ATTR, faults.step)  # (failures.signature, the run's error.log)
@@ -208,11 +215,37 @@ def train_loop_per_worker(spec: WorkerSpec) -> None:
 
 
 _STAGING: List[str] = []  # this worker's async checkpoints not yet uploaded (their staging folders)
+_REPORTED = {"step": None}  # the step of this worker's last checkpoint handed to Ray Train
+UPLOAD_WAIT_ON_FAILURE_S = 600  # a failing worker waits this long at most for its own checkpoints' uploads
+PEERS_WAIT_ON_FAILURE_S = 60  # and this long for the other ranks' files of its last checkpoint
+
+
+def wait_for_uploads(timeout_s: float) -> bool:
+    """Wait until Ray Train's upload thread has copied this worker's async checkpoints to storage (it removes each
+    staging folder once its files are all there); False if some are still on their way after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while any(os.path.isdir(d) for d in _STAGING):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def staging_root(run_dir: str) -> Path:
     """This node's folder of a run's async checkpoints not yet uploaded (checkpoint.upload=async)."""
     return Path(tempfile.gettempdir()) / f"mmr-staging-{hashlib.sha256(run_dir.encode()).hexdigest()[:12]}"
+
+
+def wait_for_whole_checkpoint(run_dir: str, step: int, timeout_s: float) -> bool:
+    """Wait until the run's checkpoint of ``step`` (or a newer one) is whole in storage: every rank's files listed in
+    its COMPLETE.json, at their sizes. False after ``timeout_s`` (an upload that failed: the restart takes the one
+    before)."""
+    deadline = time.monotonic() + timeout_s
+    while newest_complete(run_dir, newer_than=step - 1) is None:
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.2)
+    return True
 
 
 def remove_staging(run_dir: Optional[str] = None) -> None:

@@ -440,3 +440,31 @@ def test_a_dcp_failure_is_named_by_the_first_ranks_own_error():
     assert str(err) == "c/sharded: unreadable (ValueError: bad shard)"
     empty = ck._unreadable("c/sharded", CheckpointException("load", {}))  # no failure listed: its own text
     assert str(empty) == "c/sharded: unreadable (CheckpointException: CheckpointException ranks:dict_keys([]))"
+
+
+def test_a_failing_worker_waits_for_its_last_checkpoint_to_be_whole_before_it_stops(run_dir, tmp_path):
+    """CI stop 52: rank 1 raised a step after a checkpoint while Ray Train's thread was still uploading it
+    (checkpoint.upload=async); its staging folder was removed mid-copy and the restart refused that checkpoint. A
+    failing worker now waits for its own staging folders to go (Ray's thread removes each once uploaded) and for the
+    other ranks' files of its last checkpoint to be in storage at their sizes; either wait gives up at its limit."""
+    import threading
+
+    from minimind_ray.raytrain import worker
+
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    worker._STAGING[:] = [str(staging)]
+    threading.Timer(0.3, shutil.rmtree, [staging]).start()  # the upload thread, done in 0.3 s
+    assert worker.wait_for_uploads(30) and not staging.exists()
+    worker._STAGING[:] = [str(tmp_path)]  # a folder that stays: an upload that failed
+    assert not worker.wait_for_uploads(0.3)
+    worker._STAGING.clear()
+
+    late = _write_checkpoint(run_dir, 12)  # rank 1's RNG file arrives after rank 0's COMPLETE.json
+    rng1 = late / "rng" / "rank_1.pt"
+    kept = rng1.read_bytes()
+    rng1.unlink()
+    assert not worker.wait_for_whole_checkpoint(str(run_dir), 12, 0.3)  # step 8 is whole, but older
+    threading.Timer(0.3, rng1.write_bytes, [kept]).start()
+    assert worker.wait_for_whole_checkpoint(str(run_dir), 12, 30)
+    assert worker.wait_for_whole_checkpoint(str(run_dir), 8, 0)  # a newer whole one will do
