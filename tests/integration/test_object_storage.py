@@ -124,13 +124,17 @@ def test_a_run_whose_every_location_is_a_bucket(ray_session, tiny_baseline, s3, 
         # the artifacts in the bucket, listed by the server as the UI lists them
         listing = lambda p="": {f["path"] for f in rest(  # noqa: E731
             server.uri, f"/api/2.0/mlflow/artifacts/list?run_id={res.mlflow_run_id}&path={p}").get("files", [])}
-        assert {"model", "plots", "checkpoints"} <= listing()
+        assert {"plots", "checkpoints"} <= listing()
         assert "plots/loss.png" in listing("plots") and "checkpoints/checkpoints.json" in listing("checkpoints")
-        assert any(p.endswith(".pth") for p in listing("model"))
+        # the weights are the run's logged model (tracking/models.py), its files in the model's own artifact location
+        outputs = rest(server.uri, f"/api/2.0/mlflow/runs/get?run_id={res.mlflow_run_id}")["run"]["outputs"]
+        model_id = outputs["model_outputs"][0]["model_id"]
+        model_files = rest(server.uri, f"/api/2.0/mlflow/logged-models/{model_id}/artifacts/directories")["files"]
+        assert any(f["path"].endswith(".pth") for f in model_files), model_files
         in_bucket = s3.keys(f"{top}/mlflow/")
         assert any(k.endswith("/artifacts/plots/loss.png") for k in in_bucket), in_bucket
         assert any(k.endswith("/artifacts/checkpoints/checkpoints.json") for k in in_bucket)
-        assert any(k.endswith(".pth") and "/artifacts/model/" in k for k in in_bucket)
+        assert any(k.endswith(".pth") and f"/models/{model_id}/artifacts/" in k for k in in_bucket), in_bucket
 
         # every other location in the bucket: the tokenizer, the demo corpus it was trained on, the prepared data
         keys = s3.keys(f"{top}/")
