@@ -445,12 +445,13 @@ NODES = ("nodes = [{'name': n['NodeName'], 'alive': n['Alive'], 'res': n['Resour
          "print(json.dumps(nodes))\n")
 
 
-def _wait_gone(name: str) -> str:
-    """A driver's code: wait up to 60 s until node ``name`` is no longer alive; the live nodes and the wait."""
+def _wait_gone(name: str, back: bool = False) -> str:
+    """A driver's code: wait up to 60 s until node ``name`` is no longer alive (``back``: alive again; `ray start`
+    says the runtime started before the new raylet has registered with the GCS); the live nodes and the wait."""
     return ("t0 = time.time()\n"
             "while True:\n"
             "    alive = sorted(n['NodeName'] for n in ray.nodes() if n['Alive'])\n"
-            f"    if {name!r} not in alive or time.time() - t0 > 60: break\n"
+            f"    if ({name!r} in alive) == {back!r} or time.time() - t0 > 60: break\n"
             "    time.sleep(0.25)\n"
             "print(json.dumps({'alive': alive, 'waited': time.time() - t0,\n"
             "                  'trainslot': ray.cluster_resources().get('trainslot', 0)}))\n")
@@ -490,7 +491,7 @@ def test_the_scripts_start_kill_restart_and_stop_exactly_what_they_started(two_w
     cluster.start(lost)  # start.sh --node reads the cluster's settings back from cluster.env, as data
     leaders["again"] = int((Path(state) / f"w{lost}.pid").read_text())
     started["again"] = session_pids(leaders["again"])
-    back = {n["name"]: n for n in ray_query(address, NODES) if n["alive"]}
+    back = {n["name"]: n for n in ray_query(address, _wait_gone(f"w{lost}", back=True) + NODES) if n["alive"]}
     assert set(back) == set(names) and back[f"w{lost}"]["res"].get("trainslot") == 1.0, back
 
     r = _sh("stop.sh", "--state-dir", state, env=env, timeout=90)
