@@ -70,6 +70,32 @@ def local_cluster(worker_nodes: int, *start_args: str, **env_vars: str):
         shutil.rmtree(state, ignore_errors=True)
 
 
+def cpu_by_process(roles=(), me: str = "this") -> dict:
+    """{pid: (role, CPU seconds so far)} of this process (role ``me``) and of every process it started (Ray's, a
+    subprocess's): a process's role is the first of ``roles`` ((role, a text of its command line)) that it matches,
+    else "other ray". Processes other jobs on the machine started are not counted."""
+    import psutil
+
+    this, out = psutil.Process(), {}
+    for p in [this, *this.children(recursive=True)]:
+        try:
+            cmd, t = " ".join(p.cmdline()), p.cpu_times()
+            role = me if p.pid == this.pid else next((r for r, key in roles if key in cmd), "other ray")
+            out[p.pid] = (role, t.user + t.system)
+        except psutil.Error:  # it ended meanwhile
+            continue
+    return out
+
+
+def cpu_spent(before: dict, after: dict) -> dict:
+    """{role: CPU seconds} between two :func:`cpu_by_process` samples, process by process (one that started between
+    them counts whole; one that ended between them is not seen)."""
+    spent = {}
+    for pid, (role, t) in after.items():
+        spent[role] = spent.get(role, 0.0) + t - before.get(pid, (role, 0.0))[1]
+    return spent
+
+
 def fresh_model(preset: str):
     """A freshly initialised model of ``preset`` (seed 0): speed does not depend on what the weights learned."""
     from minimind_ray.config import ModelConfig  # lazy: not before a worker's --src (the top)
@@ -77,6 +103,14 @@ def fresh_model(preset: str):
     from minimind_ray.model.presets import preset_values  # lazy: the same
 
     return build_model(ModelConfig(**preset_values(preset)), seed=0)
+
+
+def fresh_weights(preset: str, work: Path) -> str:
+    """:func:`fresh_model` of ``preset`` saved as ``work/<preset>.pth`` (a model file the verbs read); its path."""
+    from minimind_ray.store.pth import save_pth  # lazy: not before a worker's --src (the top)
+
+    save_pth(fresh_model(preset), str(work / f"{preset}.pth"))
+    return str(work / f"{preset}.pth")
 
 
 def sample_log(d) -> list:
