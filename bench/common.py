@@ -153,6 +153,18 @@ def run_worker(script: Path, src: Path, args: list, threads: int) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def worker_main(args, measure) -> int:
+    """The other end of :func:`run_worker`: ``measure(args)`` on the code of the tree ``args.src`` (first on sys.path
+    from here on, before ``measure`` imports minimind_ray) at ``args.threads`` torch threads; its JSON result the
+    last stdout line."""
+    sys.path.insert(0, args.src)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    print(json.dumps(measure(args)))
+    return 0
+
+
 def before_after(script: str, args: list, threads: int, rounds: int, rev, score, show):
     """``rounds`` rounds of ``script``'s worker on commit ``rev``'s code ("before") and on this checkout's ("after"),
     alternating (the load of a shared machine drifts): (rev, {side: {key: the best round's value by ``score``}}, the
