@@ -1,7 +1,7 @@
-"""What the benchmarks share: tables, the local Ray or cluster/local cluster they start, before/after rounds, a
-run's curves from MLflow, RL scores. A bench script starts with ``from common import ...`` (its folder, bench/, is
-first on sys.path): that puts this checkout's root first, so ``minimind_ray`` is the code of the checkout the script
-belongs to, not an editable install elsewhere."""
+"""What the benchmarks share: tables, the local Ray or cluster/local cluster they start, the CPU of the processes
+they start, before/after rounds, a run's curves from MLflow, an RL demo's run and scores. A bench script starts with
+``from common import ...`` (its folder, bench/, is first on sys.path): that puts this checkout's root first, so
+``minimind_ray`` is the code of the checkout the script belongs to, not an editable install elsewhere."""
 from __future__ import annotations
 
 import contextlib
@@ -14,6 +14,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple, Optional
 
 REPO = Path(__file__).resolve().parents[1]
 if sys.path[:1] != [str(REPO)]:
@@ -128,11 +129,10 @@ def rank0_times(rows, attempt=None) -> dict:
     return {r["step"]: r["t"] for r in rows if r["rank"] == 0 and (attempt is None or r["attempt"] == attempt)}
 
 
-def timed_run(cfg):
-    from minimind_ray.raytrain.driver import run  # lazy: not before a worker's --src (the top)
-
-    t0 = time.time()
-    return run(cfg), time.time() - t0
+def timed(fn, *args, **kwargs):
+    """``fn``'s result and the wall seconds it took."""
+    t0 = time.perf_counter()
+    return fn(*args, **kwargs), time.perf_counter() - t0
 
 
 def export_tree(rev: str) -> Path:
@@ -210,6 +210,34 @@ def curve_table(c: dict, size: int = 1) -> None:
         means = (sum(v.get(s, float("nan")) for s in block) / len(block) for v in c.values())
         rows.append((f"{block[0]}-{block[-1]}" if size > 1 else block[0], *(f"{m:.4g}" for m in means)))
     table(("steps" if size > 1 else "step", *c), rows)
+
+
+class RLRun(NamedTuple):
+    run_dir: str  # the run directory: its newest checkpoint is what the scores evaluate
+    run_id: Optional[str]  # MLflow's
+    tracking_uri: str
+    wall: Optional[float]  # seconds, when trained here
+
+
+def rl_run(cfg, given: Optional[str]) -> RLRun:
+    """An RL demo's run: ``given`` (an existing run directory) as it is, else ``cfg`` trained now and timed."""
+    from minimind_ray.raytrain.driver import run  # lazy: not before a worker's --src (the top)
+
+    if given:
+        return RLRun(given, *run_of(given), None)
+    res, wall = timed(run, cfg)
+    return RLRun(res.run_dir, res.mlflow_run_id, res.tracking_uri, wall)
+
+
+def rl_report(what: str, cfg, run: RLRun, keys, size: int = 1) -> None:
+    """An RL demo's run after its scores: its wall time when trained here, and its curves from MLflow (the means of
+    every ``size`` steps)."""
+    if run.wall is not None:
+        print(f"\n{what} run: {cfg.train.max_steps} steps in {run.wall:.0f} s wall (Ray's start, prepare, training, "
+              f"export); run {run.run_id}")
+    if run.run_id:
+        print()
+        curve_table(curve(run.tracking_uri, run.run_id, keys), size)
 
 
 def gen_scores(weights: str, rl, cache_dir: str, data: str, samples: int, limit=None, batch_size: int = 25) -> dict:
