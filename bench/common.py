@@ -21,6 +21,8 @@ if sys.path[:1] != [str(REPO)]:
     sys.path.insert(0, str(REPO))
 # No minimind_ray import at the top: a before/after worker imports this module, then puts the tree it measures
 # (--src) first on sys.path before it imports minimind_ray; the functions below import what they use.
+# a dashboard's modules (local_ray(dashboard=True), cluster/local) start in more than Ray's 30 s on a busy machine
+os.environ.setdefault("RAY_DASHBOARD_SUBPROCESS_MODULE_WAIT_READY_TIMEOUT", "120")
 BASE_REV = "b090f53"  # the last commit before the static KV cache (issue 35): the default "before" of --before
 
 
