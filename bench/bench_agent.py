@@ -18,15 +18,16 @@ import argparse
 import json
 import os
 
-import torch
-
-from common import curve, curve_table, run_of, timed_run
+import numpy as np
+from common import rl_report, rl_run, timed
 
 from minimind_ray.config import load_config
 from minimind_ray.data.demo import resolve_demo_path
+from minimind_ray.data.formats import Encoder, collate
 from minimind_ray.evals.config import EvalTaskConfig
 from minimind_ray.evals.run import evaluate_task
 from minimind_ray.generate import tokenizer_for_weights
+from minimind_ray.raytrain.driver import run
 from minimind_ray.rl.agent import agent_rollout
 from minimind_ray.rl.agent_rewards import answer_calls, build_agent_rewards, final_answer, gt_found, score_trajectories
 from minimind_ray.rl.rollout import SamplingParams, TorchRollout
@@ -43,7 +44,8 @@ def toolcall_scores(weights: str, cache_dir: str, max_new_tokens: int) -> dict:
 
 
 def agent_scores(weights: str, cfg) -> dict:
-    """Greedy trajectories of the arithmetic prompts of demo:toolcall_eval through the agent stage's own rollout."""
+    """Greedy trajectories of the arithmetic prompts of demo:toolcall_eval through the agent stage's own rollout, each
+    prompt encoded and collated as the stage's ``agent_rl`` records are (data/formats/agent_rl.py)."""
     model, lw = build_inference_model(weights, "demo", device="cpu")
     tok = tokenizer_for_weights(lw, "builtin")
     path = resolve_demo_path("demo:toolcall_eval", "", os.path.abspath(cfg.data.cache_dir))
@@ -51,27 +53,17 @@ def agent_scores(weights: str, cfg) -> dict:
     engine, box = TorchRollout(), ToolBox(cfg.train.agent.tools)
     engine.update_policy(model, 0)
     params = SamplingParams(cfg.train.grpo.max_gen_len, 0.0, eos_id=tok.eos_id, pad_id=tok.pad_id)  # greedy
-    terms = build_agent_rewards(cfg.train.agent.rewards)
-    trajs = []
+    terms, trajs = build_agent_rewards(cfg.train.agent.rewards), []
+    encoder = Encoder("agent_rl", tok, cfg.data.max_seq_len)  # as the stage's prepare job encodes its records
     for i in range(0, len(recs), 25):
         chunk = recs[i:i + 25]
-        msgs = [[{**r["messages"][0], "tools": r["tools"]}, *r["messages"][1:]] for r in chunk]
-        prompts = [tok.encode(tok.apply_chat_template(m, add_generation_prompt=True, tools=r["tools"]))
-                   for m, r in zip(msgs, chunk)]
-        width = max(len(p) for p in prompts)
-        as_bytes = [json.dumps({"messages": m, "tools": r["tools"]}).encode() for m, r in zip(msgs, chunk)]
-        answers = [json.dumps([str(r["answer"])]).encode() for r in chunk]
-
-        def padded(rows):
-            out = torch.zeros((len(rows), max(len(x) for x in rows)), dtype=torch.uint8)
-            for j, x in enumerate(rows):
-                out[j, :len(x)] = torch.tensor(list(x), dtype=torch.uint8)
-            return out, torch.tensor([len(x) for x in rows])
-
-        mb = {"prompt_ids": torch.tensor([[tok.pad_id] * (width - len(p)) + p for p in prompts]),
-              "prompt_mask": torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts]),
-              "sample_ids": torch.arange(i, i + len(chunk))}
-        (mb["context_utf8"], mb["context_len"]), (mb["answer_utf8"], mb["answer_len"]) = padded(as_bytes), padded(answers)
+        # an agent_rl record: the tools in the system turn, the sum the answer to find (the last turn is not used)
+        issues = encoder.add([{"conversations": [{**r["messages"][0], "tools": r["tools"]}, *r["messages"][1:],
+                                                 {"role": "assistant", "content": ""}], "gt": [r["answer"]]}
+                              for r in chunk])
+        if issues:
+            raise ValueError(f"demo:toolcall_eval as agent_rl records: {issues}")
+        mb = collate("agent_rl", encoder.take(), np.arange(i, i + len(chunk)), tok.pad_id, cfg.data.max_seq_len)
         got, _ = agent_rollout(mb, engine=engine, params=params, group_size=1, toolbox=box, tokenizer=tok,
                                max_turns=cfg.train.agent.max_turns, max_total_len=cfg.train.agent.max_total_len,
                                seed=0, step=0, device="cpu")
@@ -110,29 +102,19 @@ def main() -> None:
     args = ap.parse_args()
     tool_sft = args.tool_sft
     if tool_sft is None:
-        res, wall = timed_run(load_config("pipelines/configs/demo_tool_sft.yaml", [f"train.init_from={args.sft}"]))
+        res, wall = timed(run, load_config("pipelines/configs/demo_tool_sft.yaml", [f"train.init_from={args.sft}"]))
         tool_sft = res.run_dir
         print(f"tool SFT: {res.run_dir} in {wall:.0f} s wall")
     cfg = load_config(args.config, [f"train.init_from={tool_sft}", *args.overrides])
     tokens = cfg.train.grpo.max_gen_len
     before = toolcall_scores(tool_sft, cfg.data.cache_dir, tokens), agent_scores(tool_sft, cfg)
-    wall = None
-    if args.agent is None:
-        res, wall = timed_run(cfg)
-        agent_dir, run_id, uri = res.run_dir, res.mlflow_run_id, res.tracking_uri
-    else:
-        agent_dir = args.agent
-        run_id, uri = run_of(agent_dir)
-    after = toolcall_scores(agent_dir, cfg.data.cache_dir, tokens), agent_scores(agent_dir, cfg)
+    run = rl_run(cfg, args.agent)
+    after = toolcall_scores(run.run_dir, cfg.data.cache_dir, tokens), agent_scores(run.run_dir, cfg)
     print("\n==== the calculator demo (demo:toolcall_eval: 200 held-out sums of 3 or 4 digits) ====")
     report("tool SFT (before)", *before)
     report("agent (after)", *after)
     print(f"greedy example before: {before[1]['example']}\n               after:  {after[1]['example']}")
-    if wall is not None:
-        print(f"agent run: {cfg.train.max_steps} steps in {wall:.0f} s wall (Ray's start, prepare, training, export)")
-    if run_id:
-        print()
-        curve_table(curve(uri, run_id, KEYS), 10)
+    rl_report("agent", cfg, run, KEYS, 10)
 
 
 if __name__ == "__main__":

@@ -18,15 +18,11 @@ the CPU with training) and each run's wall time.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import tempfile
-import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from common import REPO, curve, load, table, timed
 
 
 def main() -> None:
@@ -43,7 +39,6 @@ def main() -> None:
     store = s3_server.reserve()  # the AWS variables, set before Ray starts: its workers have them
     store.start()
     import ray  # lazy: after the AWS variables (above)
-    from mlflow.tracking import MlflowClient  # lazy: after the AWS variables (above)
 
     from minimind_ray.config import load_config  # lazy: after the AWS variables (above)
     from minimind_ray.raytrain.driver import run  # lazy: after the AWS variables (above)
@@ -59,7 +54,6 @@ def main() -> None:
                (f"S3 async, {args.mbps:g} MB/s", store.uri("bench", "runs"), "async", args.mbps)]
     if args.only:
         configs = [c for c in configs if c[0] in args.only]
-    client = MlflowClient(uri)
     rows = []
     for i, (label, storage, mode, mbps) in enumerate(configs):
         store.rate = mbps * 1e6 if mbps else None
@@ -69,11 +63,9 @@ def main() -> None:
             f"checkpoint.storage_path={storage}", f"data.cache_dir={tmp}/cache", f"tracking.uri={uri}",
             "cluster.num_workers=1", "cluster.cpus_per_worker=2", "data.max_seq_len=128",
             "train.global_batch_size=4", "train.micro_batch_size=4", "train.log_interval=1", "resume=never"])
-        t0 = time.perf_counter()
-        res = run(cfg)
-        wall = time.perf_counter() - t0
-        blocked = [m.value for m in client.get_metric_history(res.mlflow_run_id, "perf/checkpoint_blocked_s")]
-        steps = [m.value for m in client.get_metric_history(res.mlflow_run_id, "perf/step_time_s")]
+        res, wall = timed(run, cfg)
+        c = curve(uri, res.mlflow_run_id, ("perf/checkpoint_blocked_s", "perf/step_time_s"))
+        blocked, steps = list(c["checkpoint_blocked_s"].values()), list(c["step_time_s"].values())
         rows.append((label, statistics.median(blocked), len(blocked), statistics.median(steps), wall))
         print(f"{label}: blocked {[round(b, 2) for b in blocked]} s, run {wall:.0f} s", flush=True)
         if storage.startswith("s3://"):  # the next run's bucket starts empty
@@ -84,12 +76,10 @@ def main() -> None:
     store.rate = None
     base = rows[0][1] if rows and rows[0][0] == "local disk" else None
     print(f"\n{args.preset}, 1 worker, a checkpoint every {args.every} steps, {args.steps} steps; "
-          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores\n")
-    print("| where, how | blocked per checkpoint (median s) | x local disk | checkpoints timed | median step s | run s |")
-    print("|---|---|---|---|---|---|")
-    for label, b, n, step, wall in rows:
-        ratio = f"{b / base:.2f}" if base else "-"
-        print(f"| {label} | {b:.2f} | {ratio} | {n} | {step:.2f} | {wall:.0f} |")
+          f"{load()}\n")
+    table(("where, how", "blocked per checkpoint (median s)", "x local disk", "checkpoints timed", "median step s",
+           "run s"), [(label, f"{b:.2f}", f"{b / base:.2f}" if base else "-", n, f"{step:.2f}", f"{wall:.0f}")
+                      for label, b, n, step, wall in rows])
     ray.shutdown()
     store.stop()
 

@@ -18,20 +18,18 @@ and values, for each batch x keys in --kernel-shapes, beside one read of those b
 rate, the floor of any kernel). Where the two cross is model/minimind.py's ``_KEYS_FIRST``.
 
 Usage:  .venv/bin/python bench/bench_decode.py [--positions 64,512,2048] [--batches 1,16] [--steps 16]
-                                               [--rounds 2] [--threads 1] [--before REV] [--json out.json]
+                                               [--rounds 2] [--threads 1] [--before REV]
         .venv/bin/python bench/bench_decode.py --kernels [--kernel-shapes 16x64,16x2048] [--threads 1]
 """
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import threading
 import time
-from pathlib import Path
 
-from common import before_after, fresh_model, table
+from common import before_after, fresh_model, table, worker_main
 
 
 def _batch1(model, p: int, steps: int) -> float:
@@ -81,10 +79,6 @@ def _batched(model, p: int, steps: int, batch: int) -> float:
 
 def worker(args) -> dict:
     """One side's points, on the code of the tree ``args.src`` (an earlier commit's, or this checkout's)."""
-    sys.path.insert(0, args.src)
-    import torch
-
-    torch.set_num_threads(args.threads)
     model = fresh_model(args.preset).eval()
     _batch1(model, 16, 4)  # warm-up
     out = {}
@@ -144,7 +138,6 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--before", default=None, help="the commit to compare with (default: common.BASE_REV)")
-    ap.add_argument("--json", help="also write the figures here")
     ap.add_argument("--kernels", action="store_true", help="time the two CPU attention kernels alone (no --before)")
     ap.add_argument("--kernel-shapes", default="16x64,16x128,16x256,2x2048,16x512,16x2048",
                     help="batch x keys of --kernels")
@@ -152,8 +145,7 @@ def main(argv=None) -> int:
     ap.add_argument("--src", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
-        print(json.dumps(worker(args)))
-        return 0
+        return worker_main(args, worker)
     if args.kernels:
         kernels(args)
         return 0
@@ -175,8 +167,6 @@ def main(argv=None) -> int:
                          f"{best['after'][k0] / aa:.2f}x"))
     table(("batch", "position", "before tok/CPU s", "after tok/CPU s", "after / before",
            f"cost per token vs position {positions[0]}: before", "after"), rows)
-    if args.json:
-        Path(args.json).write_text(json.dumps({"rev": rev, "loads": loads, **best}, indent=1))
     return 0
 
 

@@ -27,17 +27,16 @@ import json
 import os
 import random
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from common import before_after, fresh_model, table, timed_run
+from common import before_after, curve, fresh_model, fresh_weights, table, timed, worker_main
 
 # No minimind_ray import at the top: --gen's worker puts the tree it measures (--src) first on sys.path before it
-# imports minimind_ray (gen_worker); the rest import it in their functions, each saying so.
+# imports minimind_ray (common.worker_main); the rest import it in their functions, each saying so.
 
 CEVAL_YAML = """task: bench_ceval
 dataset_path: csv
@@ -88,48 +87,35 @@ def ceval_files(root: Path, n: int, seed: int = 0) -> Path:
     return root
 
 
-def timed(fn):
-    t0 = time.perf_counter()
-    out = fn()
-    return out, time.perf_counter() - t0
-
-
 def bench_qps(args, work: Path) -> None:
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
-    from minimind_ray.config import load_config  # lazy: no minimind_ray at the top (see there)
-    from minimind_ray.data.demo import resolve_demo_path  # lazy: the same
+    from minimind_ray.data.demo import resolve_demo_path  # lazy: no minimind_ray at the top (see there)
     from minimind_ray.evals.config import EvalTaskConfig  # lazy: the same
     from minimind_ray.evals.run import evaluate_task  # lazy: the same
     from minimind_ray.export import export_hf  # lazy: the same
-    from minimind_ray.model.minimind import build_model  # lazy: the same
     from minimind_ray.tokenizer import resolve_tokenizer  # lazy: the same
 
-    cfg = load_config(None, [f"model.preset={args.preset}", "data.train_path=[demo]", "data.tokenizer=builtin",
-                             f"data.cache_dir={work / 'cache'}"])
-    tok = resolve_tokenizer("builtin", cfg.data.cache_dir)
-    export = export_hf(build_model(cfg.model, seed=0), tok.path, work / "hf", dtype=torch.float32)
+    tok = resolve_tokenizer("builtin", str(work / "cache"))
+    export = export_hf(fresh_model(args.preset), tok.path, work / "hf", dtype=torch.float32)
     ceval = ceval_files(work / "ceval", args.questions)
     mc = resolve_demo_path("demo:mc_eval", "", str(work / "cache"))
     yaml_dir = work / "tasks"
     yaml_dir.mkdir(exist_ok=True)
     rows = []
-    for label, ours_cfg, yaml_name, yaml_text in (
-            ("ceval 0-shot (letters)", EvalTaskConfig(task="ceval", data=str(ceval), batch_size=args.batch_size),
-             "bench_ceval", CEVAL_YAML),
-            (f"ceval {args.shots}-shot (letters)", EvalTaskConfig(task="ceval", data=str(ceval), shots=args.shots,
-                                                                  batch_size=args.batch_size), "bench_ceval", CEVAL_YAML),
-            ("demo mc (choice texts)", EvalTaskConfig(task="mc", data=mc, batch_size=args.batch_size), "bench_mc",
-             MC_YAML)):
-        shots = ours_cfg.shots
-        (yaml_dir / f"{yaml_name}.yaml").write_text(yaml_text.format(
+    for label, task, data, shots in (("ceval 0-shot (letters)", "ceval", str(ceval), 0),
+                                     (f"ceval {args.shots}-shot (letters)", "ceval", str(ceval), args.shots),
+                                     ("demo mc (choice texts)", "mc", mc, 0)):
+        ours_cfg = EvalTaskConfig(task=task, data=data, shots=shots, batch_size=args.batch_size)
+        yaml_name = f"bench_{task}"  # CEVAL_YAML's task, or MC_YAML's
+        (yaml_dir / f"{yaml_name}.yaml").write_text({"ceval": CEVAL_YAML, "mc": MC_YAML}[task].format(
             val=ceval / "val" / "accountant_val.csv", dev=ceval / "dev" / "accountant_dev.csv", shots=shots,
             data=mc, cache=work / "hf-datasets"))
-        ours, t_ours = timed(lambda: evaluate_task(export, ours_cfg))
-        theirs, t_theirs = timed(lambda: simple_evaluate(
-            model="hf", model_args=f"pretrained={export},dtype=float32", tasks=[yaml_name], device="cpu",
-            batch_size=args.batch_size, task_manager=TaskManager(include_path=str(yaml_dir)), log_samples=True))
+        ours, t_ours = timed(evaluate_task, export, ours_cfg)
+        theirs, t_theirs = timed(simple_evaluate, model="hf", model_args=f"pretrained={export},dtype=float32",
+                                 tasks=[yaml_name], device="cpu", batch_size=args.batch_size,
+                                 task_manager=TaskManager(include_path=str(yaml_dir)), log_samples=True)
         samples = sorted(theirs["samples"][yaml_name], key=lambda s: s["doc_id"])
         same = sum(int(d["pred"] == max(range(len(s["filtered_resps"])), key=lambda i: (float(s["filtered_resps"][i][0]), -i)))
                    for d, s in zip(ours["details"], samples))
@@ -142,9 +128,8 @@ def bench_qps(args, work: Path) -> None:
 
 
 def bench_validation(args, work: Path) -> None:
-    from mlflow.tracking import MlflowClient
-
     from minimind_ray.config import load_config  # lazy: no minimind_ray at the top (see there)
+    from minimind_ray.raytrain.driver import run  # lazy: the same
 
     common = ["train.max_steps=200", "checkpoint.interval=50", "train.log_interval=10", "train.eval_interval=0",
               "data.eval_fraction=0", f"data.cache_dir={work / 'cache'}", f"checkpoint.storage_path={work / 'runs'}",
@@ -154,9 +139,9 @@ def bench_validation(args, work: Path) -> None:
                          ("with eval.tasks (mc, every 50 steps)", ["eval.interval=50",
                                                                     "eval.tasks=[{task: mc, data: 'demo:mc_eval'}]"])):
         cfg = load_config("pipelines/configs/demo_pretrain.yaml", common + extra)
-        res, wall = timed_run(cfg)
-        hist = MlflowClient(f"sqlite:///{work / 'mlflow.db'}").get_metric_history(res.mlflow_run_id, "perf/step_time_s")
-        steps = [m.value for m in sorted(hist, key=lambda m: m.step)][1:]  # the first interval holds the start
+        res, wall = timed(run, cfg)
+        hist = curve(f"sqlite:///{work / 'mlflow.db'}", res.mlflow_run_id, ["perf/step_time_s"])["step_time_s"]
+        steps = list(hist.values())[1:]  # the first interval holds the start
         evals = [json.loads(p.read_text())["seconds"] for p in sorted((Path(res.run_dir) / "eval").glob("*.json"))]
         rows.append((label, statistics.mean(steps), wall, evals))
     base = rows[0][1]
@@ -175,13 +160,11 @@ GEN_CASES = {  # preset: (questions, samples, max_new_tokens, batch_size)
 def gen_worker(args) -> dict:
     """In a fresh process with ``args.src`` first on sys.path: each case's questions/s and a digest of its
     completions."""
-    sys.path.insert(0, args.src)
     import hashlib
 
     from minimind_ray.evals.config import EvalTaskConfig  # lazy: after --src is first on sys.path
     from minimind_ray.evals.run import evaluate_task  # lazy: the same
 
-    torch.set_num_threads(args.threads)
     setup = json.loads(Path(args.setup).read_text())
     out = {}
     for preset, (n, samples, max_new, batch) in GEN_CASES.items():
@@ -199,15 +182,11 @@ def gen_worker(args) -> dict:
 
 def bench_gen(args, work: Path) -> None:
     from minimind_ray.data.demo import resolve_demo_path  # lazy: no minimind_ray at the top (see there)
-    from minimind_ray.store.pth import save_pth  # lazy: the same
     from minimind_ray.tokenizer import resolve_tokenizer  # lazy: the same
 
     cache = work / "cache"
     tok = resolve_tokenizer("builtin", str(cache))
-    weights = {}
-    for preset in GEN_CASES:
-        weights[preset] = str(work / f"{preset}.pth")
-        save_pth(fresh_model(preset), weights[preset])
+    weights = {preset: fresh_weights(preset, work) for preset in GEN_CASES}
     setup = work / "gen.json"
     setup.write_text(json.dumps({"data": resolve_demo_path("demo:sort_heldout", "", str(cache)), "weights": weights,
                                  "tokenizer": tok.path, "cache": str(cache)}))
@@ -243,8 +222,7 @@ def main() -> None:
     ap.add_argument("--setup", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        print(json.dumps(gen_worker(args)))
-        return
+        return worker_main(args, gen_worker)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     with tempfile.TemporaryDirectory(prefix="bench-eval-") as tmp:

@@ -15,8 +15,8 @@ machine that has twice that to spare. One thread per worker. On a shared machine
 is printed); the ratios between rows of one run compare. So the modes run in rounds, each in the reverse order of the
 last (``--repeats``), and each row keeps its best round: tokens/s, save and restore seconds; the peak, the largest.
 
-Usage:  .venv/bin/python bench/bench_fsdp.py [--out bench_fsdp.json] [--ddp-big] [--steps-small 5] [--steps-big 3]
-                                            [--repeats 2] [--repeats-big 1]
+Usage:  .venv/bin/python bench/bench_fsdp.py [--ddp-big] [--steps-small 5] [--steps-big 3] [--repeats 2]
+                                            [--repeats-big 1]
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from common import REPO
+from common import REPO, table
 
 from minimind_ray.config import ModelConfig, from_dict
 from minimind_ray.engine.memory import estimate
@@ -101,8 +101,7 @@ def bench(preset: str, micro: int, steps: int, mode: str) -> dict:
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="bench_fsdp.json")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ddp-big", action="store_true", help="also DDP of the 0.5B preset (~9 GiB a worker)")
     ap.add_argument("--steps-small", type=int, default=5)
     ap.add_argument("--steps-big", type=int, default=3)
@@ -121,29 +120,20 @@ def main():
         r["load"] = f"{os.getloadavg()[0]:.2f}"
         rounds.setdefault((preset, mode), []).append(r)
         print(json.dumps(r), flush=True)
-    results = []
-    order = [(p, m) for p, _, _, m in small + big]
+    rows, order = [], [(p, m) for p, _, _, m in small + big]
     for (preset, mode), rs in sorted(rounds.items(), key=lambda kv: order.index(kv[0])):
-        best = max(rs, key=lambda r: r["tokens_per_s"])
-        results.append({**best, "rounds": len(rs), "peak_gib": max(r["peak_gib"] for r in rs),
-                        "save_s": min(r["save_s"] for r in rs), "restore_s": min(r["restore_s"] for r in rs),
-                        "tokens_per_s_rounds": [round(r["tokens_per_s"], 1) for r in rs],
-                        "loads": [r["load"] for r in rs]})
-    lines = [f"load average {started} at the start, {os.getloadavg()[0]:.2f} at the end (2 cores; 1 thread per worker); "
-             f"2 workers over gloo, fp32, sequences of 32 tokens",
-             "", "| model | params | mode | micro-batch | tokens/s (2 workers; every round) | peak GiB/worker "
-             "(estimate) | checkpoint save s | restore s |", "|---|---|---|---|---|---|---|---|"]
-    for r in results:
-        every = ", ".join(f"{t:.0f}" for t in r["tokens_per_s_rounds"])
-        lines.append(f"| {r['preset']} | {r['params'] / 1e6:.1f}M | {r['mode']} | {r['micro']} x 32 | "
-                     f"{r['tokens_per_s']:.1f} ({every}) | {r['peak_gib']:.2f} ({r['estimate_gib']:.2f}) | "
-                     f"{r['save_s']:.1f} | {r['restore_s']:.1f} |")
+        best, every = max(rs, key=lambda r: r["tokens_per_s"]), ", ".join(f"{r['tokens_per_s']:.0f}" for r in rs)
+        rows.append((preset, f"{best['params'] / 1e6:.1f}M", mode, f"{best['micro']} x 32",
+                     f"{best['tokens_per_s']:.1f} ({every})",
+                     f"{max(r['peak_gib'] for r in rs):.2f} ({best['estimate_gib']:.2f})",
+                     f"{min(r['save_s'] for r in rs):.1f}", f"{min(r['restore_s'] for r in rs):.1f}"))
     if not args.ddp_big:
         est = estimate(_config("minimind2-0.5b", 2, 1, "ddp"), 2, "cpu", 2).total / 2 ** 30
-        lines.append(f"| minimind2-0.5b | 505.3M | ddp | 2 x 32 | not run (--ddp-big) | ({est:.2f}) | | |")
-    table = "\n".join(lines)
-    print(table)
-    Path(args.out).write_text(json.dumps({"results": results, "table": table}, indent=1))
+        rows.append(("minimind2-0.5b", "505.3M", "ddp", "2 x 32", "not run (--ddp-big)", f"({est:.2f})", "", ""))
+    print(f"load average {started} at the start, {os.getloadavg()[0]:.2f} at the end (2 cores; 1 thread per worker); "
+          f"2 workers over gloo, fp32, sequences of 32 tokens\n")
+    table(("model", "params", "mode", "micro-batch", "tokens/s (2 workers; every round)", "peak GiB/worker (estimate)",
+           "checkpoint save s", "restore s"), rows)
 
 
 if __name__ == "__main__":

@@ -18,17 +18,19 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from common import curve, curve_table, gen_scores, run_of, score_table, table, timed_run
+from common import curve, gen_scores, rl_report, rl_run, score_table, table, timed
 
 from minimind_ray.config import load_config
-from minimind_ray.raytrain.driver import connect_ray
+from minimind_ray.raytrain.driver import connect_ray, run
 
 KEYS = ("rl/reward", "rl/reward_permutation_answer", "rl/reward_std", "rl/zero_std_fraction", "rl/kl", "rl/entropy",
         "rl/clip_fraction", "rl/completion_len", "rl/rollout_s", "perf/step_time_s")
 
 
-def scores(weights: str, cfg, data: str, limit=None) -> dict:
-    return gen_scores(weights, cfg.train.grpo, cfg.data.cache_dir, data, 16, limit)
+def scores(weights: str, cfg) -> dict:
+    """The held-out sorting prompts and 200 of the GRPO training prompts, scored (16 samples each)."""
+    return {"held": gen_scores(weights, cfg.train.grpo, cfg.data.cache_dir, "demo:sort_heldout", 16),
+            "train": gen_scores(weights, cfg.train.grpo, cfg.data.cache_dir, "demo:prompt", 16, 200)}
 
 
 def bench_rollouts(args, base_overrides) -> None:
@@ -43,7 +45,7 @@ def bench_rollouts(args, base_overrides) -> None:
                                                "train.grpo.rollout_overlap=true"])):
         cfg = load_config(args.config, [*base_overrides, f"train.max_steps={args.steps}", "resume=never",
                                         f"checkpoint.interval={args.steps}", *extra])
-        res, wall = timed_run(cfg)
+        res, wall = timed(run, cfg)
         c = curve(res.tracking_uri, res.mlflow_run_id, KEYS)
         steps = sorted(c["step_time_s"])[1:]  # the first step holds the workers' and actors' start
         step = statistics.mean(c["step_time_s"][s] for s in steps)
@@ -69,24 +71,12 @@ def main() -> None:
     if args.rollouts:
         return bench_rollouts(args, overrides)
     cfg = load_config(args.config, overrides)
-    before = {"held": scores(args.sft, cfg, "demo:sort_heldout"), "train": scores(args.sft, cfg, "demo:prompt", 200)}
-    grpo_dir, wall = args.grpo, None
-    if grpo_dir is None:
-        res, wall = timed_run(cfg)
-        grpo_dir, run_id, uri = res.checkpoint_dir, res.mlflow_run_id, res.tracking_uri
-    else:  # an existing run: its MLflow run and tracking URI are in its newest checkpoint
-        run_id, uri = run_of(grpo_dir)
-    after = {"held": scores(grpo_dir, cfg, "demo:sort_heldout"), "train": scores(grpo_dir, cfg, "demo:prompt", 200)}
-    T = cfg.train.grpo.temperature
-    score_table(f"held-out sorting prompts (demo:sort_heldout), SFT -> GRPO; sampled at T={T}, 16 samples",
-                before["held"], after["held"], 16)
+    before, run = scores(args.sft, cfg), rl_run(cfg, args.grpo)
+    after = scores(run.run_dir, cfg)
+    score_table(f"held-out sorting prompts (demo:sort_heldout), SFT -> GRPO; sampled at T={cfg.train.grpo.temperature}"
+                ", 16 samples", before["held"], after["held"], 16)
     score_table("200 of the GRPO training prompts (demo:prompt), SFT -> GRPO", before["train"], after["train"], 16)
-    if wall is not None:
-        print(f"\nGRPO run: {cfg.train.max_steps} steps in {wall:.0f} s wall (Ray start, prepare, training, evaluation, "
-              f"export); run {run_id}")
-    if run_id:
-        print()
-        curve_table(curve(uri, run_id, KEYS))
+    rl_report("GRPO", cfg, run, KEYS)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from common import curve, curve_table, gen_scores, run_of, score_table, timed_run
+from common import gen_scores, rl_report, rl_run, score_table
 
 from minimind_ray.config import load_config
 
@@ -31,19 +31,11 @@ def main() -> None:
     def scores(weights):
         return gen_scores(weights, cfg.train.ppo, cfg.data.cache_dir, "demo:sort_heldout", 8, batch_size=50)
 
-    before, ppo_dir, wall = scores(args.sft), args.ppo, None
-    if ppo_dir is None:
-        res, wall = timed_run(cfg)
-        ppo_dir, run_id, uri = res.run_dir, res.mlflow_run_id, res.tracking_uri
-    else:
-        run_id, uri = run_of(ppo_dir)
+    before, run = scores(args.sft), rl_run(cfg, args.ppo)
     score_table(f"held-out sorting prompts (demo:sort_heldout), SFT -> PPO; sampled at T={cfg.train.ppo.temperature}, "
-                f"8 samples", before, scores(ppo_dir), 8)
-    if wall is not None:
-        print(f"\nPPO run: {cfg.train.max_steps} steps in {wall:.0f} s wall (Ray's start, prepare, training, export)")
-    if run_id:
-        print()
-        curve_table(curve(uri, run_id, KEYS), 10)
+                f"8 samples", before, scores(run.run_dir), 8)
+    rl_report("PPO", cfg, run, KEYS, 10)
+
 
 if __name__ == "__main__":
     main()

@@ -30,14 +30,11 @@ import urllib.request
 from pathlib import Path
 
 import torch
-from common import REPO, cluster_script, load, local_cluster, local_ray, sample_log, table
-from mlflow.tracking import MlflowClient
+from common import REPO, cluster_script, curve, load, local_cluster, local_ray, sample_log, table
 
 from minimind_ray.config import load_config
 from minimind_ray.raytrain.driver import run
 from minimind_ray.store.checkpoint import MODEL, checkpoints_in
-
-os.environ.setdefault("RAY_DASHBOARD_SUBPROCESS_MODULE_WAIT_READY_TIMEOUT", "120")  # a busy machine misses 30 s
 
 
 def cost(args) -> None:
@@ -47,7 +44,6 @@ def cost(args) -> None:
     cadences = {"every step": 1, f"every log interval ({args.log_interval})": None, "never": 0}
     rows = {k: [] for k in cadences}
     asks = {k: [] for k in cadences}
-    client = MlflowClient(uri)
     for rep in range(args.repeats):
         for label, every in cadences.items():
             cfg = load_config("pipelines/configs/tiny.yaml", [
@@ -55,10 +51,10 @@ def cost(args) -> None:
                 f"checkpoint.interval={args.steps}", f"checkpoint.storage_path={tmp}/runs",
                 f"data.cache_dir={tmp}/cache", f"tracking.uri={uri}",
                 f"checkpoint.preemption_check_interval={'null' if every is None else every}"])
-            res = run(cfg)
-            times = [m.value for m in client.get_metric_history(res.mlflow_run_id, "perf/step_time_s")]
+            c = curve(uri, run(cfg).mlflow_run_id, ("perf/step_time_s", "perf/preemption_ask_ms"))
+            times = list(c["step_time_s"].values())
             rows[label].append(statistics.median(times[1:] or times))  # the first interval holds the warm-up
-            asks[label] += [m.value for m in client.get_metric_history(res.mlflow_run_id, "perf/preemption_ask_ms")]
+            asks[label] += c["preemption_ask_ms"].values()
     ray.shutdown()
     off = statistics.median(rows["never"])
     ask_ms = statistics.median(asks["every step"]) if asks["every step"] else float("nan")

@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import before_after, fresh_model, table
+from common import before_after, fresh_model, table, worker_main
 
 CASES = {  # preset, prompts per micro-batch, completions per prompt, micro-batches per step, max_gen_len, temperature
     "demo": ("demo", 16, 8, 1, 10, 1.0),
@@ -57,12 +57,10 @@ def prompt_ids(n: int, cache_dir: str):
 
 def worker(args) -> dict:
     """One side's steps, on the code of the tree ``args.src`` (an earlier commit's, or this checkout's)."""
-    sys.path.insert(0, args.src)
     import torch
 
     from minimind_ray.rl.rollout import SamplingParams, TorchRollout, row_seeds  # lazy: after --src is first
 
-    torch.set_num_threads(args.threads)
     shared = json.loads(Path(args.prompts).read_text())
     out = {}
     for name in args.cases.split(","):
@@ -110,8 +108,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
-        print(json.dumps(worker(args)))
-        return 0
+        return worker_main(args, worker)
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-rollout-"))
     prompts, eos, pad = prompt_ids(200, str(tmp / "cache"))

@@ -40,22 +40,22 @@ import threading
 import time
 from pathlib import Path
 
-import psutil
 import ray
 import torch
-from common import BASE_REV, REPO, export_tree, fresh_model, table
+from common import BASE_REV, REPO, cpu_by_process, cpu_spent, export_tree, fresh_weights, table
 from ray import serve
 
 from minimind_ray.serve import launch
 from minimind_ray.serve.engine import Engine, GenRequest
 from minimind_ray.serve.model_io import generate_tokens, load_served_model, render_prompt
 from minimind_ray.serve.options import ServeOptions
-from minimind_ray.store.pth import save_pth
 from minimind_ray.tokenizer import resolve_tokenizer
 
 PROMPTS = ["What is the capital of France?", "What is 12 plus 7?", "中国的首都是哪里？", "Who are you?",
            "Tell me about the sun.", "Write one sentence about rivers.", "What is 3 times 4?",
            "Name a colour of the sky."]
+# the Ray processes this one started, by a text of their command line (common.cpu_by_process)
+ROLES = (("replica", "ServeReplica"), ("proxy", "ProxyActor"), ("controller", "ServeController"))
 
 
 def pct(values, q):
@@ -72,22 +72,14 @@ def summarize(name, results, wall, cpu_s):
             "itl_p50_ms": 1000 * statistics.median(r["itl"] for r in results)}
 
 
-def default_weights(preset: str, tmp: Path):
-    pth = tmp / f"{preset}.pth"
-    save_pth(fresh_model(preset), str(pth))
-    tok = resolve_tokenizer("builtin", str(tmp / "cache"))
-    return str(pth), tok.path
-
-
 def one_by_one(served, prompt_ids, max_tokens):
     """Each request alone through generate_tokens, one after another."""
     results = []
     t_start = time.perf_counter()
     for ids in prompt_ids:
         t0 = time.perf_counter()
-        times = []
-        for _ in generate_tokens(served.model, torch.tensor([ids]), max_tokens, temperature=0.0, eos_token_id=None):
-            times.append(time.perf_counter())
+        times = [time.perf_counter() for _ in generate_tokens(served.model, torch.tensor([ids]), max_tokens,
+                                                              temperature=0.0, eos_token_id=None)]
         results.append({"tokens": len(times), "ttft": times[0] - t0,
                         "itl": (times[-1] - times[0]) / max(len(times) - 1, 1)})
     return results, time.perf_counter() - t_start
@@ -125,31 +117,6 @@ def engine_alone(served, prompt_ids, max_tokens, n_clients):
     wall = time.perf_counter() - t_start
     engine.close()
     return results, wall
-
-
-class CpuMeter:
-    """CPU seconds used by this process and by the Ray processes it started, by role."""
-
-    ROLES = (("replica", "ServeReplica"), ("proxy", "ProxyActor"), ("controller", "ServeController"))
-
-    def __init__(self):
-        self.me = psutil.Process()
-
-    def sample(self) -> dict:
-        out = {"client": self._cpu(self.me)}
-        for p in self.me.children(recursive=True):
-            try:
-                cmd = " ".join(p.cmdline())
-                role = next((r for r, key in self.ROLES if key in cmd), "other ray")
-                out[role] = out.get(role, 0.0) + self._cpu(p)
-            except psutil.Error:
-                continue
-        return out
-
-    @staticmethod
-    def _cpu(p) -> float:
-        t = p.cpu_times()
-        return t.user + t.system
 
 
 async def serve_clients(url, model, messages_list, n_clients, max_tokens):
@@ -239,7 +206,7 @@ def main(argv=None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="bench-serve-"))
     weights, tokenizer = args.weights, args.tokenizer
     if not weights:
-        weights, tokenizer = default_weights(args.preset, tmp)
+        weights, tokenizer = fresh_weights(args.preset, tmp), resolve_tokenizer("builtin", str(tmp / "cache")).path
     torch.set_num_threads(args.threads)
     served = load_served_model(weights, tokenizer=tokenizer)
     tok = served.tokenizer
@@ -250,13 +217,10 @@ def main(argv=None) -> int:
           f"{args.requests} requests x {args.max_tokens} tokens, prompts {min(map(len, prompt_ids))}-"
           f"{max(map(len, prompt_ids))} tokens, {args.threads} torch thread(s), {os.cpu_count()} CPUs", flush=True)
 
-    meter = CpuMeter()
-
     def measured(name, run, *a):
-        before = meter.sample()
+        before = cpu_by_process(ROLES, me="client")
         results, wall = run(*a)
-        after = meter.sample()
-        cpu = {k: after[k] - before.get(k, 0.0) for k in after}
+        cpu = cpu_spent(before, cpu_by_process(ROLES, me="client"))
         row = summarize(name, results, wall, sum(cpu.values()))
         print(f"{name}: {row['tok_per_s']:.0f} tok/s", flush=True)
         return row, cpu

@@ -24,8 +24,6 @@ from minimind_ray.raytrain.driver import run
 from minimind_ray.raytrain.sweep import run_sweep
 from minimind_ray.raytrain.sweep_config import load_sweep, trial_overrides
 
-os.environ.setdefault("RAY_DASHBOARD_SUBPROCESS_MODULE_WAIT_READY_TIMEOUT", "120")  # a busy machine misses 30 s
-
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

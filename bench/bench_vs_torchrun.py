@@ -6,9 +6,9 @@
       ``torchrun --nproc_per_node 2 bench/bench_vs_torchrun.py --engine ...`` (the engine under plain DDP, no Ray).
 
 For each: steady-state tokens/s (steps after the warm-up), the ratio, and the global mean loss of the last
-log interval, what both sides report (they must agree: the same steps, the same data order). While the pipeline trains, the CPU
-time of Ray's own processes (raylet, GCS, dashboard, agents, monitors; not the training workers) is
-sampled with psutil: on a 2-core machine that share is taken from training, and it is reported.
+log interval, what both sides report (they must agree: the same steps, the same data order). While the pipeline
+trains, the CPU time of Ray's own processes that this script started (raylet, GCS, agents, monitors, Train's actors;
+not the training workers) is sampled with psutil: on a 2-core machine that share is taken from training.
 
 The plain sides run first, with no Ray process on the machine; then Ray starts for the pipeline sides.
 
@@ -26,12 +26,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import torch.distributed as dist
-from common import REPO, local_ray, rank0_times, sample_log, table
+from common import REPO, cpu_by_process, cpu_spent, local_ray, rank0_times, sample_log, table
 
 from minimind_ray.config import load_config
 from minimind_ray.data.prepare import ensure_prepared
@@ -41,9 +40,8 @@ from minimind_ray.engine.state import TrainState
 from minimind_ray.raytrain.driver import run
 from minimind_ray.tokenizer import resolve_tokenizer
 
-RAY_DAEMONS = ("raylet", "gcs_server", "dashboard", "log_monitor", "monitor.py", "runtime_env", "agent",
-               "ray::IDLE", "ray::TrainController", "ray::SynchronizationActor", "ray::ProgressSink",
-               "ray::PlacementGroupCleaner")
+# the processes this one started that are not Ray's own (common.cpu_by_process): the rest are its daemons and actors
+NOT_RAY = (("training", "RayTrainWorker"), ("plain", "torch.distributed.run"), ("plain", "bench_vs_torchrun.py"))
 
 
 class StepClock(Hooks):
@@ -59,13 +57,8 @@ class StepClock(Hooks):
         self.interval_loss[step] = metrics["loss"]
 
 
-def engine_side(argv) -> None:
+def engine_side(args) -> None:
     """``--engine``: the plain side, this process one rank of a torchrun launch (no Ray anywhere)."""
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--prepared", required=True)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("overrides", nargs="*")
-    args = ap.parse_args(argv)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if world > 1:
         dist.init_process_group("gloo")
@@ -96,40 +89,17 @@ def tokens_per_s(times: dict, steps: int, warmup: int, tokens_per_step: int) -> 
     return (steps - warmup) * tokens_per_step / (t[steps + 1] - t[warmup + 1])
 
 
-class DaemonMeter(threading.Thread):
-    """CPU seconds used by Ray's own processes (not the training workers) while a run trains."""
-
-    def __init__(self):
-        super().__init__(daemon=True)
-        self.stop, self.cpu, self.wall, self.driver_cpu = threading.Event(), 0.0, 0.0, 0.0
-
-    def run(self):
-        import psutil
-
-        def snapshot():
-            out = {}
-            for p in psutil.process_iter(["name", "cmdline"]):
-                try:
-                    label = " ".join(p.info["cmdline"] or [p.info["name"] or ""])
-                    if any(d in label for d in RAY_DAEMONS) and "RayTrainWorker" not in label:
-                        c = p.cpu_times()
-                        out[p.pid] = c.user + c.system
-                except (psutil.NoSuchProcess, psutil.AccessDenied):
-                    continue
-            return out
-
-        me = psutil.Process()
-        t0, first, d0 = time.time(), snapshot(), sum(me.cpu_times()[:2])
-        while not self.stop.wait(1.0):
-            pass
-        last = snapshot()
-        self.driver_cpu = sum(me.cpu_times()[:2]) - d0  # this process: Ray Train's driver side (or nothing)
-        self.wall = time.time() - t0
-        self.cpu = sum(v - first.get(pid, 0.0) for pid, v in last.items())
+def metered(fn, *args):
+    """``fn(*args)``, and the CPU that Ray's own processes (not the training workers) and this one (Ray Train's driver
+    side, or nothing) used meanwhile, in cores: {"ray": ..., "driver": ...}."""
+    before, t0 = cpu_by_process(NOT_RAY), time.time()
+    out = fn(*args)
+    spent, wall = cpu_spent(before, cpu_by_process(NOT_RAY)), max(time.time() - t0, 1e-9)
+    return out, {"ray": spent.get("other ray", 0.0) / wall, "driver": spent.get("this", 0.0) / wall}
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="minimind2-small")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=8)
@@ -137,7 +107,13 @@ def main():
     ap.add_argument("--micro", type=int, default=4)
     ap.add_argument("--decompose", action="store_true",
                     help="(a) also: the plain loop beside an idle Ray, and the engine in a plain Ray task (no Ray Train)")
+    ap.add_argument("--engine", action="store_true", help="the plain side: one rank of a torchrun launch (above)")
+    ap.add_argument("--prepared", help="--engine: the prepared data")
+    ap.add_argument("--out", help="--engine: the file rank 0 writes")
+    ap.add_argument("overrides", nargs="*", help="--engine: the run's config, key=value")
     args = ap.parse_args()
+    if args.engine:
+        return engine_side(args)
     assert args.steps > args.warmup + 2 and args.steps % 10 == 0, "--steps: a multiple of 10 (the log interval)"
     tmp = Path(tempfile.mkdtemp(prefix="bench-torchrun-"))
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)}
@@ -164,21 +140,13 @@ def main():
     if args.decompose:
         # where (a)'s gap goes: Ray's daemons beside the same plain process, then the same loop inside a
         # Ray worker process (a task with 2 CPUs) without Ray Train's controller, workers group and report
-        meter = DaemonMeter()
-        meter.start()
-        beside = plain(1, 2, args.micro, "bare-a-beside-ray")
-        meter.stop.set()
-        meter.join()
+        beside, meter = metered(plain, 1, 2, args.micro, "bare-a-beside-ray")
         extra.append(("(a) plain loop, an idle Ray beside it", beside["t"], beside["interval_loss"][str(args.steps)], meter))
 
     def pipeline(workers: int, threads: int, global_batch: int, name: str):
         cfg = load_config(None, overrides(args, tmp, workers, threads, global_batch)
                           + [f"name={name}", f"train.sample_log_dir={tmp}/samples/{name}"])
-        meter = DaemonMeter()
-        meter.start()
-        res = run(cfg)
-        meter.stop.set()
-        meter.join()
+        res, meter = metered(run, cfg)
         times = rank0_times(sample_log(tmp / "samples" / name))
         times[args.steps + 1] = times[args.steps] + statistics.median(
             times[s + 1] - times[s] for s in range(args.warmup + 1, args.steps))
@@ -215,10 +183,9 @@ def main():
         rows.append((name, tokens_per_s(t, args.steps, args.warmup, tok_a), rows[0][2], loss, rows[0][4], m))
     cells = []
     for name, p, b, lp, lb, m in rows:
-        share, drv = (m.cpu / max(m.wall, 1e-9), m.driver_cpu / max(m.wall, 1e-9)) if m else (None, None)
         cells.append((name, f"{p:,.0f}", f"{b:,.0f}", f"{p / b:.3f}", f"{lp:.6f} / {lb:.6f}",
-                      f"{share:.2f} cores ({share / (os.cpu_count() or 1):.1%} of the machine)" if m else "not measured",
-                      f"{drv:.2f} cores" if m else "not measured"))
+                      f"{m['ray']:.2f} cores ({m['ray'] / (os.cpu_count() or 1):.1%} of the machine)" if m else
+                      "not measured", f"{m['driver']:.2f} cores" if m else "not measured"))
     table(("case", "pipeline tok/s", "plain tok/s", "pipeline / plain",
            "mean loss of the last log interval (pipeline / plain)", "Ray daemons' CPU during the run",
            "the driver's CPU"), cells)
@@ -226,4 +193,4 @@ def main():
 
 
 if __name__ == "__main__":
-    engine_side(sys.argv[2:]) if sys.argv[1:2] == ["--engine"] else main()
+    main()

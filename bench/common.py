@@ -1,7 +1,7 @@
-"""What the benchmarks share: tables, the local Ray or cluster/local cluster they start, before/after rounds, a
-run's curves from MLflow, RL scores. A bench script starts with ``from common import ...`` (its folder, bench/, is
-first on sys.path): that puts this checkout's root first, so ``minimind_ray`` is the code of the checkout the script
-belongs to, not an editable install elsewhere."""
+"""What the benchmarks share: tables, the local Ray or cluster/local cluster they start, the CPU of the processes
+they start, before/after rounds, a run's curves from MLflow, an RL demo's run and scores. A bench script starts with
+``from common import ...`` (its folder, bench/, is first on sys.path): that puts this checkout's root first, so
+``minimind_ray`` is the code of the checkout the script belongs to, not an editable install elsewhere."""
 from __future__ import annotations
 
 import contextlib
@@ -14,12 +14,15 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple, Optional
 
 REPO = Path(__file__).resolve().parents[1]
 if sys.path[:1] != [str(REPO)]:
     sys.path.insert(0, str(REPO))
 # No minimind_ray import at the top: a before/after worker imports this module, then puts the tree it measures
 # (--src) first on sys.path before it imports minimind_ray; the functions below import what they use.
+# a dashboard's modules (local_ray(dashboard=True), cluster/local) start in more than Ray's 30 s on a busy machine
+os.environ.setdefault("RAY_DASHBOARD_SUBPROCESS_MODULE_WAIT_READY_TIMEOUT", "120")
 BASE_REV = "b090f53"  # the last commit before the static KV cache (issue 35): the default "before" of --before
 
 
@@ -70,6 +73,32 @@ def local_cluster(worker_nodes: int, *start_args: str, **env_vars: str):
         shutil.rmtree(state, ignore_errors=True)
 
 
+def cpu_by_process(roles=(), me: str = "this") -> dict:
+    """{pid: (role, CPU seconds so far)} of this process (role ``me``) and of every process it started (Ray's, a
+    subprocess's): a process's role is the first of ``roles`` ((role, a text of its command line)) that it matches,
+    else "other ray". Processes other jobs on the machine started are not counted."""
+    import psutil
+
+    this, out = psutil.Process(), {}
+    for p in [this, *this.children(recursive=True)]:
+        try:
+            cmd, t = " ".join(p.cmdline()), p.cpu_times()
+            role = me if p.pid == this.pid else next((r for r, key in roles if key in cmd), "other ray")
+            out[p.pid] = (role, t.user + t.system)
+        except psutil.Error:  # it ended meanwhile
+            continue
+    return out
+
+
+def cpu_spent(before: dict, after: dict) -> dict:
+    """{role: CPU seconds} between two :func:`cpu_by_process` samples, process by process (one that started between
+    them counts whole; one that ended between them is not seen)."""
+    spent = {}
+    for pid, (role, t) in after.items():
+        spent[role] = spent.get(role, 0.0) + t - before.get(pid, (role, 0.0))[1]
+    return spent
+
+
 def fresh_model(preset: str):
     """A freshly initialised model of ``preset`` (seed 0): speed does not depend on what the weights learned."""
     from minimind_ray.config import ModelConfig  # lazy: not before a worker's --src (the top)
@@ -77,6 +106,14 @@ def fresh_model(preset: str):
     from minimind_ray.model.presets import preset_values  # lazy: the same
 
     return build_model(ModelConfig(**preset_values(preset)), seed=0)
+
+
+def fresh_weights(preset: str, work: Path) -> str:
+    """:func:`fresh_model` of ``preset`` saved as ``work/<preset>.pth`` (a model file the verbs read); its path."""
+    from minimind_ray.store.pth import save_pth  # lazy: not before a worker's --src (the top)
+
+    save_pth(fresh_model(preset), str(work / f"{preset}.pth"))
+    return str(work / f"{preset}.pth")
 
 
 def sample_log(d) -> list:
@@ -94,11 +131,10 @@ def rank0_times(rows, attempt=None) -> dict:
     return {r["step"]: r["t"] for r in rows if r["rank"] == 0 and (attempt is None or r["attempt"] == attempt)}
 
 
-def timed_run(cfg):
-    from minimind_ray.raytrain.driver import run  # lazy: not before a worker's --src (the top)
-
-    t0 = time.time()
-    return run(cfg), time.time() - t0
+def timed(fn, *args, **kwargs):
+    """``fn``'s result and the wall seconds it took."""
+    t0 = time.perf_counter()
+    return fn(*args, **kwargs), time.perf_counter() - t0
 
 
 def export_tree(rev: str) -> Path:
@@ -117,6 +153,18 @@ def run_worker(script: Path, src: Path, args: list, threads: int) -> dict:
     if proc.returncode:
         raise RuntimeError(f"{script.name} worker on {src} failed:\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def worker_main(args, measure) -> int:
+    """The other end of :func:`run_worker`: ``measure(args)`` on the code of the tree ``args.src`` (first on sys.path
+    from here on, before ``measure`` imports minimind_ray) at ``args.threads`` torch threads; its JSON result the
+    last stdout line."""
+    sys.path.insert(0, args.src)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    print(json.dumps(measure(args)))
+    return 0
 
 
 def before_after(script: str, args: list, threads: int, rounds: int, rev, score, show):
@@ -164,6 +212,34 @@ def curve_table(c: dict, size: int = 1) -> None:
         means = (sum(v.get(s, float("nan")) for s in block) / len(block) for v in c.values())
         rows.append((f"{block[0]}-{block[-1]}" if size > 1 else block[0], *(f"{m:.4g}" for m in means)))
     table(("steps" if size > 1 else "step", *c), rows)
+
+
+class RLRun(NamedTuple):
+    run_dir: str  # the run directory: its newest checkpoint is what the scores evaluate
+    run_id: Optional[str]  # MLflow's
+    tracking_uri: str
+    wall: Optional[float]  # seconds, when trained here
+
+
+def rl_run(cfg, given: Optional[str]) -> RLRun:
+    """An RL demo's run: ``given`` (an existing run directory) as it is, else ``cfg`` trained now and timed."""
+    from minimind_ray.raytrain.driver import run  # lazy: not before a worker's --src (the top)
+
+    if given:
+        return RLRun(given, *run_of(given), None)
+    res, wall = timed(run, cfg)
+    return RLRun(res.run_dir, res.mlflow_run_id, res.tracking_uri, wall)
+
+
+def rl_report(what: str, cfg, run: RLRun, keys, size: int = 1) -> None:
+    """An RL demo's run after its scores: its wall time when trained here, and its curves from MLflow (the means of
+    every ``size`` steps)."""
+    if run.wall is not None:
+        print(f"\n{what} run: {cfg.train.max_steps} steps in {run.wall:.0f} s wall (Ray's start, prepare, training, "
+              f"export); run {run.run_id}")
+    if run.run_id:
+        print()
+        curve_table(curve(run.tracking_uri, run.run_id, keys), size)
 
 
 def gen_scores(weights: str, rl, cache_dir: str, data: str, samples: int, limit=None, batch_size: int = 25) -> dict:
