@@ -19,6 +19,7 @@ from typing import Any, Callable, Tuple, Union
 import pyarrow.fs as pafs
 
 PathLike = Union[str, "os.PathLike[str]"]
+_URI_OR_COLLAPSED = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:/")  # s3://b/k, and s3:/b/k as Path("s3://b/k") says it
 
 
 def is_uri(location: PathLike) -> bool:
@@ -60,7 +61,11 @@ def atomic_write(path: PathLike, write_fn: Callable[[str], Any]) -> None:
 
     A crash or an exception leaves ``path`` as it was (absent or the previous version)
     and removes the temporary file: never half a file. The file gets the mode any new file gets here
-    (0666 less the umask), not mkstemp's 0600: an export or a checkpoint is for others to read too."""
+    (0666 less the umask), not mkstemp's 0600: an export or a checkpoint is for others to read too.
+    Local paths only: a URI (or one a ``Path`` collapsed, ``s3:/bucket/...``) is refused, never written to a folder
+    named ``s3:`` in the working directory (CI, stop 52: a bucket run's error.log was)."""
+    if _URI_OR_COLLAPSED.match(str(path)):
+        raise ValueError(f"{path}: a URI; atomic_write writes local files (write_bytes_atomic takes both)")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
@@ -77,21 +82,26 @@ def atomic_write(path: PathLike, write_fn: Callable[[str], Any]) -> None:
         raise
 
 
-def write_text_atomic(path: PathLike, text: str) -> None:
-    def w(tmp: str) -> None:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-    atomic_write(path, w)
+def write_text_atomic(location: PathLike, text: str) -> None:
+    """UTF-8 text to a local path or a URI, whole or not at all."""
+    write_bytes_atomic(location, text.encode("utf-8"))
 
 
-def write_json_atomic(path: PathLike, obj: Any, indent: int = 1) -> None:
-    write_text_atomic(path, json.dumps(obj, indent=indent, ensure_ascii=False, default=str))
+def write_json_atomic(location: PathLike, obj: Any, indent: int = 1) -> None:
+    write_text_atomic(location, json.dumps(obj, indent=indent, ensure_ascii=False, default=str))
 
 
-def torch_save_atomic(obj: Any, path: PathLike) -> None:
+def torch_save_atomic(obj: Any, location: PathLike) -> None:
     import torch
 
-    atomic_write(path, lambda tmp: torch.save(obj, tmp))
+    if is_uri(location):
+        import io
+
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        write_bytes_atomic(location, buf.getvalue())
+        return
+    atomic_write(location, lambda tmp: torch.save(obj, tmp))
 
 
 def write_bytes_atomic(location: PathLike, data: bytes) -> None:
@@ -101,6 +111,8 @@ def write_bytes_atomic(location: PathLike, data: bytes) -> None:
         atomic_write(location, lambda tmp: Path(tmp).write_bytes(data))
         return
     fs, path = filesystem(location)
+    if isinstance(fs, pafs.LocalFileSystem):  # a file:// folder must exist; a bucket has none to make
+        fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
     tmp = f"{path}.tmp-{os.getpid()}"
     with fs.open_output_stream(tmp) as f:
         f.write(data)

@@ -64,18 +64,9 @@ def _read_marker(path: str) -> Optional[dict]:
 
 
 def _write_marker(path: str, record: dict) -> None:
-    from minimind_ray.fsio import filesystem, is_uri, write_json_atomic  # lazy: pyarrow, only when this runs
+    from minimind_ray.fsio import write_json_atomic  # lazy: pyarrow, only when this runs
 
-    if is_uri(path):
-        fs, p = filesystem(path)
-        fs.create_dir(p.rsplit("/", 1)[0], recursive=True)
-        with fs.open_output_stream(p) as f:
-            f.write(json.dumps(record, indent=1).encode())
-    else:
-        import os
-
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        write_json_atomic(path, record)
+    write_json_atomic(path, record)  # a local path or a URI
 
 
 def run_tasks(ckpt_dir: str, tasks: List[EvalTaskConfig], cache_dir: str, device: str):

@@ -142,3 +142,26 @@ def test_credentials_in_a_uri_are_never_said(s3):
     with pytest.raises(ck.CheckpointError) as e:
         ck.open_checkpoint(f"s3://{ACCESS_KEY}:{escaped}@mmr-test/unit/none/checkpoint_x")
     assert escaped not in str(e.value) and SECRET_KEY not in str(e.value) and str(e.value).startswith("s3://***@mmr-test/unit/none/checkpoint_x: ")
+
+
+def test_what_a_failed_bucket_run_writes_goes_to_the_bucket_never_the_working_folder(s3, tmp_path, monkeypatch):
+    """CI, stop 52: a bucket run whose restarts were spent wrote its error.log to ``./s3:/<bucket>/...`` (a local
+    writer given the URI, whose Path collapsed ``s3://``). Text, JSON and torch files written through fsio's atomic
+    writers land in the bucket; the local writer refuses a URI, collapsed or not, instead of writing a folder ``s3:``."""
+    from minimind_ray.fsio import atomic_write, torch_save_atomic, write_json_atomic
+    from minimind_ray.raytrain.failed import write_error_log
+
+    monkeypatch.chdir(tmp_path)
+    run = s3.uri("unit", uuid.uuid4().hex[:8], "run")
+    key = run.split("mmr-test/", 1)[1]
+    assert write_error_log(run, "one line", "Traceback ...") == f"{run}/error.log"
+    assert s3.read(f"{key}/error.log").decode().split(" ", 2)[2] == "one line\n\nTraceback ...\n"
+    write_json_atomic(f"{run}/eval/step-4.json", {"step": 4})
+    torch_save_atomic({"w": torch.ones(2)}, f"{run}/x.pt")
+    assert json.loads(s3.read(f"{key}/eval/step-4.json")) == {"step": 4}
+    objects = [k for k in s3.keys(key) if not k.endswith("/")]  # (pyarrow keeps a folder as an empty "<dir>/" key)
+    assert sorted(k.rsplit("/", 1)[1] for k in objects) == ["error.log", "step-4.json", "x.pt"]  # no temp left
+    for uri in (f"{run}/y.txt", Path(f"{run}/y.txt")):
+        with pytest.raises(ValueError, match="a URI"):
+            atomic_write(uri, lambda tmp: Path(tmp).write_text("y"))
+    assert list(tmp_path.iterdir()) == []
