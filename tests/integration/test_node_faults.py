@@ -353,10 +353,19 @@ def test_a_job_on_nodes_that_share_no_disk_continues_after_losing_a_worker_node(
     # a file this machine (the driver's) wrote is on neither worker node: a task on each (one trainslot apiece) looks
     mine = tmp_path / "driver-only.txt"
     mine.write_text("written by the driver's machine")
-    seen = ray_query(f"127.0.0.1:{base}", "@ray.remote(num_cpus=0, resources={'trainslot': 1})\n"
+    # (on each worker node by its id, once both have registered: `ray start` returns before that, and two tasks
+    # that only ask for a trainslot may both run on one node, one after the other)
+    seen = ray_query(f"127.0.0.1:{base}", "from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy\n"
+                     "t0 = time.time()\n"
+                     "while True:\n"
+                     "    nodes = [n['NodeID'] for n in ray.nodes() if n['Alive'] and n['Resources'].get('trainslot')]\n"
+                     "    if len(nodes) >= 2 or time.time() - t0 > 60: break\n"
+                     "    time.sleep(0.25)\n"
+                     "@ray.remote(num_cpus=0)\n"
                      "def look(p):\n    import os\n    return [os.path.exists(p), ray.get_runtime_context().get_node_id()]\n"
-                     f"print(json.dumps([__import__('os').path.exists({str(mine)!r}), "
-                     f"ray.get([look.remote({str(mine)!r}) for _ in range(2)])]))\n")
+                     f"print(json.dumps([__import__('os').path.exists({str(mine)!r}), ray.get([look.options("
+                     f"scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False)).remote({str(mine)!r}) "
+                     f"for n in nodes])]))\n")
     assert seen[0] is True and [s[0] for s in seen[1]] == [False, False] and len({s[1] for s in seen[1]}) == 2, seen
     mine.unlink()
     steps, name = 25, "node-loss"  # 15 steps after the scale-up: enough to see 2 workers train again

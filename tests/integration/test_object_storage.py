@@ -89,10 +89,12 @@ def test_a_run_whose_every_location_is_a_bucket(ray_session, tiny_baseline, s3, 
         run_dir = f"{runs}/{name}"
         cut = [p for p in s3.keys(f"{top}/runs/{name}/") if "/checkpoint_" in p]
         ckpt_dirs = sorted({p.split("/checkpoint_")[1].split("/")[0] for p in cut if "/checkpoint_20" in p})
-        assert len(ckpt_dirs) == 2, cut  # step 4's, and what reached the bucket of step 8's before the cut
-        cut_dir = f"{run_dir}/checkpoint_{ckpt_dirs[-1]}"
-        with pytest.raises(CheckpointError):  # whatever order its files took, it is not whole
-            open_checkpoint(cut_dir)
+        # step 4's, and what reached the bucket of step 8's before the cut; under load a later one's too: Ray marks
+        # the worker failed when the upload thread fails, and the training thread goes on until the controller stops it
+        assert len(ckpt_dirs) >= 2, cut
+        for cut_dir in ckpt_dirs[1:]:
+            with pytest.raises(CheckpointError):  # whatever order its files took, it is not whole
+                open_checkpoint(f"{run_dir}/checkpoint_{cut_dir}")
         assert newest_complete(run_dir).step == 4  # what a restart would take
         while time.time() < s3.cuts[-1][0] + 12.5:  # the store comes back
             time.sleep(0.2)
