@@ -143,11 +143,16 @@ class Tokenizer:
 
     # pickling: the Rust object serialises as its JSON; the compiled template is rebuilt lazily
     def __getstate__(self):
-        return {"json": self._hf.to_str(), "config": self.config, "path": self.path, "source": self.source}
+        return {"json": self.to_json(), "config": self.config, "path": self.path, "source": self.source}
 
     def __setstate__(self, state):
         self.__init__(tokenizers.Tokenizer.from_str(state["json"]), state["config"], state["path"])
         self.source = state.get("source", self.path)
+
+    def to_json(self) -> str:
+        """The HF tokenizers JSON of the vocabulary, merges and added tokens (structured output's grammar compiler
+        reads it: model/grammar.py)."""
+        return self._hf.to_str()
 
     def encode(self, text: str) -> List[int]:
         return self._hf.encode(text, add_special_tokens=False).ids

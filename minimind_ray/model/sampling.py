@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -62,3 +63,14 @@ def sample_tokens(logits: Tensor, temperature: float, top_p: float = 1.0, top_k:
     cdf = probs.double().cumsum(dim=-1)  # (N, V)
     pick = torch.searchsorted(cdf, (uniforms.to(cdf.device) * cdf[:, -1])[:, None]).squeeze(1)
     return pick.clamp_max(logits.shape[-1] - 1)
+
+
+def apply_token_bitmask(logits: Tensor, bitmask: Tensor) -> Tensor:
+    """``logits`` (N, V) with every token whose bit is 0 in ``bitmask`` (N, ceil(V / 32)) int32 set to -inf: bit
+    ``i % 32`` of word ``i // 32`` allows token ``i`` (llguidance's layout, model/grammar.py). Ids past the mask's
+    width are refused too. In place; returns ``logits``."""
+    bits = np.unpackbits(bitmask.cpu().numpy().view(np.uint8), axis=1, bitorder="little")  # (N, 32 W): 0 or 1
+    n = min(logits.shape[-1], bits.shape[1])
+    allowed = torch.zeros(logits.shape, dtype=torch.bool)
+    allowed[:, :n] = torch.from_numpy(bits[:, :n].view(bool))
+    return logits.masked_fill_(allowed.logical_not_().to(logits.device), float("-inf"))

@@ -36,7 +36,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.nn.functional as F
 
-from minimind_ray.serve.model_io import KVCache, sample_tokens
+from minimind_ray.serve.model_io import KVCache, RowConstraint, apply_token_bitmask, new_bitmask, sample_tokens
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +54,7 @@ class GenRequest:
     logprobs: Optional[int] = None  # k: each token's log-prob and the k most likely; None: none
     prompt_logprobs: Optional[int] = None  # k: the prompt tokens' log-probs too (completions' echo)
     loop: Optional[asyncio.AbstractEventLoop] = None  # deliver events on this event loop
+    constraint: Optional[RowConstraint] = None  # structured output: only the tokens its grammar allows (one per row)
     abort_reason: Optional[str] = None
 
     def abort(self, reason: str) -> None:
@@ -205,6 +206,7 @@ class Engine:
         running = [i for i, r in enumerate(rows) if r is not None]
         logits = out.logits[running, -1].float()  # (B running, V)
         rows = [rows[i] for i in running]
+        self._constrain(logits, rows)
         self.stats.decode_steps += 1
         self.stats.decode_rows += len(rows)
         done = [row.slot for row, picked in zip(rows, self._pick(logits, rows)) if self._emit(row, *picked)]
@@ -249,12 +251,14 @@ class Engine:
                 for req in group:
                     if req.prompt_logprobs is not None:
                         self._send(req, ("prompt_logprobs", scored))
-            last = out[i:i + 1, len(prompt) - 1 if every else 0].float()  # (1, V): after the prompt's last token
+            after = out[i:i + 1, len(prompt) - 1 if every else 0].float()  # (1, V): after the prompt's last token
             for req, slot in zip(group, taken):
+                last = after.clone() if req.constraint is not None else after
                 gen = None
                 if req.seed is not None:
                     gen = torch.Generator(device=self.device).manual_seed(req.seed)
                 row = _Row(req, slot, -1, 0, gen)
+                self._constrain(last, [row])
                 if req.max_new_tokens <= 0:  # the prompt's log-probs were all it asked for (echo, max_tokens 0)
                     self.stats.requests_finished += 1
                     self._send(req, ("end", "length"))
@@ -321,6 +325,17 @@ class Engine:
 
     # ------------------------------------------------------------------ tokens
 
+    def _constrain(self, logits: torch.Tensor, rows: List[_Row]) -> None:
+        """Structured output: each constrained row's logits (one row of ``logits`` per row) keep only the tokens
+        its grammar allows next: one bitmask per row, filled by its matcher, applied in one call."""
+        held = [i for i, row in enumerate(rows) if row.req.constraint is not None]
+        if not held:
+            return
+        bitmask = new_bitmask(len(held), logits.shape[-1])
+        for j, i in enumerate(held):
+            rows[i].req.constraint.fill(bitmask[j])
+        logits[held] = apply_token_bitmask(logits[held], bitmask)
+
     def _pick(self, logits: torch.Tensor, rows: List[_Row]) -> List[tuple]:
         """Next token per row, as ``generate`` picks it: argmax at temperature 0, else temperature,
         top-k, top-p and a draw from the row's own generator (seeded requests are reproducible).
@@ -349,8 +364,15 @@ class Engine:
         self.stats.tokens_generated += 1
         self._send(req, ("token", token) if logprob is None else ("token", token, logprob))
         reason = None
+        if req.constraint is not None:
+            req.constraint.advance(token)
         if req.stop_at_eos and token == self.eos_id:
             reason = "stop"
+        elif req.constraint is not None and (req.constraint.failed or (req.constraint.complete and
+                                                                       not req.stop_at_eos)):
+            if req.constraint.failed:  # never under its own mask: a bug, said so, and the reply ends where it is
+                log.error("structured output: the grammar refused token %d: %s", token, req.constraint.failed)
+            reason = "stop"  # ignore_eos: nothing may follow the grammar's end (else its mask leaves only the EOS)
         elif row.generated >= req.max_new_tokens or len(req.prompt_ids) + row.generated >= self.context:
             reason = "length"
         if reason:
@@ -364,7 +386,7 @@ def _top(lsm: torch.Tensor, k: int) -> List[tuple]:
     if k <= 0:
         return []
     values, ids = torch.topk(lsm, k)
-    return list(zip(ids.tolist(), values.tolist()))
+    return [(i, v) for i, v in zip(ids.tolist(), values.tolist()) if v != float("-inf")]  # masked: not candidates
 
 
 def _prompt_logprobs(logits: torch.Tensor, prompt: List[int], k: int) -> List[tuple]:

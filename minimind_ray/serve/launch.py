@@ -57,6 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     key.add_argument("--api-key-file", help="read the API key from this file (its first line)")
     p.add_argument("--max-tokens-cap", type=int, default=d.max_tokens_cap, help="largest max_tokens accepted")
     p.add_argument("--context", type=int, default=None, help="prompt + reply token limit (default: the model's)")
+    p.add_argument("--grammar-timeout-s", type=float, default=d.grammar_timeout_s,
+                   help="structured output: refuse (400) a schema or forced tool call whose grammar takes longer to "
+                        "compile (default 5)")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if available")
     p.add_argument("--lora", help="LoRA weights file (MiniMind lora_*.pth) merged into WEIGHTS")
     p.add_argument("--lora-alpha", type=float, default=None, help="LoRA scale alpha/rank (default: unscaled)")

@@ -53,6 +53,8 @@ class ServeOptions:
     api_key_sha256: Optional[str] = _f(None, "hex sha256 of the API key requests must send as 'Authorization: "
                                              "Bearer KEY' (the key itself never travels); None = the replica's "
                                              "MINIMIND_RAY_API_KEY if set, else no key")
+    grammar_timeout_s: float = _f(5.0, "structured output: a response_format schema or forced tool call whose "
+                                  "grammar takes longer to compile is refused with a 400")
     max_tokens_cap: int = _f(1024, "requests asking for more max_tokens get a 400")
     context: Optional[int] = _f(None, "most prompt + reply tokens per request; None = the model's "
                                       "max_position_embeddings")
@@ -100,6 +102,8 @@ class ServeOptions:
             raise ConfigError(f"max_queued: must be >= 0 (got {self.max_queued})")
         if self.request_timeout_s is not None and not self.request_timeout_s > 0:
             raise ConfigError(f"request_timeout_s: must be > 0 (got {self.request_timeout_s})")
+        if not self.grammar_timeout_s > 0:
+            raise ConfigError(f"grammar_timeout_s: must be > 0 (got {self.grammar_timeout_s})")
         if self.api_key_sha256 is not None and not re.fullmatch(r"[0-9a-f]{64}", self.api_key_sha256):
             raise ConfigError("api_key_sha256: must be 64 lowercase hex digits (sha256 of the key)")
         if self.stream_interval_ms < 0:

@@ -8,7 +8,7 @@ Every field a request may carry is in one of three groups (docs/serving.md lists
 * **inert** (:data:`INERT`): accepted, and changes nothing about the reply (``user``, ``metadata``...);
 * **refused unless default** (:data:`REFUSED`): ``null`` or the default is accepted, any other
   value is a 400 naming the field, because this server cannot do what it asks (penalties,
-  JSON mode, audio...).
+  audio...).
 
 Any other field is a 400 naming it ("unknown field"), and so is a string anywhere in the body
 that is not valid Unicode text (a lone surrogate such as ``"\\ud800"``, valid JSON that the
@@ -148,9 +148,22 @@ class NamedToolChoice(_Strict):
     function: _Name
 
 
+class JsonSchemaFormat(_Strict):
+    """``response_format.json_schema``, as OpenAI defines it; without ``schema``, any JSON object."""
+
+    name: str = Field(min_length=1, max_length=64)
+    description: Optional[str] = None
+    schema_: Optional[Dict[str, Any]] = Field(None, alias="schema")
+    strict: Optional[bool] = None  # every reply follows the schema whatever it says: constrained decoding
+
+
 class ResponseFormat(_Strict):
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: Optional[Dict[str, Any]] = None
+    json_schema: Optional[JsonSchemaFormat] = None
+
+    def constraint_schema(self) -> Optional[Dict[str, Any]]:
+        """The schema to constrain to; None for any JSON object (json_object, or json_schema without one)."""
+        return self.json_schema.schema_ if self.json_schema else None
 
 
 class StreamOptions(_Strict):
@@ -176,6 +189,11 @@ class _Sampling(_Strict):
     frequency_penalty: Optional[float] = None
     presence_penalty: Optional[float] = None
     logit_bias: Optional[Dict[str, Any]] = None
+
+    def structured(self) -> bool:
+        """A response_format that constrains the reply (json_object or json_schema)."""
+        fmt = getattr(self, "response_format", None)
+        return fmt is not None and fmt.type != "text"
 
     def stop_strings(self) -> List[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -243,6 +261,7 @@ class CompletionRequest(_Sampling):
     echo: Optional[bool] = None
     logprobs: Optional[int] = Field(None, ge=0, le=COMPLETION_LOGPROBS_MAX)
     suffix: Optional[str] = None  # refused unless null
+    response_format: Optional[ResponseFormat] = None  # vLLM takes it on completions too
     best_of: Optional[int] = None  # refused unless null or 1
 
     def prompts(self) -> List[Union[str, List[int]]]:
@@ -263,9 +282,11 @@ def parse_chat(raw: bytes, max_tokens_cap: int, max_n: int) -> ChatCompletionReq
     _check_sampling(req, max_tokens_cap, max_n, req.requested_max_tokens(), "max_tokens", allow_zero=False)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs: needs logprobs: true", "top_logprobs")
-    if req.response_format is not None and req.response_format.type != "text":
-        raise APIError(400, f"response_format: {req.response_format.type!r} is not supported (no constrained "
-                            f"decoding); only 'text'", "response_format")
+    _check_response_format(req.response_format)
+    if req.tool_mode() not in ("none", "auto") and req.structured():
+        raise APIError(400, "response_format: a forced tool call (tool_choice required or a function) is already "
+                            "constrained to the tool's parameters; leave response_format unset or text",
+                       "response_format")
     for key, value in (req.chat_template_kwargs or {}).items():
         if key not in ("enable_thinking", "open_thinking"):
             raise APIError(400, f"chat_template_kwargs.{key}: unknown; this server takes enable_thinking "
@@ -295,6 +316,7 @@ def parse_completion(raw: bytes, max_tokens_cap: int, max_n: int) -> CompletionR
     if req.max_tokens is None:
         req.max_tokens = min(16, max_tokens_cap)
     _check_sampling(req, max_tokens_cap, max_n, req.max_tokens, "max_tokens", allow_zero=bool(req.echo))
+    _check_response_format(req.response_format)
     prompts = req.prompts()
     if not prompts or any(len(p) == 0 for p in prompts):
         raise APIError(400, "prompt: must not be empty (nor hold an empty prompt)", "prompt")
@@ -302,6 +324,17 @@ def parse_completion(raw: bytes, max_tokens_cap: int, max_n: int) -> CompletionR
         raise APIError(400, f"prompt, n: {len(prompts)} prompt(s) x n={req.samples()} is more than the {max_n} "
                             f"sequences one request may hold here", "n")
     return req
+
+
+def _check_response_format(fmt: Optional[ResponseFormat]) -> None:
+    if fmt is None:
+        return
+    if fmt.type == "json_schema" and fmt.json_schema is None:
+        raise APIError(400, "response_format.json_schema: required with type json_schema ({name, schema, strict})",
+                       "response_format.json_schema")
+    if fmt.type != "json_schema" and fmt.json_schema is not None:
+        raise APIError(400, f"response_format.json_schema: only with type json_schema (not {fmt.type!r})",
+                       "response_format.json_schema")
 
 
 def _validate(model, raw: bytes):

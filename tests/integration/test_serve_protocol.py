@@ -81,7 +81,13 @@ def test_unknown_fields_wrong_types_and_bad_text_name_the_field():
     refused(parse_chat, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
             "messages.0.content.0.type")
     refused(parse_chat, {"messages": MSGS, "top_logprobs": 2}, "top_logprobs")  # needs logprobs: true
-    refused(parse_chat, {"messages": MSGS, "response_format": {"type": "json_object"}}, "response_format")
+    refused(parse_chat, {"messages": MSGS, "response_format": {"type": "json_schema"}}, "response_format.json_schema")
+    refused(parse_chat, {"messages": MSGS, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {}, "colour": 1}}}, "response_format.json_schema.colour")
+    refused(parse_completion, {"prompt": "hi", "response_format": {"type": "json_object", "json_schema": {
+        "name": "x"}}}, "response_format.json_schema")
+    refused(parse_chat, {"messages": MSGS, "tools": [TOOL], "tool_choice": "required", "response_format": {
+        "type": "json_object"}}, "response_format")
     refused(parse_chat, {"messages": MSGS, "tools": [TOOL], "tool_choice": {"type": "function", "function": {
         "name": "other"}}}, "tool_choice.function.name")
     refused(parse_chat, {"messages": MSGS, "chat_template_kwargs": {"temperature": 1}},
