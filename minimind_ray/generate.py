@@ -7,20 +7,23 @@ from typing import Iterator, List, Optional, TextIO
 import torch
 from torch import Tensor
 
+from minimind_ray.model.grammar import GrammarCompiler, RowConstraint, new_bitmask, schema_grammar
 from minimind_ray.model.kv_cache import KVCache
-from minimind_ray.model.sampling import SamplingParams, sample_tokens
+from minimind_ray.model.sampling import SamplingParams, apply_token_bitmask, sample_tokens
 
 
 @torch.inference_mode()
 def generate_tokens(model, input_ids: Tensor, max_new_tokens: int, temperature: float = 0.85,
                     top_p: float = 0.85, top_k: int = 50, repetition_penalty: float = 1.0,
                     eos_token_id: Optional[int] = 2, use_cache: bool = True,
-                    generator: Optional[torch.Generator] = None) -> Iterator[int]:
+                    generator: Optional[torch.Generator] = None,
+                    constraint: Optional[RowConstraint] = None) -> Iterator[int]:
     """Yield new token ids one at a time (streaming) for a single prompt ``input_ids`` (1, T).
 
     Sampling follows MiniMind's: repetition penalty over every token seen, then the one sampler
     (model/sampling.py: temperature, top-k, top-p). ``temperature == 0`` is greedy. Stops after yielding
-    ``eos_token_id`` or at the model's maximum length. One prefill of the prompt into a KV cache, then one
+    ``eos_token_id`` or at the model's maximum length; with a ``constraint`` (structured output, model/grammar.py)
+    only the tokens its grammar allows, the end of turn where it accepts. One prefill of the prompt into a KV cache, then one
     token per forward (``use_cache=False``: the whole sequence every time, the reference the tests use).
     The model runs in eval mode and its previous mode is restored afterwards.
     """
@@ -43,7 +46,13 @@ def generate_tokens(model, input_ids: Tensor, max_new_tokens: int, temperature: 
                 seen = torch.unique(ids[0])
                 s = logits[0, seen]
                 logits[0, seen] = torch.where(s > 0, s / repetition_penalty, s * repetition_penalty)
+            if constraint is not None:
+                mask = new_bitmask(1, logits.shape[-1])
+                constraint.fill(mask[0])
+                apply_token_bitmask(logits, mask)
             nxt = int(sample_tokens(logits, temperature, top_p, top_k, generator))
+            if constraint is not None:
+                constraint.advance(nxt)
             yield nxt
             if eos_token_id is not None and nxt == eos_token_id:
                 return
@@ -94,7 +103,19 @@ class StreamDecoder:
         return piece
 
 
-def stream_reply(model, tokenizer, prompt_text: str, sampling: SamplingParams, device: str = "cpu") -> Iterator[str]:
+def schema_constraints(model, tokenizer, schema: Optional[dict]):
+    """Structured output for ``generate``/``chat --json-schema``: a function that gives each reply a fresh
+    constraint to ``schema`` (compiled once; a SchemaError, a ValueError, when it cannot be enforced), or None."""
+    if schema is None:
+        return None
+    compiler = GrammarCompiler(tokenizer.to_json(), tokenizer.eos_id, model.cfg.vocab_size, compile_timeout_s=60.0)
+    grammar = schema_grammar(schema)
+    compiler.compile(grammar)
+    return lambda: compiler.constraint(grammar)
+
+
+def stream_reply(model, tokenizer, prompt_text: str, sampling: SamplingParams, device: str = "cpu",
+                 constraint: Optional[RowConstraint] = None) -> Iterator[str]:
     ids = torch.tensor([tokenizer.encode(prompt_text)], dtype=torch.long, device=device)
     gen = None
     if sampling.seed is not None:
@@ -102,7 +123,7 @@ def stream_reply(model, tokenizer, prompt_text: str, sampling: SamplingParams, d
     dec = StreamDecoder(tokenizer)
     for tok in generate_tokens(model, ids, max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
                         top_p=sampling.top_p, top_k=sampling.top_k, repetition_penalty=sampling.repetition_penalty,
-                        eos_token_id=tokenizer.eos_id, generator=gen):
+                        eos_token_id=tokenizer.eos_id, generator=gen, constraint=constraint):
         if tok == tokenizer.eos_id:
             break
         piece = dec.push(int(tok))
@@ -111,11 +132,13 @@ def stream_reply(model, tokenizer, prompt_text: str, sampling: SamplingParams, d
 
 
 def generate_text(model, tokenizer, prompt: str, sampling: SamplingParams, chat: bool = True,
-                  think: Optional[bool] = None, out: Optional[TextIO] = None, device: str = "cpu") -> str:
-    """Generate a reply (chat template) or a continuation (raw), streaming to ``out``."""
+                  think: Optional[bool] = None, out: Optional[TextIO] = None, device: str = "cpu",
+                  constraint: Optional[RowConstraint] = None) -> str:
+    """Generate a reply (chat template) or a continuation (raw), streaming to ``out``; JSON valid against a schema
+    with a ``constraint`` (:func:`schema_constraints`)."""
     text = render_prompt(tokenizer, [{"role": "user", "content": prompt}], think) if chat else \
         tokenizer.decode([tokenizer.bos_id]) + prompt
-    pieces = stream_reply(model, tokenizer, text, sampling, device)
+    pieces = stream_reply(model, tokenizer, text, sampling, device, constraint)
     if out is None:
         return "".join(pieces)
     reply = "".join(_tee(pieces, out))
@@ -124,8 +147,9 @@ def generate_text(model, tokenizer, prompt: str, sampling: SamplingParams, chat:
 
 
 def chat_loop(model, tokenizer, sampling: SamplingParams, think: Optional[bool] = None, device: str = "cpu",
-              inp: TextIO = sys.stdin, out: TextIO = sys.stdout, history_turns: int = 4) -> None:
-    """Interactive chat; keeps the last ``history_turns`` exchanges as context. Empty line or EOF quits."""
+              inp: TextIO = sys.stdin, out: TextIO = sys.stdout, history_turns: int = 4, constraints=None) -> None:
+    """Interactive chat; keeps the last ``history_turns`` exchanges as context. Empty line or EOF quits.
+    ``constraints`` (:func:`schema_constraints`): every reply is JSON valid against its schema."""
     history: List[dict] = []
     while True:
         out.write("you> ")
@@ -136,7 +160,7 @@ def chat_loop(model, tokenizer, sampling: SamplingParams, think: Optional[bool] 
         history.append({"role": "user", "content": line.strip()})
         out.write("minimind> ")
         reply = "".join(_tee(stream_reply(model, tokenizer, render_prompt(tokenizer, history, think), sampling,
-                                          device), out))
+                                          device, constraints() if constraints else None), out))
         out.write("\n")
         history.append({"role": "assistant", "content": reply})
         history = history[-2 * history_turns:]

@@ -1,12 +1,15 @@
 """``minimind-ray generate``: sample from any weights (generate.py), streamed to stdout; and the flags every
-inference verb shares: the weights (generate, chat), sampling (generate, chat) and the RoPE switch (generate, chat,
-eval, serve). Kept apart from generate.py so that building the CLI's parser imports no torch.
+inference verb shares: the weights (generate, chat), sampling (generate, chat), structured output (generate, chat:
+``--json-schema FILE``) and the RoPE switch (generate, chat, eval, serve). Kept apart from generate.py so that building
+the CLI's parser imports no torch.
 
     minimind-ray generate WEIGHTS --prompt "..." [--prompt "..."] [--raw] [--temperature 0] [--rope-scaling yarn]
+                                  [--json-schema FILE]
 """
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 HELP = "generate from prompts (streams to stdout)"
@@ -33,6 +36,42 @@ def add_sampling_arguments(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--think", action=argparse.BooleanOptionalAction, default=None,
                     help="minimind-3 thinking switch (chat template)")
     sp.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
+
+
+def add_structured_arguments(sp: argparse.ArgumentParser) -> None:
+    """``generate``'s and ``chat``'s structured output."""
+    sp.add_argument("--json-schema", metavar="FILE", default=None,
+                    help="every reply is JSON valid against this JSON Schema file (constrained decoding; "
+                         "docs/serving.md, 'Structured output')")
+
+
+def json_schema_of(args):
+    """The --json-schema file's schema (None without the flag); a ValueError naming the file when it is not JSON."""
+    if not getattr(args, "json_schema", None):
+        return None
+    try:
+        with open(args.json_schema, encoding="utf-8") as f:
+            schema = json.load(f)
+    except OSError as e:
+        raise ValueError(f"--json-schema {args.json_schema}: cannot read it ({e.strerror})") from None
+    except ValueError as e:
+        raise ValueError(f"--json-schema {args.json_schema}: not JSON ({e})") from None
+    if not isinstance(schema, dict):
+        raise ValueError(f"--json-schema {args.json_schema}: a JSON Schema is a JSON object")
+    return schema
+
+
+def schema_constraints_of(args, model, tok):
+    """Each reply's constraint to the --json-schema file's schema (None without it); a ValueError naming the file and
+    the schema's keyword that cannot be enforced."""
+    from minimind_ray.generate import schema_constraints  # lazy: torch, only when this runs
+    from minimind_ray.model.grammar import SchemaError  # lazy: llguidance, only when this runs
+
+    schema = json_schema_of(args)
+    try:
+        return schema_constraints(model, tok, schema)
+    except SchemaError as e:
+        raise ValueError(f"--json-schema {args.json_schema}: {e}") from None
 
 
 def add_rope_scaling_arguments(sp: argparse.ArgumentParser) -> None:
@@ -95,17 +134,20 @@ def add_arguments(sp: argparse.ArgumentParser) -> None:
     add_sampling_arguments(sp)
     sp.add_argument("--prompt", action="append", required=True, help="repeatable")
     sp.add_argument("--raw", action="store_true", help="plain continuation, no chat template")
+    add_structured_arguments(sp)
     add_rope_scaling_arguments(sp)
 
 
 def run(args) -> int:
     from minimind_ray.generate import generate_text  # lazy: torch, only when this runs
 
+    json_schema_of(args)  # a bad file before the model loads
     dev = device_of(args)
     model, tok = load_model(args, dev)
+    constraints = schema_constraints_of(args, model, tok)
     for prompt in args.prompt:
         if len(args.prompt) > 1:
             print(f"> {prompt}")
         generate_text(model, tok, prompt, sampling_of(args), chat=not args.raw, think=args.think, out=sys.stdout,
-                      device=dev)
+                      device=dev, constraint=constraints() if constraints else None)
     return 0

@@ -161,3 +161,47 @@ def test_a_schema_that_cannot_be_constrained_to_is_refused_naming_its_path(setup
     with pytest.raises(SchemaError) as e:
         slow.compile(schema_grammar(SCHEMAS["nested"], where))
     assert e.value.path == where and "grammar-timeout-s" in e.value.message
+
+
+def test_generate_and_chat_take_a_json_schema_file(capsys, tmp_path):
+    """`generate --json-schema FILE` at temperature 1 from a fresh model: every reply validates; `chat` too; a file
+    that is not JSON, or a schema with a keyword that cannot be enforced, is one line naming the file (exit 2)."""
+    import io
+
+    from minimind_ray.cli import main
+    from minimind_ray.config import ModelConfig
+    from minimind_ray.generate import chat_loop, schema_constraints
+    from minimind_ray.model.minimind import build_model
+    from minimind_ray.model.presets import preset_values
+    from minimind_ray.model.sampling import SamplingParams
+    from minimind_ray.store.pth import save_pth
+    from minimind_ray.tokenizer import load_tokenizer
+
+    model = build_model(ModelConfig(**preset_values("tiny")), seed=4)
+    save_pth(model, str(tmp_path / "tiny.pth"), dtype=torch.float32)
+    tok_dir = str(minimind_tokenizer_dir("minimind2"))
+    schema = tmp_path / "person.json"
+    schema.write_text(json.dumps(SCHEMAS["person"]))
+    base = ["generate", str(tmp_path / "tiny.pth"), "--tokenizer", tok_dir, "--temperature", "1",
+            "--max-new-tokens", "200"]
+    capsys.readouterr()
+    assert main(base + ["--prompt", "a user", "--prompt", "another", "--seed", "3", "--json-schema", str(schema)]) == 0
+    replies = [line for line in capsys.readouterr().out.splitlines() if not line.startswith("> ")]
+    assert len(replies) == 2
+    for reply in replies:
+        jsonschema.validate(json.loads(reply), SCHEMAS["person"])
+    tok = load_tokenizer(tok_dir)
+    out = io.StringIO()
+    chat_loop(model, tok, SamplingParams(max_new_tokens=200, temperature=1.0, seed=1), inp=io.StringIO("hi\nmore\n"),
+              out=out, constraints=schema_constraints(model, tok, SCHEMAS["weather_args"]))
+    turns = [line.split("minimind> ", 1)[1] for line in out.getvalue().splitlines() if "minimind> " in line]
+    assert len(turns) == 2
+    for turn in turns:
+        jsonschema.validate(json.loads(turn), SCHEMAS["weather_args"])
+    (tmp_path / "bad.json").write_text("{not json")
+    (tmp_path / "not.json").write_text(json.dumps({"type": "object", "properties": {"a": {"not": {}}}}))
+    for name, words in (("bad.json", "not JSON"), ("not.json", "properties.a.not: the keyword 'not' is not "
+                                                               "supported")):
+        assert main(base + ["--prompt", "x", "--json-schema", str(tmp_path / name)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and f"--json-schema {tmp_path / name}" in err and words in err, err
