@@ -31,13 +31,13 @@ from ray import serve
 from minimind_ray.serve.engine import Engine, GenRequest
 from minimind_ray.serve.inflight import InFlight
 from minimind_ray.serve.metrics import ServeMetrics
-from minimind_ray.serve.model_io import (GrammarCompiler, SchemaError, StreamDecoder, TokenPieces, load_served_model,
-                                         render_chat, schema_grammar, tool_call_grammar)
+from minimind_ray.serve.model_io import StreamDecoder, TokenPieces, load_served_model, render_chat
 from minimind_ray.serve.options import API_KEY_ENV, RETRY_AFTER_S, ServeOptions, options_from_dict
 from minimind_ray.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, check_prompt_length,
                                          parse_chat, parse_completion)
 from minimind_ray.serve.replies import (Choice, ReplyText, SSE_DONE, ToolCallText, chat_body, chat_logprobs,
                                         chat_message, chunk, completion_body, completion_logprobs, new_id, sse, usage)
+from minimind_ray.serve.structured import RequestGrammars
 
 log = logging.getLogger(__name__)
 PAGE = Path(__file__).with_name("static") / "index.html"
@@ -57,34 +57,12 @@ def _key_hash(opts: ServeOptions) -> Optional[str]:
 
 def _forced_prefix(mode: str) -> str:
     """The start of the reply a ``tool_choice`` of required or a named function puts in the prompt; the rest of the
-    call is constrained to a declared function and its parameters (_grammar)."""
+    call is constrained to a declared function and its parameters (serve/structured.py)."""
     if mode == "required":
         return '<tool_call>\n{"name": "'
     if mode.startswith("function:"):
         return '<tool_call>\n{"name": ' + json.dumps(mode[len("function:"):], ensure_ascii=False) + ', "arguments": '
     return ""
-
-
-def _grammar(req, mode: str):
-    """Structured output: the grammar a request's reply follows (model/grammar.py), or None. A forced tool call:
-    one call of a declared function (the named one) with arguments valid against its ``parameters``; a
-    response_format of json_object or json_schema: JSON valid against the schema. A schema this server cannot
-    constrain to is a 400 naming its JSON path."""
-    try:
-        if mode == "required" or mode.startswith("function:"):
-            wanted = mode[len("function:"):] if mode.startswith("function:") else None
-            return tool_call_grammar([(t.function.name, t.function.parameters, f"tools.{i}.function.parameters")
-                                      for i, t in enumerate(req.tools) if wanted in (None, t.function.name)],
-                                     named=wanted is not None)
-        if req.structured():
-            return schema_grammar(req.response_format.constraint_schema(), "response_format.json_schema.schema")
-    except SchemaError as e:
-        raise _schema_refusal(e) from None
-    return None
-
-
-def _schema_refusal(e: SchemaError) -> APIError:
-    return APIError(400, f"{e.path}: {e.message}", e.path or "response_format")
 
 
 def _error(e: APIError) -> JSONResponse:
@@ -139,8 +117,7 @@ class ChatServer:
         self.context = min(self.opts.context or served.context, served.context)
         self.trained_context = served.trained_context  # the run's data.max_seq_len (None: not recorded)
         self.engine = Engine(served.model, self.tok.eos_id, self.opts.max_batch, self.context, device)
-        self.grammars = GrammarCompiler(self.tok.to_json(), self.tok.eos_id, served.model.cfg.vocab_size,
-                                        self.opts.grammar_timeout_s)
+        self.grammars = RequestGrammars(self.tok, served.model.cfg.vocab_size, self.opts.grammar_timeout_s)
         self.limit = self.opts.max_batch + self.opts.queued()  # rows running + waiting
         self.streams = 0  # streamed responses being sent (their chunks coalesce more when there are many)
         self.key_hash = _key_hash(self.opts)
@@ -259,15 +236,6 @@ class ChatServer:
                           top_k=self.opts.top_k if req.top_k is None else req.top_k,
                           seed=seed, stop_at_eos=not req.ignore_eos, **kw)
 
-    def _constraint(self, grammar):
-        """A row's own matcher for ``grammar`` (compiled once per schema, within --grammar-timeout-s), or None."""
-        if grammar is None:
-            return None
-        try:
-            return self.grammars.constraint(grammar)
-        except SchemaError as e:
-            raise _schema_refusal(e) from None
-
     def _encode(self, text: str, param: str) -> List[int]:
         try:
             return self.tok.encode(text)
@@ -290,11 +258,11 @@ class ChatServer:
         # the template opened a <think> block (minimind-3 with thinking on): split reasoning from content
         reasoning = bool(think) and prompt.rstrip().endswith("<think>")
         names = [t.function.name for t in req.tools or []]
-        grammar = _grammar(req, mode)
+        grammar = self.grammars.grammar(req, mode)
         gens, choices = [], []
         for i in range(req.samples()):
             gens.append(self._gen(req, ids, max_new, i, logprobs=req.top_logprobs_k(),
-                                  constraint=self._constraint(grammar)))
+                                  constraint=self.grammars.constraint(grammar)))
             calls = ToolCallText(names, prefix, single=req.parallel_tool_calls is False) if mode != "none" else None
             reply = ReplyText(StreamDecoder(self.tok), req.stop_strings(), reasoning, calls)
             choices.append(Choice(i, reply, self.tok.eos_id, not req.ignore_eos))
@@ -304,7 +272,7 @@ class ChatServer:
         """Each prompt as it is (text or token ids; no template), n rows per prompt."""
         groups, choices, prompt_tokens = [], [], 0
         k = req.logprobs if req.echo else None
-        grammar = _grammar(req, "none")
+        grammar = self.grammars.grammar(req, "none")
         for p, prompt in enumerate(req.prompts()):
             param = "prompt" if isinstance(req.prompt, str) or isinstance(req.prompt[0], int) else f"prompt.{p}"
             if isinstance(prompt, str):
@@ -322,7 +290,7 @@ class ChatServer:
             group = []
             for j in range(req.samples()):
                 group.append(self._gen(req, ids, req.max_tokens, j, logprobs=req.logprobs, prompt_logprobs=k,
-                                       constraint=self._constraint(grammar)))
+                                       constraint=self.grammars.constraint(grammar)))
                 choice = Choice(len(choices), ReplyText(StreamDecoder(self.tok), req.stop_strings(), False),
                                 self.tok.eos_id, not req.ignore_eos)
                 choice.echo = (text, ids) if req.echo else None

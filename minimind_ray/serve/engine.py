@@ -15,6 +15,10 @@ A request alone runs exactly the calls of ``minimind_ray.generate.generate_token
 the whole prompt, then one token at a time with no mask), so temperature 0 gives the same tokens
 as ``minimind-ray generate``; in a batch, every row computes what it would alone, up to float rounding.
 
+A request with a ``constraint`` (structured output: its own grammar matcher, model/grammar.py) samples only what its
+grammar allows: before each pick, the step fills one bitmask row per constrained row and applies them to those rows'
+logits (``_constrain``); its matcher advances on every emitted token. Free rows in the same batch are untouched.
+
 Requests talk to the thread through :class:`GenRequest`: ``on_event`` receives ``("token", id)``
 (``("token", id, (logprob, top))`` when the request asks for log-probs; ``("prompt_logprobs", [...])``
 first when it asks for its prompt's), then ``("end", finish_reason)`` or ``("error", text)``;
