@@ -45,7 +45,12 @@ PLAUSIBLE = {  # valid values, so that a good share of the fuzz reaches generati
     "n": [1, 2], "logprobs": [True, False, 0, 2], "top_logprobs": [0, 3], "stream": [True, False],
     "stream_options": [{"include_usage": True}], "user": ["u"], "metadata": [{"k": "v"}], "store": [False],
     "frequency_penalty": [0], "ignore_eos": [True], "tools": [[TOOL]], "tool_choice": ["auto", "none", "required"],
-    "parallel_tool_calls": [False], "response_format": [{"type": "text"}], "echo": [True, False], "best_of": [1],
+    "parallel_tool_calls": [False], "response_format": [
+        {"type": "text"}, {"type": "json_object"},
+        {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "object", "properties": {
+            "a": {"type": "integer"}, "b": {"enum": ["x", "y"]}}, "required": ["b"], "additionalProperties": False}}},
+        {"type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "strin"}}},
+        {"type": "json_schema", "json_schema": {"name": "no", "schema": {"not": {}}}}], "echo": [True, False], "best_of": [1],
     "chat_template_kwargs": [{"enable_thinking": False}], "model": [None],
     "messages": [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "中文 🤖 \u0000"}],
                  [{"role": "user", "content": [{"type": "text", "text": "hi"}]}, {"role": "assistant", "content": "ok"},
