@@ -23,8 +23,8 @@ def generate_tokens(model, input_ids: Tensor, max_new_tokens: int, temperature: 
     Sampling follows MiniMind's: repetition penalty over every token seen, then the one sampler
     (model/sampling.py: temperature, top-k, top-p). ``temperature == 0`` is greedy. Stops after yielding
     ``eos_token_id`` or at the model's maximum length; with a ``constraint`` (structured output, model/grammar.py)
-    only the tokens its grammar allows, the end of turn where it accepts. One prefill of the prompt into a KV cache, then one
-    token per forward (``use_cache=False``: the whole sequence every time, the reference the tests use).
+    only the tokens its grammar allows, the end of turn where it accepts. One prefill of the prompt into a KV cache,
+    then one token per forward (``use_cache=False``: the whole sequence every time, the reference the tests use).
     The model runs in eval mode and its previous mode is restored afterwards.
     """
     was_training = model.training

@@ -80,12 +80,15 @@ def tool_call_grammar(tools: Sequence[Tuple[str, Optional[dict], str]], named: b
 class GrammarCompiler:
     """Grammars compiled for one tokenizer, the last ``cache_size`` kept (a repeated schema compiles once).
     ``tokenizer_json``: the HF tokenizers JSON of the tokenizer (project ``Tokenizer.to_json()``); ``vocab_size``:
-    the model's logits width (ids past the tokenizer's are never allowed)."""
+    the model's logits width, at least the tokenizer's (ids past the tokenizer's are never allowed)."""
 
     def __init__(self, tokenizer_json: str, eos_id: int, vocab_size: int, compile_timeout_s: float = 5.0,
                  cache_size: int = 64):
         self.tokenizer = llguidance.LLTokenizer(tokenizer_json, eos_token=eos_id)
-        self.eos_id, self.vocab_size = eos_id, max(vocab_size, self.tokenizer.vocab_size)
+        if vocab_size < self.tokenizer.vocab_size:
+            raise ValueError(f"the model's {vocab_size} logits do not cover the tokenizer's "
+                             f"{self.tokenizer.vocab_size} ids")
+        self.eos_id, self.vocab_size = eos_id, vocab_size
         self.compile_timeout_s, self.cache_size = compile_timeout_s, cache_size
         self._compiled: "collections.OrderedDict[str, llguidance.LLMatcher]" = collections.OrderedDict()
         self._lock = threading.Lock()
@@ -125,21 +128,23 @@ class GrammarCompiler:
 
     def constraint(self, grammar: Grammar) -> "RowConstraint":
         """A fresh row's constraint (its own matcher state) for ``grammar``."""
-        return RowConstraint(self.compile(grammar).deep_copy(), self.vocab_size)
+        return RowConstraint(self.compile(grammar).deep_copy(), (self.tokenizer.vocab_size + 31) // 32)
 
 
 class RowConstraint:
     """One row's matcher: the tokens it may emit next (:meth:`fill`), moved on by each emitted one (:meth:`advance`).
     ``failed``: why the matcher stopped following the row (a token it refused), else None."""
 
-    def __init__(self, matcher: "llguidance.LLMatcher", vocab_size: int):
-        self.matcher, self.vocab_size = matcher, vocab_size
+    def __init__(self, matcher: "llguidance.LLMatcher", words: int):
+        self.matcher, self.words = matcher, words  # words: the tokenizer's ids / 32, what llguidance writes
         self.failed: Optional[str] = None
 
     def fill(self, row: torch.Tensor) -> None:
-        """Write the allowed-token bits into ``row``, an int32 CPU tensor of ``ceil(vocab / 32)`` words (bit ``i %
-        32`` of word ``i // 32`` for token ``i``)."""
-        self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
+        """Write the allowed-token bits into ``row``, a contiguous int32 CPU tensor of ``ceil(logits / 32)`` words (bit
+        ``i % 32`` of word ``i // 32`` for token ``i``); ids past the tokenizer's (a model's padded vocabulary) are
+        never allowed."""
+        row[self.words:] = 0
+        self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), self.words * 4)
 
     def advance(self, token: int) -> None:
         if self.failed is None and not self.matcher.consume_token(int(token)):

@@ -1,8 +1,9 @@
 """Structured output through a running `serve` and the official `openai` client, from models that have barely
 trained, where the guarantee matters most: the session's tiny baseline run (its built-in demo tokenizer), and a
 freshly initialised tiny model with MiniMind's minimind2 tokenizer, whose app also has a short --grammar-timeout-s
-(0.05 s, against about 1 ms for the tests' schemas and 0.17 s or more for SLOW_COMPILE). Every reply that ends by itself parses and validates with `jsonschema`; a cut one says "length"; a schema the
-server cannot enforce is a 400 naming its JSON path, and the server goes on answering."""
+(0.05 s, against about 1 ms for the tests' schemas and 0.17 s or more for SLOW_COMPILE). Every reply that ends by
+itself parses and validates with `jsonschema`; a cut one says "length"; a schema the server cannot enforce is a 400
+naming its JSON path, and the server goes on answering."""
 from __future__ import annotations
 
 import json

@@ -105,6 +105,11 @@ def test_the_end_of_turn_is_allowed_only_where_the_grammar_accepts(setup):
     assert allows_eos() == (True, 1)  # the object is closed: the end of turn and nothing else
     row.advance(tok.eos_id)
     assert row.complete and row.failed is None
+    padded = GrammarCompiler(tok.to_json(), tok.eos_id, tok.vocab_size + 64).constraint(schema_grammar(None))
+    mask = new_bitmask(1, tok.vocab_size + 64)
+    padded.fill(mask[0])
+    allowed = torch.isfinite(apply_token_bitmask(torch.zeros(1, tok.vocab_size + 64), mask)[0]).nonzero().flatten()
+    assert allowed.tolist() == tok.encode("{")  # any object starts with "{"; a padded vocabulary's ids never come
 
 
 def test_a_reply_cut_by_max_tokens_says_length_and_an_ignore_eos_row_ends_with_its_grammar(setup):
