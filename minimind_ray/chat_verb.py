@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 
 from minimind_ray.generate_verb import (add_rope_scaling_arguments, add_sampling_arguments, add_weights_arguments,
-                                        device_of, load_model, sampling_of)
+                                        device_of, load_model, prefix_cache_of, sampling_of)
 
 HELP = "interactive chat (empty line quits)"
 
@@ -24,5 +24,5 @@ def run(args) -> int:
 
     dev = device_of(args)
     model, tok = load_model(args, dev)
-    chat_loop(model, tok, sampling_of(args), think=args.think, device=dev)
+    chat_loop(model, tok, sampling_of(args), think=args.think, device=dev, prefix_cache=prefix_cache_of(args))
     return 0

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from minimind_ray.model.kv_cache import KVCache
+from minimind_ray.model.prefix_cache import PrefixCache
 from minimind_ray.model.sampling import SamplingParams, sample_tokens
 
 
@@ -15,13 +16,16 @@ from minimind_ray.model.sampling import SamplingParams, sample_tokens
 def generate_tokens(model, input_ids: Tensor, max_new_tokens: int, temperature: float = 0.85,
                     top_p: float = 0.85, top_k: int = 50, repetition_penalty: float = 1.0,
                     eos_token_id: Optional[int] = 2, use_cache: bool = True,
-                    generator: Optional[torch.Generator] = None) -> Iterator[int]:
+                    generator: Optional[torch.Generator] = None,
+                    prefix_cache: Optional[PrefixCache] = None) -> Iterator[int]:
     """Yield new token ids one at a time (streaming) for a single prompt ``input_ids`` (1, T).
 
     Sampling follows MiniMind's: repetition penalty over every token seen, then the one sampler
     (model/sampling.py: temperature, top-k, top-p). ``temperature == 0`` is greedy. Stops after yielding
     ``eos_token_id`` or at the model's maximum length. One prefill of the prompt into a KV cache, then one
     token per forward (``use_cache=False``: the whole sequence every time, the reference the tests use).
+    With ``prefix_cache`` (model/prefix_cache.py) the prompt's cached prefix is copied in and only the rest is
+    prefilled, and the prompt's blocks are stored for the next call (a chat's next turn, the next prompt).
     The model runs in eval mode and its previous mode is restored afterwards.
     """
     was_training = model.training
@@ -30,6 +34,9 @@ def generate_tokens(model, input_ids: Tensor, max_new_tokens: int, temperature: 
         ids = input_ids
         limit = model.cfg.max_position_embeddings
         cache = KVCache.for_model(model, slots=1) if use_cache else None
+        if cache is not None and prefix_cache is not None:
+            prefix_cache.check_weights(model)
+            prefix_cache.load(cache, 0, input_ids[0].tolist())
         for _ in range(max_new_tokens):
             if ids.shape[1] >= limit:
                 return
@@ -39,6 +46,8 @@ def generate_tokens(model, input_ids: Tensor, max_new_tokens: int, temperature: 
                 step_in = ids[:, cache.lengths[0]:]  # the prompt, then the newest token
                 logits = model(step_in, kv_cache=cache, logits_at=step_in.new_tensor([step_in.shape[1] - 1])
                                ).logits[:, -1].float()  # (1, V)
+                if prefix_cache is not None and ids is input_ids:  # the prompt's prefill: keep its blocks
+                    prefix_cache.save(cache, 0, input_ids[0].tolist())
             if repetition_penalty != 1.0:
                 seen = torch.unique(ids[0])
                 s = logits[0, seen]
@@ -94,7 +103,8 @@ class StreamDecoder:
         return piece
 
 
-def stream_reply(model, tokenizer, prompt_text: str, sampling: SamplingParams, device: str = "cpu") -> Iterator[str]:
+def stream_reply(model, tokenizer, prompt_text: str, sampling: SamplingParams, device: str = "cpu",
+                 prefix_cache: Optional[PrefixCache] = None) -> Iterator[str]:
     ids = torch.tensor([tokenizer.encode(prompt_text)], dtype=torch.long, device=device)
     gen = None
     if sampling.seed is not None:
@@ -102,7 +112,7 @@ def stream_reply(model, tokenizer, prompt_text: str, sampling: SamplingParams, d
     dec = StreamDecoder(tokenizer)
     for tok in generate_tokens(model, ids, max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
                         top_p=sampling.top_p, top_k=sampling.top_k, repetition_penalty=sampling.repetition_penalty,
-                        eos_token_id=tokenizer.eos_id, generator=gen):
+                        eos_token_id=tokenizer.eos_id, generator=gen, prefix_cache=prefix_cache):
         if tok == tokenizer.eos_id:
             break
         piece = dec.push(int(tok))
@@ -111,11 +121,12 @@ def stream_reply(model, tokenizer, prompt_text: str, sampling: SamplingParams, d
 
 
 def generate_text(model, tokenizer, prompt: str, sampling: SamplingParams, chat: bool = True,
-                  think: Optional[bool] = None, out: Optional[TextIO] = None, device: str = "cpu") -> str:
+                  think: Optional[bool] = None, out: Optional[TextIO] = None, device: str = "cpu",
+                  prefix_cache: Optional[PrefixCache] = None) -> str:
     """Generate a reply (chat template) or a continuation (raw), streaming to ``out``."""
     text = render_prompt(tokenizer, [{"role": "user", "content": prompt}], think) if chat else \
         tokenizer.decode([tokenizer.bos_id]) + prompt
-    pieces = stream_reply(model, tokenizer, text, sampling, device)
+    pieces = stream_reply(model, tokenizer, text, sampling, device, prefix_cache)
     if out is None:
         return "".join(pieces)
     reply = "".join(_tee(pieces, out))
@@ -124,8 +135,10 @@ def generate_text(model, tokenizer, prompt: str, sampling: SamplingParams, chat:
 
 
 def chat_loop(model, tokenizer, sampling: SamplingParams, think: Optional[bool] = None, device: str = "cpu",
-              inp: TextIO = sys.stdin, out: TextIO = sys.stdout, history_turns: int = 4) -> None:
-    """Interactive chat; keeps the last ``history_turns`` exchanges as context. Empty line or EOF quits."""
+              inp: TextIO = sys.stdin, out: TextIO = sys.stdout, history_turns: int = 4,
+              prefix_cache: Optional[PrefixCache] = None) -> None:
+    """Interactive chat; keeps the last ``history_turns`` exchanges as context. Empty line or EOF quits. With
+    ``prefix_cache``, each turn prefills only what the turns before it did not (the history is a prefix)."""
     history: List[dict] = []
     while True:
         out.write("you> ")
@@ -136,7 +149,7 @@ def chat_loop(model, tokenizer, sampling: SamplingParams, think: Optional[bool] 
         history.append({"role": "user", "content": line.strip()})
         out.write("minimind> ")
         reply = "".join(_tee(stream_reply(model, tokenizer, render_prompt(tokenizer, history, think), sampling,
-                                          device), out))
+                                          device, prefix_cache), out))
         out.write("\n")
         history.append({"role": "assistant", "content": reply})
         history = history[-2 * history_turns:]

@@ -33,6 +33,7 @@ from minimind_ray.generate import StreamDecoder, generate_tokens, render_prompt 
 from minimind_ray.model.kv_cache import KVCache  # noqa: F401
 from minimind_ray.model.lora import ADAPTER_FILE_PREFIX, merge_adapters
 from minimind_ray.model.minimind import build_model
+from minimind_ray.model.prefix_cache import PrefixCache  # noqa: F401
 from minimind_ray.model.sampling import sample_tokens  # noqa: F401
 from minimind_ray.serve.options import is_mlflow_uri
 from minimind_ray.store.pth import read_pth
@@ -41,7 +42,7 @@ from minimind_ray.store.weights import (LoadedWeights, apply_weights, build_infe
 from minimind_ray.tokenizer import Tokenizer, load_tokenizer, resolve_tokenizer
 from minimind_ray.tracking.runs import resolve_tracking_uri
 
-# Re-exported for the rest of the package: StreamDecoder (app), KVCache and sample_tokens (engine),
+# Re-exported for the rest of the package: StreamDecoder (app), KVCache, PrefixCache and sample_tokens (engine),
 # generate_tokens and render_prompt (bench).
 
 
