@@ -170,8 +170,10 @@ class PrefixCache:
 
     def check_weights(self, model) -> None:
         """Empty the cache when ``model``'s parameters are not the ones it was filled with: another tensor, or
-        one written in place since (its version counter moved). Cheap: one pass over the parameter list."""
-        seen = tuple((id(p), p.data_ptr(), p._version) for p in model.parameters())
+        one written in place since (its version counter moved). Cheap: one pass over the parameter list. A
+        parameter made under ``torch.inference_mode`` has no version counter: only its identity is compared (such a
+        tensor can be written in place only inside inference mode; :meth:`clear` is the way for that)."""
+        seen = tuple((id(p), p.data_ptr(), None if p.is_inference() else p._version) for p in model.parameters())
         if seen != self._weights:
             self.clear()
             self._weights = seen
