@@ -222,3 +222,54 @@ def test_rollouts_sample_the_same_with_the_cache(model):
     assert torch.equal(got.completion_mask, want.completion_mask)
     torch.testing.assert_close(got.logprobs, want.logprobs, atol=1e-5, rtol=0)
     assert pc.hit_tokens == 2 * 48  # the second wave's two prompts took the 3 shared blocks
+
+
+def _grpo_batch(system_len=48, G=4, seed=7, step=3):
+    system = make.prompt_of(system_len, 20)
+    prompts = [system + make.prompt_of(n, 21 + n) for n in (5, 9, 3)]
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts]).repeat_interleave(G, 0)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts]).repeat_interleave(G, 0)
+    params = SamplingParams(max_new_tokens=12, temperature=1.0, top_p=1.0, top_k=0, eos_id=2, pad_id=0)
+    return ids, mask, params, row_seeds(seed, step, torch.arange(3), G)
+
+
+def test_train_rollout_prefix_cache_mb_gives_the_worker_sampler_a_cache_emptied_at_each_update(tiny):
+    from types import SimpleNamespace
+
+    from minimind_ray.rl.plan import build_rollout
+    from minimind_ray.rl.rollout_config import RolloutConfig
+
+    def engine(mb):
+        return build_rollout(SimpleNamespace(train=SimpleNamespace(rollout=RolloutConfig(prefix_cache_mb=mb))),
+                             SimpleNamespace(autocast=None))
+
+    on, off = engine(8), engine(0)
+    assert off.prefix_cache is None and on.prefix_cache.budget_bytes == 8 * 2 ** 20
+    batch = _grpo_batch()
+    for e in (on, off):
+        e.update_policy(tiny, 0)
+    got, want = on.generate(*batch[:3], seeds=batch[3]), off.generate(*batch[:3], seeds=batch[3])
+    assert torch.equal(got.completion_ids, want.completion_ids) and on.prefix_cache.blocks == 3
+    on.update_policy(tiny, 1)
+    assert on.prefix_cache.blocks == 0
+
+
+def test_a_rollout_actor_with_the_cache_samples_what_one_without_does_across_weight_versions(tiny):
+    """The actor class itself, without Ray: each version's weights are loaded into its model in place
+    (load_state_dict), which empties its cache, so version 2 never samples from version 1's keys."""
+    import dataclasses
+
+    from minimind_ray.rl.actors import RolloutActor
+
+    other = make.model_for("tiny", True)  # other weights of the same shapes (drawn with YaRN's config)
+    versions = {1: tiny.state_dict(), 2: other.state_dict()}
+    cached, plain = (RolloutActor(dataclasses.asdict(tiny.cfg), 1, mb) for mb in (8, 0))
+    batch = _grpo_batch()
+    for v, weights in versions.items():
+        for actor in (cached, plain):
+            actor.load(v, weights)
+        got, want = (a.generate(v, *batch) for a in (cached, plain))
+        assert torch.equal(got.completion_ids, want.completion_ids), v
+        torch.testing.assert_close(got.logprobs, want.logprobs, atol=1e-5, rtol=0)
+    assert cached.prefix_cache.clears == 1 and cached.prefix_cache.hit_tokens == 2 * 2 * 48
