@@ -91,20 +91,24 @@ class PrefixCache:
     def waves(self, prompts: Sequence[Sequence[int]]) -> List[List[int]]:
         """The indices of ``prompts`` (prefilled together) in prefills one after another: a prompt whose first
         block not held here is also an earlier prompt's (a new prefix arriving twice at once) waits for the next
-        wave, where the earlier one has stored it, so that a new prefix is computed once."""
+        wave, by which the earlier one has stored it, so that a new prefix is computed once. A wave counts what
+        the waves before it will have stored (every full block of their prompts)."""
         chains = [self.names(p[:len(p) - 1]) for p in prompts]
+        stored: set = set()  # names the earlier waves store
+
+        def first_new(i: int) -> Optional[bytes]:
+            return next((n for n in chains[i] if n not in self._blocks and n not in stored), None)
+
         out, pending = [], list(range(len(prompts)))
         while pending:
             wave, later, seen = [], [], set()
             for i in pending:
-                hit = self.cached_blocks(prompts[i]) if chains[i] else 0
-                new = chains[i][hit] if hit < len(chains[i]) else None
+                new = first_new(i)
                 (later if new is not None and new in seen else wave).append(i)
                 seen.add(new)
             out.append(wave)
-            if later and len(later) == len(pending):  # cannot happen (the first always goes); never loop for ever
-                out.append(later)
-                break
+            for i in wave:
+                stored.update(self.names(prompts[i]))
             pending = later
         return out
 

@@ -179,6 +179,8 @@ def test_two_requests_with_one_new_prefix_compute_it_once(tiny):
     _assert_same_replies(got, want)
     assert cached == [0, 48, 0] and load["prefills"] == 3
     assert PrefixCache(2 ** 20, BLOCK).waves(prompts) == [[0, 2], [1]]  # an empty cache: one new block twice
+    many = [system + make.prompt_of(30, 12 + i) for i in range(5)] + [system + make.prompt_of(30, 12)]
+    assert PrefixCache(2 ** 20, BLOCK).waves(many) == [[0], [1, 2, 3, 4, 5]]  # the 6th: the 1st again, all stored
 
 
 def test_a_weight_update_empties_the_cache(tiny):
