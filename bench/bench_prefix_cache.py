@@ -11,7 +11,7 @@ alike), each side's best round:
            the shared blocks and the other 15 copy them (PrefixCache.waves), then decoding is the same.
   rollout  GRPO's rollouts of one step of one worker (rl/rollout.py: sample_completions, per-row seeds) on the demo
            task's shape (16 sorting prompts x 8 completions, 10 tokens, temperature 1; bench_rollout.py's demo
-           case), as the demo has them and with a ROLLOUT_SYSTEM-token system prompt before each; the cache is
+           case), as the demo has them and with a system turn of about ROLLOUT_SYSTEM tokens before each; the cache is
            emptied before each step (a weight update does so); the samples' digest on both sides.
 
 The models are freshly initialised (speed does not depend on what the weights learned): minimind2-small (26M) for
@@ -35,7 +35,7 @@ from common import fresh_model, load, table
 
 MAX_NEW = 32  # streams: tokens generated per stream
 STREAMS = 16
-ROLLOUT_SYSTEM = 200  # tokens of the system prompt the rollout's second case puts before each demo prompt
+ROLLOUT_SYSTEM = 200  # the rollout's second case: a system turn of about this many tokens (175 in the demo tokenizer)
 
 
 def words(n: int, seed: int):
@@ -45,8 +45,10 @@ def words(n: int, seed: int):
 
 
 def engine_run(model, prompts, cached: bool, device: str, max_new: int, together: bool):
-    """The prompts on a fresh serving engine: one after another (each waits for the one before), or all queued
-    at once -> (each request's seconds to its first token, all of it in seconds, tokens generated, cached tokens)."""
+    """The prompts on a fresh serving engine: one after another (each waits for the one before), or all submitted
+    at once -> (each request's (CPU, wall) seconds to its first token, the whole run's (CPU, wall) seconds, tokens
+    generated, each request's cached tokens). CPU seconds are the process's: the engine thread does all the work
+    meanwhile, and they count what this process computed, not what the other processes of a shared machine did."""
     from minimind_ray.model.prefix_cache import PrefixCache  # lazy: torch, after common put this checkout first
     from minimind_ray.serve.engine import Engine, GenRequest  # lazy: the same
 
@@ -54,19 +56,22 @@ def engine_run(model, prompts, cached: bool, device: str, max_new: int, together
                     prefix_cache=PrefixCache(512 * 2 ** 20) if cached else None)
     first, done, count = [None] * len(prompts), [threading.Event() for _ in prompts], [0]
 
+    def now():
+        return time.process_time(), time.perf_counter()
+
     def on_event(i, event, t0):
         if event[0] == "token":
             count[0] += 1
-            first[i] = first[i] or time.perf_counter() - t0
+            if first[i] is None:
+                first[i] = tuple(b - a for a, b in zip(t0, now()))
         else:
             done[i].set()
 
     try:
-        t_all = time.perf_counter()
-        reqs = []
+        start, reqs = now(), []
         for i, p in enumerate(prompts):
             reqs.append(GenRequest(prompt_ids=p, max_new_tokens=max_new, stop_at_eos=False,
-                                   on_event=lambda e, i=i, t0=time.perf_counter(): on_event(i, e, t0)))
+                                   on_event=lambda e, i=i, t0=now(): on_event(i, e, t0)))
             if not together:
                 engine.submit(reqs[-1])
                 done[i].wait()
@@ -75,13 +80,14 @@ def engine_run(model, prompts, cached: bool, device: str, max_new: int, together
                 engine.submit(r)
             for d in done:
                 d.wait()
-        return first, time.perf_counter() - t_all, count[0], [r.cached_tokens for r in reqs]
+        return first, tuple(b - a for a, b in zip(start, now())), count[0], [r.cached_tokens for r in reqs]
     finally:
         engine.close()
 
 
-def rollout_step(model, prompts, cached: bool, step: int, pad: int, eos: int):
-    """One GRPO step's rollouts (16 prompts x 8 completions, 10 tokens) -> (seconds, digest of the samples)."""
+def rollout_step(model, prompts, cached: bool, step: int, pad: int, eos: int, new_tokens: int = 10):
+    """One GRPO step's rollouts (16 prompts x 8 completions, ``new_tokens`` tokens) -> ((CPU, wall) seconds, digest
+    of the samples, the prompts' width). With one new token it is the prefill's cost (and one sampling)."""
     import torch
 
     from minimind_ray.model.prefix_cache import PrefixCache  # lazy: torch, after common put this checkout first
@@ -95,12 +101,12 @@ def rollout_step(model, prompts, cached: bool, step: int, pad: int, eos: int):
     mask = torch.zeros((len(rows), width), dtype=torch.long)
     for i, r in enumerate(rows):
         ids[i, width - len(r):], mask[i, width - len(r):] = torch.tensor(r), 1
-    params = SamplingParams(max_new_tokens=10, temperature=1.0, eos_id=eos, pad_id=pad)
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, eos_id=eos, pad_id=pad)
     seeds = row_seeds(1234, step, torch.arange(first, first + per_step), group)
     pc = PrefixCache(256 * 2 ** 20) if cached else None  # a new step: new weights, an empty cache
-    t0 = time.perf_counter()
+    c0, w0 = time.process_time(), time.perf_counter()
     roll = sample_completions(model, ids, mask, params, seeds=seeds, prefix_cache=pc)
-    seconds = time.perf_counter() - t0
+    seconds = (time.process_time() - c0, time.perf_counter() - w0)
     digest = hashlib.sha256(json.dumps([roll.completion_ids.tolist(), roll.completion_mask.tolist()]).encode())
     return seconds, digest.hexdigest()[:12], width
 
@@ -126,6 +132,75 @@ def demo_prompts(n: int, system: int):
     return out, tok.eos_id, tok.pad_id
 
 
+def cpu_wall(x) -> str:
+    return f"{x[0]:.3f} ({x[1]:.3f})"
+
+
+def bench_ttft(model, system, args) -> None:
+    prompts = [system + words(12, 1), system + words(12, 2)]
+    runs = {False: [], True: []}
+    for _ in range(args.rounds):
+        for cached in (False, True):
+            first, _, _, hits = engine_run(model, prompts, cached, args.device, 1, together=False)
+            runs[cached].append((first, hits))
+    rows = []
+    for cached in (False, True):  # each request's best round, by CPU seconds
+        a = min((f[0] for f, _ in runs[cached]), key=lambda t: t[0])
+        b = min((f[1] for f, _ in runs[cached]), key=lambda t: t[0])
+        rows.append(("on" if cached else "off", cpu_wall(a), cpu_wall(b), f"{b[0] / a[0]:.3f} ({b[1] / a[1]:.3f})",
+                     runs[cached][0][1][1]))
+    print(f"time to first token, minimind2-small, a {len(system)}-token system prompt + 12 tokens; the second "
+          f"request with another question:\n")
+    table(("prefix cache", "1st TTFT CPU s (wall)", "2nd TTFT CPU s (wall)", "2nd / 1st", "2nd cached tokens"), rows)
+    print()
+
+
+def bench_streams(model, system, args) -> None:
+    prompts = [system + words(12, 10 + i) for i in range(STREAMS)]
+    best = {}
+    for _ in range(args.rounds):
+        for cached in (False, True):
+            _, spent, tokens, hits = engine_run(model, prompts, cached, args.device, MAX_NEW, together=True)
+            if cached not in best or spent[0] < best[cached][0][0]:
+                best[cached] = (spent, tokens, sum(hits))
+    off = best[False]
+    print(f"{STREAMS} streams submitted at once, a {len(system)}-token shared system prompt + 12 tokens each, "
+          f"{MAX_NEW} tokens generated each:\n")
+    table(("prefix cache", "CPU s (wall)", "tokens / CPU s (wall s)", "cached prompt tokens", "speed-up"),
+          [(name, cpu_wall(x[0]), f"{x[1] / x[0][0]:.1f} ({x[1] / x[0][1]:.1f})", x[2],
+            f"{off[0][0] / x[0][0]:.2f}x ({off[0][1] / x[0][1]:.2f}x)")
+           for name, x in (("off", off), ("on", best[True]))])
+    print()
+
+
+def bench_rollout(args) -> None:
+    model = fresh_model("demo").to(args.device).eval()
+    rows = []
+    for system in (0, ROLLOUT_SYSTEM):
+        prompts, eos, pad = demo_prompts(200, system)
+        best, digests, width = {}, {False: [], True: []}, 0
+        for r in range(args.rounds):
+            for cached in (False, True):
+                for new_tokens in (10, 1):
+                    total = (0.0, 0.0)
+                    for step in range(3):
+                        seconds, digest, width = rollout_step(model, prompts, cached, step, pad, eos, new_tokens)
+                        total = (total[0] + seconds[0], total[1] + seconds[1])
+                        if r == 0 and new_tokens == 10:
+                            digests[cached].append(digest)
+                    best[cached, new_tokens] = min(best.get((cached, new_tokens), total), total)
+        off, on = best[False, 10], best[True, 10]
+        rows.append(("demo" + (" + a shared system prompt" if system else ""), f"{width} + 10",
+                     cpu_wall((off[0] / 3, off[1] / 3)), cpu_wall((on[0] / 3, on[1] / 3)),
+                     f"{1 - on[0] / off[0]:.0%} ({1 - on[1] / off[1]:.0%})",
+                     f"{best[False, 1][0] / 3:.3f} -> {best[True, 1][0] / 3:.3f}",
+                     "yes" if digests[True] == digests[False] else "NO"))
+    print("GRPO rollouts of one step of one worker (16 prompts x 8 completions, 10 tokens, temperature 1), demo "
+          "preset, per step over 3 steps:\n")
+    table(("case", "prompt width + completion", "off CPU s (wall)", "on CPU s (wall)", "lower by",
+           "of it, prefill + 1st token: off -> on CPU s", "same samples"), rows)
+
+
 def main(argv=None) -> int:
     import torch
 
@@ -143,59 +218,12 @@ def main(argv=None) -> int:
         model = fresh_model("minimind2-small").to(args.device).eval()
         system = words(args.system, 0)
         if "ttft" in measures:
-            prompts = [system + words(12, 1), system + words(12, 2)]
-            best = {}
-            for r in range(args.rounds):
-                for cached in (False, True):
-                    first, _, _, hits = engine_run(model, prompts, cached, args.device, 1, together=False)
-                    if cached not in best or first[1] < best[cached][0][1]:
-                        best[cached] = (first, hits)
-            rows = []
-            for cached in (False, True):
-                first, hits = best[cached]
-                rows.append(("on" if cached else "off", f"{first[0] * 1000:.0f}", f"{first[1] * 1000:.0f}",
-                             f"{first[1] / first[0]:.3f}", hits[1]))
-            print(f"time to first token, minimind2-small, a {args.system}-token system prompt + 12 tokens, "
-                  f"the second request with another question:\n")
-            table(("prefix cache", "1st TTFT ms", "2nd TTFT ms", "2nd / 1st", "2nd cached tokens"), rows)
-            print()
+            bench_ttft(model, system, args)
         if "streams" in measures:
-            prompts = [system + words(12, 10 + i) for i in range(STREAMS)]
-            best = {}
-            for r in range(args.rounds):
-                for cached in (False, True):
-                    _, seconds, tokens, hits = engine_run(model, prompts, cached, args.device, MAX_NEW,
-                                                          together=True)
-                    if cached not in best or seconds < best[cached][0]:
-                        best[cached] = (seconds, tokens, sum(hits))
-            off, on = best[False], best[True]
-            print(f"{STREAMS} streams queued at once, a {args.system}-token shared system prompt + 12 tokens "
-                  f"each, {MAX_NEW} tokens generated each:\n")
-            table(("prefix cache", "wall s", "tokens/s", "cached prompt tokens", "on / off"),
-                  [("off", f"{off[0]:.2f}", f"{off[1] / off[0]:.1f}", off[2], ""),
-                   ("on", f"{on[0]:.2f}", f"{on[1] / on[0]:.1f}", on[2], f"{off[0] / on[0]:.2f}x")])
-            print()
+            bench_streams(model, system, args)
     if "rollout" in measures:
-        model = fresh_model("demo").to(args.device).eval()
-        rows = []
-        for system in (0, ROLLOUT_SYSTEM):
-            prompts, eos, pad = demo_prompts(200, system)
-            best, digests, width = {}, {False: [], True: []}, 0
-            for r in range(args.rounds):
-                for cached in (False, True):
-                    total = 0.0
-                    for step in range(3):
-                        seconds, digest, width = rollout_step(model, prompts, cached, step, pad, eos)
-                        total += seconds
-                        if r == 0:
-                            digests[cached].append(digest)
-                    best[cached] = min(best.get(cached, total), total)
-            rows.append((f"demo{f' + {system}-token system prompt' if system else ''}", f"{width} + 10",
-                         f"{best[False] / 3:.3f}", f"{best[True] / 3:.3f}",
-                         f"{1 - best[True] / best[False]:.0%}", "yes" if digests[True] == digests[False] else "NO"))
-        print("GRPO rollouts of one step of one worker (16 prompts x 8 completions, 10 tokens, temperature 1), "
-              "demo preset, mean of 3 steps:\n")
-        table(("case", "prompt width + completion", "off s/step", "on s/step", "lower by", "same samples"), rows)
+        bench_rollout(args)
+    print(load())
     return 0
 
 

@@ -51,7 +51,8 @@ def big_cache() -> PrefixCache:
 
 @torch.no_grad()
 def last_logits(model, prompt, pc=None):
-    """The logits after ``prompt`` (V,) in the model's dtype, its prefix from ``pc`` when given (and its blocks stored there);
+    """The logits after ``prompt`` (V,) in the model's dtype, its prefix from ``pc`` when given (and its blocks
+    stored there);
     -> (logits, positions copied from the cache)."""
     cache = KVCache.for_model(model, slots=2)
     cache.alloc(2)
