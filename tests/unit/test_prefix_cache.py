@@ -52,8 +52,7 @@ def big_cache() -> PrefixCache:
 @torch.no_grad()
 def last_logits(model, prompt, pc=None):
     """The logits after ``prompt`` (V,) in the model's dtype, its prefix from ``pc`` when given (and its blocks
-    stored there);
-    -> (logits, positions copied from the cache)."""
+    stored there) -> (logits, positions copied from the cache)."""
     cache = KVCache.for_model(model, slots=2)
     cache.alloc(2)
     slot = 1  # not row 0: a hit lands in the request's own row
