@@ -47,6 +47,16 @@ class _Block:
         return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
 
 
+def _stamp(p: Tensor) -> tuple:
+    """What changes when a parameter is replaced or written: its identity, its storage (none for a sharded DTensor's
+    wrapper) and its version counter (none for an inference tensor)."""
+    try:
+        ptr = p.data_ptr()
+    except RuntimeError:
+        ptr = None
+    return id(p), ptr, None if p.is_inference() else p._version
+
+
 class PrefixCache:
     """Blocks of cached prompt keys and values, at most ``budget_bytes`` of them (see the module docstring)."""
 
@@ -177,7 +187,7 @@ class PrefixCache:
         one written in place since (its version counter moved). Cheap: one pass over the parameter list. A
         parameter made under ``torch.inference_mode`` has no version counter: only its identity is compared (such a
         tensor can be written in place only inside inference mode; :meth:`clear` is the way for that)."""
-        seen = tuple((id(p), p.data_ptr(), None if p.is_inference() else p._version) for p in model.parameters())
+        seen = tuple(_stamp(p) for p in model.parameters())
         if seen != self._weights:
             self.clear()
             self._weights = seen
