@@ -4,9 +4,7 @@ update empties it; two requests with one new prefix compute it once; rollouts sa
 from __future__ import annotations
 
 import copy
-import importlib.util
 import threading
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,20 +16,11 @@ from minimind_ray.model.sampling import SamplingParams
 from minimind_ray.rl.rollout import row_seeds, sample_completions
 from minimind_ray.serve.engine import Engine, GenRequest
 
+from tests.unit.test_kv_cache import make  # the decode golden tests' models and prompts (tests/fixtures)
+
 torch.set_num_threads(1)
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 BLOCK = 16
-
-
-def _maker():
-    spec = importlib.util.spec_from_file_location("make_decode_golden", FIXTURES / "make_decode_golden.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-make = _maker()
 CASES = [("tiny", False), ("tiny", True), ("tiny3-moe", True)]  # MiniMind2, minimind-3 MoE; YaRN on and off
 
 
