@@ -23,6 +23,7 @@ def run(args) -> int:
     from minimind_ray.generate import chat_loop  # lazy: torch, only when this runs
 
     dev = device_of(args)
+    prefix_cache = prefix_cache_of(args)  # a bad flag before the weights load
     model, tok = load_model(args, dev)
-    chat_loop(model, tok, sampling_of(args), think=args.think, device=dev, prefix_cache=prefix_cache_of(args))
+    chat_loop(model, tok, sampling_of(args), think=args.think, device=dev, prefix_cache=prefix_cache)
     return 0

@@ -114,8 +114,8 @@ def run(args) -> int:
     from minimind_ray.generate import generate_text  # lazy: torch, only when this runs
 
     dev = device_of(args)
+    prefix_cache = prefix_cache_of(args)  # a bad flag before the weights load
     model, tok = load_model(args, dev)
-    prefix_cache = prefix_cache_of(args)
     for prompt in args.prompt:
         if len(args.prompt) > 1:
             print(f"> {prompt}")

@@ -264,3 +264,11 @@ def test_a_rollout_actor_with_the_cache_samples_what_one_without_does_across_wei
         assert torch.equal(got.completion_ids, want.completion_ids), v
         torch.testing.assert_close(got.logprobs, want.logprobs, atol=1e-5, rtol=0)
     assert cached.prefix_cache.clears == 1 and cached.prefix_cache.hit_tokens == 2 * 2 * 48
+
+
+@pytest.mark.parametrize("verb, extra", [("generate", ["--prompt", "hi"]), ("chat", [])])
+def test_a_negative_prefix_cache_flag_is_refused_in_one_line_before_any_weights_load(capsys, verb, extra):
+    from tests.unit.test_cli_main import refused
+
+    line = refused(capsys, verb, "no-such-weights.pth", *extra, "--prefix-cache-mb", "-1")
+    assert line == "error: --prefix-cache-mb: must be >= 0 (got -1)"
