@@ -11,9 +11,15 @@ the others'). A decode step runs the slots from the lowest to the highest one in
 each; a free slot in between runs a pad that changes nothing. A row that finishes or is aborted
 gives its slot back. Nothing in the cache moves when rows come and go.
 
+With a prefix cache (model/prefix_cache.py; ``serve --prefix-cache-mb``), a joining prompt's held blocks are
+copied into its slot and only the rest is prefilled; its full blocks are stored after. Joiners that share a new
+prefix are prefilled in waves (the first computes it, the others copy it one forward later), and each request's
+``cached_tokens`` says how many of its prompt tokens were copied (the API's ``prompt_tokens_details``).
+
 A request alone runs exactly the calls of ``minimind_ray.generate.generate_tokens`` (prefill of
 the whole prompt, then one token at a time with no mask), so temperature 0 gives the same tokens
-as ``minimind-ray generate``; in a batch, every row computes what it would alone, up to float rounding.
+as ``minimind-ray generate``; in a batch, or on a prefix cache hit, every row computes what it would
+alone, up to float rounding.
 
 Requests talk to the thread through :class:`GenRequest`: ``on_event`` receives ``("token", id)``
 (``("token", id, (logprob, top))`` when the request asks for log-probs; ``("prompt_logprobs", [...])``
