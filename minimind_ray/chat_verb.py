@@ -8,8 +8,8 @@ from __future__ import annotations
 import argparse
 
 from minimind_ray.generate_verb import (add_rope_scaling_arguments, add_sampling_arguments, add_structured_arguments,
-                                        add_weights_arguments, device_of, json_schema_of, load_model, sampling_of,
-                                        schema_constraints_of)
+                                        add_weights_arguments, device_of, json_schema_of, load_model, prefix_cache_of,
+                                        sampling_of, schema_constraints_of)
 
 HELP = "interactive chat (empty line quits)"
 
@@ -26,7 +26,8 @@ def run(args) -> int:
 
     json_schema_of(args)  # a bad file before the model loads
     dev = device_of(args)
+    prefix_cache = prefix_cache_of(args)  # a bad flag before the weights load
     model, tok = load_model(args, dev)
-    chat_loop(model, tok, sampling_of(args), think=args.think, device=dev,
+    chat_loop(model, tok, sampling_of(args), think=args.think, device=dev, prefix_cache=prefix_cache,
               constraints=schema_constraints_of(args, model, tok))
     return 0

@@ -9,6 +9,7 @@ from torch import Tensor
 
 from minimind_ray.model.grammar import GrammarCompiler, RowConstraint, new_bitmask, schema_grammar
 from minimind_ray.model.kv_cache import KVCache
+from minimind_ray.model.prefix_cache import PrefixCache
 from minimind_ray.model.sampling import SamplingParams, apply_token_bitmask, sample_tokens
 
 
@@ -17,6 +18,7 @@ def generate_tokens(model, input_ids: Tensor, max_new_tokens: int, temperature: 
                     top_p: float = 0.85, top_k: int = 50, repetition_penalty: float = 1.0,
                     eos_token_id: Optional[int] = 2, use_cache: bool = True,
                     generator: Optional[torch.Generator] = None,
+                    prefix_cache: Optional[PrefixCache] = None,
                     constraint: Optional[RowConstraint] = None) -> Iterator[int]:
     """Yield new token ids one at a time (streaming) for a single prompt ``input_ids`` (1, T).
 
@@ -25,6 +27,8 @@ def generate_tokens(model, input_ids: Tensor, max_new_tokens: int, temperature: 
     ``eos_token_id`` or at the model's maximum length; with a ``constraint`` (structured output, model/grammar.py)
     only the tokens its grammar allows, the end of turn where it accepts. One prefill of the prompt into a KV cache,
     then one token per forward (``use_cache=False``: the whole sequence every time, the reference the tests use).
+    With ``prefix_cache`` (model/prefix_cache.py) the prompt's cached prefix is copied in and only the rest is
+    prefilled, and the prompt's blocks are stored for the next call (a chat's next turn, the next prompt).
     The model runs in eval mode and its previous mode is restored afterwards.
     """
     was_training = model.training
@@ -33,6 +37,9 @@ def generate_tokens(model, input_ids: Tensor, max_new_tokens: int, temperature: 
         ids = input_ids
         limit = model.cfg.max_position_embeddings
         cache = KVCache.for_model(model, slots=1) if use_cache else None
+        if cache is not None and prefix_cache is not None:
+            prefix_cache.check_weights(model)
+            prefix_cache.load(cache, 0, input_ids[0].tolist())
         for _ in range(max_new_tokens):
             if ids.shape[1] >= limit:
                 return
@@ -42,6 +49,8 @@ def generate_tokens(model, input_ids: Tensor, max_new_tokens: int, temperature: 
                 step_in = ids[:, cache.lengths[0]:]  # the prompt, then the newest token
                 logits = model(step_in, kv_cache=cache, logits_at=step_in.new_tensor([step_in.shape[1] - 1])
                                ).logits[:, -1].float()  # (1, V)
+                if prefix_cache is not None and ids is input_ids:  # the prompt's prefill: keep its blocks
+                    prefix_cache.save(cache, 0, input_ids[0].tolist())
             if repetition_penalty != 1.0:
                 seen = torch.unique(ids[0])
                 s = logits[0, seen]
@@ -115,6 +124,7 @@ def schema_constraints(model, tokenizer, schema: Optional[dict]):
 
 
 def stream_reply(model, tokenizer, prompt_text: str, sampling: SamplingParams, device: str = "cpu",
+                 prefix_cache: Optional[PrefixCache] = None,
                  constraint: Optional[RowConstraint] = None) -> Iterator[str]:
     ids = torch.tensor([tokenizer.encode(prompt_text)], dtype=torch.long, device=device)
     gen = None
@@ -123,7 +133,8 @@ def stream_reply(model, tokenizer, prompt_text: str, sampling: SamplingParams, d
     dec = StreamDecoder(tokenizer)
     for tok in generate_tokens(model, ids, max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
                         top_p=sampling.top_p, top_k=sampling.top_k, repetition_penalty=sampling.repetition_penalty,
-                        eos_token_id=tokenizer.eos_id, generator=gen, constraint=constraint):
+                        eos_token_id=tokenizer.eos_id, generator=gen, prefix_cache=prefix_cache,
+                        constraint=constraint):
         if tok == tokenizer.eos_id:
             break
         piece = dec.push(int(tok))
@@ -133,12 +144,12 @@ def stream_reply(model, tokenizer, prompt_text: str, sampling: SamplingParams, d
 
 def generate_text(model, tokenizer, prompt: str, sampling: SamplingParams, chat: bool = True,
                   think: Optional[bool] = None, out: Optional[TextIO] = None, device: str = "cpu",
-                  constraint: Optional[RowConstraint] = None) -> str:
+                  prefix_cache: Optional[PrefixCache] = None, constraint: Optional[RowConstraint] = None) -> str:
     """Generate a reply (chat template) or a continuation (raw), streaming to ``out``; JSON valid against a schema
     with a ``constraint`` (:func:`schema_constraints`)."""
     text = render_prompt(tokenizer, [{"role": "user", "content": prompt}], think) if chat else \
         tokenizer.decode([tokenizer.bos_id]) + prompt
-    pieces = stream_reply(model, tokenizer, text, sampling, device, constraint)
+    pieces = stream_reply(model, tokenizer, text, sampling, device, prefix_cache, constraint)
     if out is None:
         return "".join(pieces)
     reply = "".join(_tee(pieces, out))
@@ -147,8 +158,10 @@ def generate_text(model, tokenizer, prompt: str, sampling: SamplingParams, chat:
 
 
 def chat_loop(model, tokenizer, sampling: SamplingParams, think: Optional[bool] = None, device: str = "cpu",
-              inp: TextIO = sys.stdin, out: TextIO = sys.stdout, history_turns: int = 4, constraints=None) -> None:
-    """Interactive chat; keeps the last ``history_turns`` exchanges as context. Empty line or EOF quits.
+              inp: TextIO = sys.stdin, out: TextIO = sys.stdout, history_turns: int = 4,
+              prefix_cache: Optional[PrefixCache] = None, constraints=None) -> None:
+    """Interactive chat; keeps the last ``history_turns`` exchanges as context. Empty line or EOF quits. With
+    ``prefix_cache``, each turn prefills only what the turns before it did not (the history is a prefix).
     ``constraints`` (:func:`schema_constraints`): every reply is JSON valid against its schema."""
     history: List[dict] = []
     while True:
@@ -160,7 +173,7 @@ def chat_loop(model, tokenizer, sampling: SamplingParams, think: Optional[bool] 
         history.append({"role": "user", "content": line.strip()})
         out.write("minimind> ")
         reply = "".join(_tee(stream_reply(model, tokenizer, render_prompt(tokenizer, history, think), sampling,
-                                          device, constraints() if constraints else None), out))
+                                          device, prefix_cache, constraints() if constraints else None), out))
         out.write("\n")
         history.append({"role": "assistant", "content": reply})
         history = history[-2 * history_turns:]

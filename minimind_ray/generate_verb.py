@@ -36,6 +36,9 @@ def add_sampling_arguments(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--think", action=argparse.BooleanOptionalAction, default=None,
                     help="minimind-3 thinking switch (chat template)")
     sp.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
+    sp.add_argument("--prefix-cache-mb", type=float, default=64.0,
+                    help="MiB of prompt keys/values kept for the next prompt that starts alike (a chat's history, "
+                         "the chat template; LRU; default 64; 0 = off)")
 
 
 def add_structured_arguments(sp: argparse.ArgumentParser) -> None:
@@ -114,6 +117,15 @@ def sampling_of(args):
                           top_k=args.top_k, repetition_penalty=args.repetition_penalty, seed=args.seed)
 
 
+def prefix_cache_of(args):
+    """The prefix cache ``--prefix-cache-mb`` asks for (None: off)."""
+    from minimind_ray.model.prefix_cache import PrefixCache  # lazy: torch, only when this runs
+
+    if args.prefix_cache_mb < 0:
+        raise ValueError(f"--prefix-cache-mb: must be >= 0 (got {args.prefix_cache_mb:g})")
+    return PrefixCache.of_mib(args.prefix_cache_mb)
+
+
 def device_of(args) -> str:
     import torch
 
@@ -143,11 +155,12 @@ def run(args) -> int:
 
     json_schema_of(args)  # a bad file before the model loads
     dev = device_of(args)
+    prefix_cache = prefix_cache_of(args)  # a bad flag before the weights load
     model, tok = load_model(args, dev)
     constraints = schema_constraints_of(args, model, tok)
     for prompt in args.prompt:
         if len(args.prompt) > 1:
             print(f"> {prompt}")
         generate_text(model, tok, prompt, sampling_of(args), chat=not args.raw, think=args.think, out=sys.stdout,
-                      device=dev, constraint=constraints() if constraints else None)
+                      device=dev, prefix_cache=prefix_cache, constraint=constraints() if constraints else None)
     return 0

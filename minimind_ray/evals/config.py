@@ -51,6 +51,9 @@ class EvalTaskConfig:
     temperature: float = _f(0.8, "gen: sampling temperature", gt=0)
     top_p: float = _f(1.0, "gen: nucleus sampling mass (1 = off)", gt=0, le=1)
     top_k: int = _f(0, "gen: sample among the k most likely tokens (0 = off)", ge=0)
+    prefix_cache_mb: float = _f(0.0, "gen: MiB of prompt keys/values kept within a batch (model/prefix_cache.py): "
+                                     "the sampled pass copies the greedy pass's prompts, and prompts that start "
+                                     "alike (few-shot examples) compute their shared blocks once; 0 = off", ge=0)
     seed: int = _f(0, "gen: seed of the sampled completions (each batch draws from its own generator, so the result "
                       "does not depend on --workers)")
 

@@ -193,7 +193,7 @@ class GenerationTask(EvalTask):
         greedy, sampled = generate_batch(model, batch, max_new_tokens=c.max_new_tokens, samples=c.samples,
                                          temperature=c.temperature, top_p=c.top_p, top_k=c.top_k, eos_id=eos_id,
                                          pad_id=pad_id, seed=c.seed * 1_000_003 + batch_index, device=device,
-                                         autocast=autocast)
+                                         autocast=autocast, prefix_cache_mb=c.prefix_cache_mb)
         return list(zip(greedy, sampled))
 
     def summarise(self, items, results, tokenizer):

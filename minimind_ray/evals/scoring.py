@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from minimind_ray.model.kv_cache import KVCache
+from minimind_ray.model.prefix_cache import PrefixCache
 from minimind_ray.model.sampling import SamplingParams
 from minimind_ray.rl.rollout import TorchRollout
 
@@ -154,10 +155,11 @@ def _shared_prefix_logprobs(model, shared: List[int], batch: List[Encoded], pad_
 @torch.no_grad()
 def generate_batch(model, prompts: List[List[int]], *, max_new_tokens: int, samples: int, temperature: float,
                    top_p: float, top_k: int, eos_id: int, pad_id: int, seed: int, device="cpu",
-                   autocast=None) -> Tuple[List[List[int]], List[List[List[int]]]]:
+                   autocast=None, prefix_cache_mb: float = 0.0) -> Tuple[List[List[int]], List[List[List[int]]]]:
     """(the greedy completion of each prompt, ``samples`` sampled completions of each), as token ids without
-    their EOS. The sampled ones draw from a generator seeded with ``seed``."""
-    engine = TorchRollout(autocast)
+    their EOS. The sampled ones draw from a generator seeded with ``seed``. With ``prefix_cache_mb``, one prefix
+    cache for the batch: the sampled pass takes the prompts the greedy pass computed from it."""
+    engine = TorchRollout(autocast, PrefixCache.of_mib(prefix_cache_mb))
     engine.update_policy(model, 0)
     ids, mask = _left_pad(prompts, pad_id, device)
 

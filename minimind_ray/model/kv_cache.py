@@ -17,7 +17,9 @@ reads with no copy, and a CPU decode step's attention multiplies as keys x queri
 
 Rows join and leave without touching the others: :meth:`KVCache.alloc` hands out free slots (the lowest first)
 and :meth:`KVCache.release` gives them back (length 0; the stale keys stay, masked, until overwritten).
-:meth:`KVCache.fork` copies one row into others (n samples of one prompt after one prefill).
+:meth:`KVCache.fork` copies one row into others (n samples of one prompt after one prefill);
+:meth:`KVCache.write_row` fills a row from a prefix cache hit and :meth:`KVCache.read_row` copies positions out for it
+(model/prefix_cache.py).
 
 Batches may be right-padded: ``input_lengths[b]`` of the T new tokens of row b are real and only they advance
 its length. The pads' keys land past the row's length (or in the extra sink position when they would pass the
@@ -97,6 +99,27 @@ class KVCache:
             self.v[:, idx, :, :n] = self.v[:, src, :, :n].unsqueeze(1)
         for d in dsts:
             self.lengths[d] = n
+
+    def write_row(self, slot: int, ks: Sequence[Tensor], vs: Sequence[Tensor]) -> None:
+        """Row ``slot`` := the positions of ``ks``/``vs`` (pieces (L, nkv, n_i, hs) laid end to end, from position
+        0), its length their total: a prefix cache hit (model/prefix_cache.py). No other row is touched."""
+        n = sum(k.shape[2] for k in ks)
+        self._reserve(n)
+        if self.k is None:
+            self._allocate(ks[0])
+        at = 0
+        for k, v in zip(ks, vs):
+            m = k.shape[2]
+            self.k[:, slot, :, at:at + m] = k.to(self.k.dtype)
+            self.v[:, slot, :, at:at + m] = v.to(self.v.dtype)
+            at += m
+        self.lengths[slot] = n
+
+    def read_row(self, slot: int, start: int, end: int):
+        """Copies of row ``slot``'s keys and values at positions start..end-1, each (L, nkv, end - start, hs)."""
+        if not 0 <= start <= end <= self.lengths[slot]:
+            raise ValueError(f"read_row: {start}..{end} is not within the row's {self.lengths[slot]} positions")
+        return self.k[:, slot, :, start:end].clone(), self.v[:, slot, :, start:end].clone()
 
     # ------------------------------------------------------------------ one forward
 

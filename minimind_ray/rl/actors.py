@@ -27,6 +27,7 @@ from typing import Dict, Optional
 import torch
 from torch import Tensor
 
+from minimind_ray.model.prefix_cache import PrefixCache
 from minimind_ray.model.sampling import SamplingParams
 from minimind_ray.rl.rollout import Rollout, RolloutEngine, merge_requests, sample_completions, split_rollout
 
@@ -34,13 +35,14 @@ from minimind_ray.rl.rollout import Rollout, RolloutEngine, merge_requests, samp
 class RolloutActor:
     """One copy of the policy that generates on request (the Ray actor's class)."""
 
-    def __init__(self, model_cfg: dict, threads: int):
+    def __init__(self, model_cfg: dict, threads: int, prefix_cache_mb: float = 0.0):
         from minimind_ray.model.config import ModelConfig  # lazy: omegaconf, yaml, only when this runs
         from minimind_ray.model.minimind import build_model  # lazy: torch, only when this runs
 
         torch.set_num_threads(threads)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.model = build_model(ModelConfig(**model_cfg)).to(self.device).eval()
+        self.prefix_cache = PrefixCache.of_mib(prefix_cache_mb)  # emptied by each load_state_dict (check_weights)
         self.weights: "OrderedDict[int, dict]" = OrderedDict()  # version -> state dict: the two loaded last
         self.loaded: Optional[int] = None
         self.cond = threading.Condition()
@@ -71,7 +73,7 @@ class RolloutActor:
                 self.model.load_state_dict(weights)
                 self.loaded = version
             roll = sample_completions(self.model, prompt_ids.to(self.device), prompt_mask.to(self.device), params,
-                                      seeds=seeds.to(self.device))
+                                      seeds=seeds.to(self.device), prefix_cache=self.prefix_cache)
         return Rollout(*(t.cpu() for t in (roll.completion_ids, roll.completion_mask, roll.logprobs, roll.truncated)))
 
     def pid(self) -> int:
@@ -125,7 +127,7 @@ class ActorRollout(RolloutEngine):
         remote = ray.remote(RolloutActor).options(
             name=actor_name(self.cfg.name, index), get_if_exists=True, num_cpus=self.r.actor_cpus,
             num_gpus=self.r.actor_gpus, max_concurrency=4 * self.world + 4, max_restarts=0)
-        return remote.remote(dataclasses.asdict(self.cfg.model), max(1, int(self.r.actor_cpus)))
+        return remote.remote(dataclasses.asdict(self.cfg.model), max(1, int(self.r.actor_cpus)), self.r.prefix_cache_mb)
 
     def update_policy(self, model: torch.nn.Module, step: int) -> None:
         """Weights for requests of version ``step`` (the policy before step ``step``'s update)."""

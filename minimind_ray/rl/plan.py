@@ -49,9 +49,10 @@ def build_rollout(cfg, state):
     """The engine ``train.rollout.engine`` names: this worker's sampler, or a pool of Ray actors (rl/actors.py)."""
     engine = cfg.train.rollout.engine
     if engine == "worker":
+        from minimind_ray.model.prefix_cache import PrefixCache  # lazy: torch, when a run trains
         from minimind_ray.rl.rollout import TorchRollout  # lazy: torch, when a run trains
 
-        return TorchRollout(state.autocast)
+        return TorchRollout(state.autocast, PrefixCache.of_mib(cfg.train.rollout.prefix_cache_mb))
     if engine == "actors":
         from minimind_ray.rl.actors import ActorRollout  # lazy: torch and Ray, when a run trains
 

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from minimind_ray.model.kv_cache import KVCache
+from minimind_ray.model.prefix_cache import PrefixCache
 from minimind_ray.model.sampling import SamplingParams, sample_tokens
 
 
@@ -99,17 +100,21 @@ class TorchRollout(RolloutEngine):
     a function of the weights, its prompt and its seed, so a restarted run samples exactly what an
     uninterrupted one did, and a rollout actor what a worker would have."""
 
-    def __init__(self, autocast=None):
+    def __init__(self, autocast=None, prefix_cache: Optional[PrefixCache] = None):
         self.model = None
         self.autocast = autocast
+        self.prefix_cache = prefix_cache  # train.rollout.prefix_cache_mb: prompt prefixes shared within a step
 
     def update_policy(self, model: torch.nn.Module, step: int) -> None:
         self.model = model  # the training module itself: no copy, always the current weights
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()  # keys of the weights before the update (check_weights would see it too)
 
     @torch.no_grad()
     def generate(self, prompt_ids: Tensor, prompt_mask: Tensor, params: SamplingParams,
                  generator: Optional[torch.Generator] = None, seeds: Optional[Tensor] = None) -> Rollout:
-        return sample_completions(self.model, prompt_ids, prompt_mask, params, self.autocast, generator, seeds)
+        return sample_completions(self.model, prompt_ids, prompt_mask, params, self.autocast, generator, seeds,
+                                  self.prefix_cache)
 
     def generate_many(self, requests: List[Tuple[Tensor, Tensor, SamplingParams, Tensor]]) -> List[Rollout]:
         """All the requests' rows in one batch (:func:`merge_requests`): a decode step's forward reads the weights
@@ -149,8 +154,10 @@ def split_rollout(roll: Rollout, sizes: List[int]) -> List[Rollout]:
 
 @torch.no_grad()
 def sample_completions(model, prompt_ids: Tensor, prompt_mask: Tensor, params: SamplingParams, autocast=None,
-                       generator: Optional[torch.Generator] = None, seeds: Optional[Tensor] = None) -> Rollout:
-    """TorchRollout's work, for any holder of a model (a training worker, a rollout actor)."""
+                       generator: Optional[torch.Generator] = None, seeds: Optional[Tensor] = None,
+                       prefix_cache: Optional[PrefixCache] = None) -> Rollout:
+    """TorchRollout's work, for any holder of a model (a training worker, a rollout actor); with
+    ``prefix_cache`` the prompts' prefixes held there are copied in instead of computed (:func:`_prefill`)."""
     n, p_len = prompt_ids.shape
     if params.repetition_penalty != 1.0:
         raise ValueError(f"repetition_penalty={params.repetition_penalty}: the batched sampler has none (1.0)")
@@ -164,7 +171,7 @@ def sample_completions(model, prompt_ids: Tensor, prompt_mask: Tensor, params: S
     try:
         with (autocast or contextlib.nullcontext)():
             cache = KVCache.for_model(model, slots=n, max_len=p_len + budget, capacity=p_len + budget)
-            logits = _prefill(model, cache, ids, lengths)  # (N, V)
+            logits = _prefill(model, cache, ids, lengths, prefix_cache)  # (N, V)
             alive = torch.ones(n, dtype=torch.bool, device=prompt_ids.device)
             tokens, logps, masks = [], [], []
             for t in range(budget):
@@ -185,6 +192,26 @@ def sample_completions(model, prompt_ids: Tensor, prompt_mask: Tensor, params: S
                    logprobs=torch.stack(logps, 1).float(), truncated=alive)
 
 
+def _prefill_cached(model, cache: KVCache, ids: Tensor, lengths, owners: List[int], pc: PrefixCache) -> Tensor:
+    """The owners' prompts prefilled through the prefix cache -> their logits (U, V), in ``owners``' order."""
+    pc.check_weights(model)
+    prompts = [ids[r, :lengths[r]].tolist() for r in owners]
+    out = [None] * len(owners)
+    for wave in pc.waves(prompts):
+        rows = [owners[i] for i in wave]
+        starts = [pc.load(cache, r, prompts[i]) for r, i in zip(rows, wave)]
+        rest = [lengths[r] - s for r, s in zip(rows, starts)]
+        cols = torch.arange(max(rest), device=ids.device)
+        at = (torch.tensor(starts, device=ids.device)[:, None] + cols).clamp_max(ids.shape[1] - 1)
+        wave_ids = ids[rows].gather(1, at)  # each row's rest from column 0 (past it: pads, unread)
+        logits = model(wave_ids, kv_cache=cache, slots=rows, input_lengths=rest,
+                       logits_at=torch.tensor(rest, device=ids.device) - 1).logits[:, -1].float()
+        for j, (r, i) in enumerate(zip(rows, wave)):
+            pc.save(cache, r, prompts[i])
+            out[i] = logits[j]
+    return torch.stack(out)
+
+
 def right_aligned(prompt_ids: Tensor, prompt_mask: Tensor):
     """Left-padded prompts (N, P) -> the same prompts from column 0, right-padded, and each one's length (host
     ints): what a row of the KV cache starts from. A mask that is not a left padding is refused."""
@@ -197,10 +224,12 @@ def right_aligned(prompt_ids: Tensor, prompt_mask: Tensor):
     return ids, lengths.tolist()
 
 
-def _prefill(model, cache: KVCache, ids: Tensor, lengths) -> Tensor:
+def _prefill(model, cache: KVCache, ids: Tensor, lengths, prefix_cache: Optional[PrefixCache] = None) -> Tensor:
     """Right-aligned prompts (N, P) into cache rows 0..N-1 -> the logits after each prompt (N, V), float32. A
     prompt repeated in the batch (a GRPO group: one prompt, G completions) is computed once, in its first row,
-    and copied into the others' rows."""
+    and copied into the others' rows. With ``prefix_cache``, distinct prompts that start alike (a system prompt,
+    a few-shot prefix) compute their shared blocks once: in waves (PrefixCache.waves), each prompt's held prefix
+    copied in and only its rest computed."""
     keyed = torch.cat([ids, torch.tensor(lengths, device=ids.device)[:, None]], dim=1)
     _, inverse = torch.unique(keyed, dim=0, return_inverse=True)  # (N,): rows with one id are one prompt
     inverse = inverse.tolist()
@@ -208,9 +237,12 @@ def _prefill(model, cache: KVCache, ids: Tensor, lengths) -> Tensor:
     for row, u in enumerate(inverse):
         first.setdefault(u, row)
     owners = sorted(first.values())  # each distinct prompt's first row
-    fresh = [lengths[r] for r in owners]
-    out = model(ids[owners], kv_cache=cache, slots=owners, input_lengths=fresh,
-                logits_at=torch.tensor(fresh, device=ids.device) - 1).logits[:, -1].float()  # (U, V)
+    if prefix_cache is None:
+        fresh = [lengths[r] for r in owners]
+        out = model(ids[owners], kv_cache=cache, slots=owners, input_lengths=fresh,
+                    logits_at=torch.tensor(fresh, device=ids.device) - 1).logits[:, -1].float()  # (U, V)
+    else:
+        out = _prefill_cached(model, cache, ids, lengths, owners, prefix_cache)
     for u, row in first.items():
         cache.fork(row, [r for r, v in enumerate(inverse) if v == u and r != row])
     where = {row: i for i, row in enumerate(owners)}

@@ -23,6 +23,10 @@ class RolloutConfig:
     actor_gpus: float = _f(0.0, "actors: GPUs per rollout actor", ge=0)
     overlap: bool = _f(False, "actors: generate step t+1's rollouts from the weights before step t's update while that "
                               "update runs (one step off-policy; not across a checkpoint)")
+    prefix_cache_mb: float = _f(0.0, "MiB of prompt keys/values a sampler keeps so that prompts of one step that "
+                                     "start alike (a system prompt, few-shot examples) compute their shared blocks "
+                                     "once (a group's G samples share one prefill anyway); emptied at every weight "
+                                     "update; 0 = off", ge=0)
     placement_timeout_s: float = _f(120.0, "actors: a pool the cluster cannot place within this fails the run, naming "
                                            "train.rollout.actors (a pending actor would wait for ever)", gt=0)
 

@@ -31,7 +31,7 @@ from ray import serve
 from minimind_ray.serve.engine import Engine, GenRequest
 from minimind_ray.serve.inflight import InFlight
 from minimind_ray.serve.metrics import ServeMetrics
-from minimind_ray.serve.model_io import StreamDecoder, TokenPieces, load_served_model, render_chat
+from minimind_ray.serve.model_io import PrefixCache, StreamDecoder, TokenPieces, load_served_model, render_chat
 from minimind_ray.serve.options import API_KEY_ENV, RETRY_AFTER_S, ServeOptions, options_from_dict
 from minimind_ray.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, check_prompt_length,
                                          parse_chat, parse_completion)
@@ -116,7 +116,8 @@ class ChatServer:
         self.pieces = TokenPieces(self.tok)
         self.context = min(self.opts.context or served.context, served.context)
         self.trained_context = served.trained_context  # the run's data.max_seq_len (None: not recorded)
-        self.engine = Engine(served.model, self.tok.eos_id, self.opts.max_batch, self.context, device)
+        self.engine = Engine(served.model, self.tok.eos_id, self.opts.max_batch, self.context, device,
+                             PrefixCache.of_mib(self.opts.prefix_cache_mb))
         self.grammars = RequestGrammars(self.tok, served.model.cfg.vocab_size, self.opts.grammar_timeout_s)
         self.limit = self.opts.max_batch + self.opts.queued()  # rows running + waiting
         self.streams = 0  # streamed responses being sent (their chunks coalesce more when there are many)
@@ -305,7 +306,7 @@ class ChatServer:
         failure = self._failure(flight)
         if failure is not None:
             return failure.status, failure.body()
-        use = usage(flight.prompt_tokens, sum(c.completion_tokens for c in flight.choices))
+        use = usage(flight.prompt_tokens, sum(c.completion_tokens for c in flight.choices), flight.cached_tokens())
         cid, created = new_id("chatcmpl" if endpoint == CHAT else "cmpl")
         if endpoint == CHAT:
             choices = [{"index": c.index, "message": chat_message(c), "finish_reason": c.final_reason(),
@@ -403,7 +404,8 @@ class ChatServer:
         tail = ""
         if req.include_usage():
             tail = chunk(obj, cid, created, self.name, None,
-                         usage(flight.prompt_tokens, sum(c.completion_tokens for c in flight.choices)))
+                         usage(flight.prompt_tokens, sum(c.completion_tokens for c in flight.choices),
+                               flight.cached_tokens()))
         return tail + SSE_DONE
 
 

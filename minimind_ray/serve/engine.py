@@ -3,17 +3,21 @@
 Requests join and leave the running batch between decode steps, so a short reply never waits
 for a long one and a new request starts after one prefill, not after the current batch ends.
 
-The batch keeps one static KV cache (model/kv_cache.py) of ``max_batch`` slots, each row in its
-own slot from position 0 with its own length. A joining request takes the lowest free slot; the
-prompts of every request that joins between two steps are prefilled together, in one forward
-(right-padded); a request's ``n`` rows share that prefill (the first row's slot is copied into
-the others'). A decode step runs the slots from the lowest to the highest one in use, one token
-each; a free slot in between runs a pad that changes nothing. A row that finishes or is aborted
-gives its slot back. Nothing in the cache moves when rows come and go.
+The batch keeps one static KV cache (model/kv_cache.py) of ``max_batch`` slots, each row in its own slot from
+position 0 with its own length. A joining request takes the lowest free slot; the prompts of every request that joins
+between two steps are prefilled together, in one forward (right-padded); a request's ``n`` rows share that prefill
+(the first row's slot is copied into the others'). A decode step runs the slots from the lowest to the highest one in
+use, one token each; a free slot in between runs a pad that changes nothing. A row that finishes or is aborted gives
+its slot back. Nothing in the cache moves when rows come and go.
 
-A request alone runs exactly the calls of ``minimind_ray.generate.generate_tokens`` (prefill of
-the whole prompt, then one token at a time with no mask), so temperature 0 gives the same tokens
-as ``minimind-ray generate``; in a batch, every row computes what it would alone, up to float rounding.
+With a prefix cache (model/prefix_cache.py; ``serve --prefix-cache-mb``), a joining prompt's held blocks are
+copied into its slot and only the rest is prefilled; its full blocks are stored after. Joiners that share a new
+prefix are prefilled in waves (the first computes it, the others copy it one forward later), and each request's
+``cached_tokens`` says how many of its prompt tokens were copied (the API's ``prompt_tokens_details``).
+
+A request alone runs exactly the calls of ``minimind_ray.generate.generate_tokens`` (prefill of the whole prompt,
+then one token at a time with no mask), so temperature 0 gives the same tokens as ``minimind-ray generate``; in a
+batch, or on a prefix cache hit, every row computes what it would alone, up to float rounding.
 
 A request with a ``constraint`` (structured output: its own grammar matcher, model/grammar.py) samples only what its
 grammar allows: before each pick, the step fills one bitmask row per constrained row and applies them to those rows'
@@ -40,7 +44,8 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.nn.functional as F
 
-from minimind_ray.serve.model_io import KVCache, RowConstraint, apply_token_bitmask, new_bitmask, sample_tokens
+from minimind_ray.serve.model_io import (KVCache, PrefixCache, RowConstraint, apply_token_bitmask, new_bitmask,
+                                         sample_tokens)
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +65,7 @@ class GenRequest:
     loop: Optional[asyncio.AbstractEventLoop] = None  # deliver events on this event loop
     constraint: Optional[RowConstraint] = None  # structured output: only the tokens its grammar allows (one per row)
     abort_reason: Optional[str] = None
+    cached_tokens: int = 0  # set by the engine at its prefill: prompt tokens copied from the prefix cache
 
     def abort(self, reason: str) -> None:
         """Stop generating for this request (client gone, stop string seen); safe from any thread."""
@@ -81,6 +87,7 @@ class EngineStats:
     requests_aborted: Dict[str, int] = field(default_factory=dict)  # by reason
     tokens_generated: int = 0
     prompt_tokens: int = 0  # prefilled, once per group
+    cached_tokens: int = 0  # of them, copied from the prefix cache instead of computed
     prefills: int = 0
     decode_steps: int = 0
     decode_rows: int = 0  # sum of batch sizes over decode steps: / decode_steps = mean batch
@@ -90,6 +97,7 @@ class EngineStats:
         mean = self.decode_rows / self.decode_steps if self.decode_steps else 0.0
         return {"requests_finished": self.requests_finished, "requests_aborted": dict(self.requests_aborted),
                 "tokens_generated": self.tokens_generated, "prompt_tokens": self.prompt_tokens,
+                "cached_tokens": self.cached_tokens,
                 "prefills": self.prefills, "decode_steps": self.decode_steps, "mean_batch": round(mean, 2),
                 "waiting_peak": self.waiting_peak}
 
@@ -97,8 +105,10 @@ class EngineStats:
 class Engine:
     """The batching loop of one replica. ``context`` caps prompt + reply tokens per request."""
 
-    def __init__(self, model, eos_id: int, max_batch: int, context: int, device: str = "cpu"):
+    def __init__(self, model, eos_id: int, max_batch: int, context: int, device: str = "cpu",
+                 prefix_cache: Optional[PrefixCache] = None):
         self.model, self.eos_id, self.max_batch, self.device = model, eos_id, max_batch, device
+        self.prefix_cache = prefix_cache  # None: every prompt prefilled whole
         self.context = min(context, model.cfg.max_position_embeddings)
         self.stats = EngineStats()
         self._cond = threading.Condition()
@@ -141,7 +151,8 @@ class Engine:
             return len(self._rows) + self._n_waiting + self._n_joining
 
     def load(self) -> dict:
-        return {"running": len(self._rows), "waiting": self._n_waiting, **self.stats.as_dict()}
+        cached = self.prefix_cache.stats() if self.prefix_cache is not None else {}
+        return {"running": len(self._rows), "waiting": self._n_waiting, **self.stats.as_dict(), **cached}
 
     def alive(self) -> bool:
         return self._thread.is_alive()
@@ -232,11 +243,30 @@ class Engine:
         groups = [g for g in groups if len(g[0].prompt_ids) < self.context]
         if not groups:
             return []
+        if self.prefix_cache is not None:
+            self.prefix_cache.check_weights(self.model)  # stale keys never survive a weight change
+        joined = []
+        for wave in self._waves(groups):
+            joined += self._admit_wave(wave)
+        return joined
+
+    def _waves(self, groups: List[List[GenRequest]]) -> List[List[List[GenRequest]]]:
+        """``groups`` in prefills one after another (PrefixCache.waves: a new prefix shared by groups arriving
+        together is computed once, by the first); without a prefix cache, one wave."""
+        if self.prefix_cache is None:
+            return [groups]
+        return [[groups[i] for i in wave] for wave in self.prefix_cache.waves([g[0].prompt_ids for g in groups])]
+
+    def _admit_wave(self, groups: List[List[GenRequest]]) -> List[_Row]:
         slots = [self._cache.alloc(len(g)) for g in groups]  # the batch had room for every row: _next_batch
         prompts = [g[0].prompt_ids for g in groups]
         every = any(r.prompt_logprobs is not None for g in groups for r in g)  # logits at every prompt position
         try:
-            out = self._prefill(prompts, [s[0] for s in slots], every)
+            cached = [self._from_prefix_cache(g, s[0]) for g, s in zip(groups, slots)]
+            out = self._prefill([p[c:] for p, c in zip(prompts, cached)], [s[0] for s in slots], every)
+            if self.prefix_cache is not None:
+                for prompt, taken in zip(prompts, slots):
+                    self.prefix_cache.save(self._cache, taken[0], prompt)
         except Exception as e:  # noqa: BLE001 - these requests fail, the batch goes on
             log.exception("prefill failed")
             for group, taken in zip(groups, slots):
@@ -248,14 +278,15 @@ class Engine:
         for i, (group, taken, prompt) in enumerate(zip(groups, slots, prompts)):
             self.stats.prefills += 1
             self.stats.prompt_tokens += len(prompt)
+            self.stats.cached_tokens += cached[i]
             self._cache.fork(taken[0], taken[1:])  # n rows of one prompt: one prefill
             k = max((r.prompt_logprobs for r in group if r.prompt_logprobs is not None), default=None)
-            if k is not None:
+            if k is not None:  # such a group took nothing from the prefix cache: every position was computed
                 scored = _prompt_logprobs(out[i, :len(prompt)].float(), prompt, k)
                 for req in group:
                     if req.prompt_logprobs is not None:
                         self._send(req, ("prompt_logprobs", scored))
-            after = out[i:i + 1, len(prompt) - 1 if every else 0].float()  # (1, V): after the prompt's last token
+            after = out[i:i + 1, len(prompt) - cached[i] - 1 if every else 0].float()  # (1, V): after the prompt
             for req, slot in zip(group, taken):
                 last = after.clone() if req.constraint is not None else after
                 gen = None
@@ -272,9 +303,20 @@ class Engine:
                 self._cache.release([slot])
         return joined
 
+    def _from_prefix_cache(self, group: List[GenRequest], slot: int) -> int:
+        """Copy the cached prefix of the group's prompt into ``slot`` -> its length (0: none; always 0 for a
+        group that wants its prompt's log-probs, which need the logits at every prompt position)."""
+        if self.prefix_cache is None or any(r.prompt_logprobs is not None for r in group):
+            return 0
+        n = self.prefix_cache.load(self._cache, slot, group[0].prompt_ids)
+        for req in group:
+            req.cached_tokens = n
+        return n
+
     def _prefill(self, prompts: List[List[int]], slots: List[int], every_position: bool) -> torch.Tensor:
-        """One forward of the right-padded prompts into their slots -> logits (G, P, V), or (G, 1, V) at each
-        prompt's last token unless ``every_position`` (a request wants its prompt's log-probs)."""
+        """One forward of the right-padded prompts (or what of each the prefix cache did not hold: the slot's
+        length says where it starts) into their slots -> logits (G, P, V), or (G, 1, V) at each prompt's last
+        token unless ``every_position`` (a request wants its prompt's log-probs)."""
         width = max(len(p) for p in prompts)
         ids = torch.zeros((len(prompts), width), dtype=torch.long)
         for i, p in enumerate(prompts):

@@ -144,6 +144,10 @@ class InFlight:
             self.metrics.itl.observe(at - prev)
         self.last_token_at[index] = at
 
+    def cached_tokens(self) -> int:
+        """Prompt tokens the engine's prefix cache held, every prompt once (as ``prompt_tokens`` counts them)."""
+        return sum(group[0].cached_tokens for group in self.groups if group)
+
     def close(self, reason: str = "disconnected") -> None:
         """Let go of the engine rows (a no-op for those that finished) and count what the request did."""
         if self.ended is not None:
@@ -159,6 +163,8 @@ class InFlight:
                 self.metrics.aborted.inc(1, tags={"reason": self.ended})
             generated = sum(c.completion_tokens for c in self.choices)
             self.metrics.prompt_tokens.inc(self.prompt_tokens)
+            if self.cached_tokens():
+                self.metrics.cached_tokens.inc(self.cached_tokens())
             if generated:  # Ray's counters refuse an increment of 0
                 self.metrics.generated_tokens.inc(generated)
             self.metrics.latency.observe(time.monotonic() - self.t0)

@@ -61,6 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="structured output: refuse (400) a schema or forced tool call whose grammar takes longer to "
                         "compile (default 5)")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if available")
+    p.add_argument("--prefix-cache-mb", type=float, default=d.prefix_cache_mb,
+                   help="MiB of prompt keys/values kept per replica for prompts that start alike (LRU; "
+                        f"default {d.prefix_cache_mb:g}; 0 = off)")
     p.add_argument("--lora", help="LoRA weights file (MiniMind lora_*.pth) merged into WEIGHTS")
     p.add_argument("--lora-alpha", type=float, default=None, help="LoRA scale alpha/rank (default: unscaled)")
     p.add_argument("--tokenizer", help="tokenizer name or directory (default: the one that came with WEIGHTS)")

@@ -36,6 +36,8 @@ class ServeMetrics:
         self.aborted = made(Counter, "aborted_requests", "requests whose generation was stopped early: "
                             "client disconnected, timeout", keys=("reason",))
         self.prompt_tokens = made(Counter, "prompt_tokens", "prompt tokens of requests that started generating")
+        self.cached_tokens = made(Counter, "prompt_cached_tokens", "of the prompt tokens, those the prefix cache "
+                                  "held (not computed again); / prompt_tokens = the hit rate over any window")
         self.generated_tokens = made(Counter, "generated_tokens", "tokens generated (every choice, end-of-turn "
                                      "included)")
         self.tool_parse_failures = made(Counter, "tool_call_parse_failures", "<tool_call> blocks returned as text "
@@ -48,6 +50,10 @@ class ServeMetrics:
                             boundaries=LATENCY_BUCKETS)
         self.queue_depth = made(Gauge, "queue_depth", "rows waiting to join the running batch")
         self.running = made(Gauge, "running_batch", "rows in the running batch")
+        self.cache_hit_rate = made(Gauge, "prefix_cache_hit_rate", "prompt tokens served from the prefix cache / "
+                                   "prompt tokens looked up, since the replica started (0 without a cache)")
+        self.cache_bytes = made(Gauge, "prefix_cache_bytes", "bytes of keys/values the prefix cache holds "
+                                "(never above --prefix-cache-mb)")
         self._load, self._period_s = load, period_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, name="minimind-serve-metrics", daemon=True)
@@ -65,5 +71,7 @@ class ServeMetrics:
                 load = self._load()
                 self.queue_depth.set(load["waiting"])
                 self.running.set(load["running"])
+                self.cache_hit_rate.set(load.get("prefix_cache_hit_rate", 0.0))
+                self.cache_bytes.set(load.get("prefix_cache_bytes", 0))
             except Exception:  # noqa: BLE001 - a metric must never take the replica down
                 pass

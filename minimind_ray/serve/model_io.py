@@ -35,6 +35,7 @@ from minimind_ray.model.lora import ADAPTER_FILE_PREFIX, merge_adapters
 from minimind_ray.model.minimind import build_model
 from minimind_ray.model.grammar import (GrammarCompiler, RowConstraint, SchemaError, new_bitmask,  # noqa: F401
                                        schema_grammar, tool_call_grammar)
+from minimind_ray.model.prefix_cache import PrefixCache  # noqa: F401
 from minimind_ray.model.sampling import apply_token_bitmask, sample_tokens  # noqa: F401
 from minimind_ray.serve.options import is_mlflow_uri
 from minimind_ray.store.pth import read_pth
@@ -43,8 +44,8 @@ from minimind_ray.store.weights import (LoadedWeights, apply_weights, build_infe
 from minimind_ray.tokenizer import Tokenizer, load_tokenizer, resolve_tokenizer
 from minimind_ray.tracking.runs import resolve_tracking_uri
 
-# Re-exported for the rest of the package: StreamDecoder (app), KVCache, sample_tokens, apply_token_bitmask and
-# new_bitmask (engine), the grammar's names (app: structured output), generate_tokens and render_prompt (bench).
+# Re-exported for the rest of the package: StreamDecoder (app), KVCache, PrefixCache, sample_tokens, apply_token_bitmask
+# and new_bitmask (engine), the grammar's names (app: structured output), generate_tokens and render_prompt (bench).
 
 
 def render_chat(tokenizer: Tokenizer, messages: list, think: Optional[bool] = None,

@@ -58,6 +58,8 @@ class ServeOptions:
     max_tokens_cap: int = _f(1024, "requests asking for more max_tokens get a 400")
     context: Optional[int] = _f(None, "most prompt + reply tokens per request; None = the model's "
                                       "max_position_embeddings")
+    prefix_cache_mb: float = _f(256.0, "MiB of prompt keys/values a replica keeps to reuse for prompts that start "
+                                       "alike (a system prompt, earlier turns; LRU); 0 = no prefix cache")
     stream_interval_ms: float = _f(40.0, "a stream sends what is new at most this often (the first token at "
                                          "once): fewer, fuller chunks when decoding is fast; 0 = every token")
     stream_interval_max_ms: float = _f(160.0, "a busy replica coalesces more: the interval grows with the streams it "
@@ -106,6 +108,8 @@ class ServeOptions:
             raise ConfigError(f"grammar_timeout_s: must be > 0 (got {self.grammar_timeout_s})")
         if self.api_key_sha256 is not None and not re.fullmatch(r"[0-9a-f]{64}", self.api_key_sha256):
             raise ConfigError("api_key_sha256: must be 64 lowercase hex digits (sha256 of the key)")
+        if self.prefix_cache_mb < 0:
+            raise ConfigError(f"prefix_cache_mb: must be >= 0 (got {self.prefix_cache_mb})")
         if self.stream_interval_ms < 0:
             raise ConfigError(f"stream_interval_ms: must be >= 0 (got {self.stream_interval_ms})")
         if self.stream_interval_max_ms < self.stream_interval_ms:

@@ -260,9 +260,11 @@ def new_id(prefix: str) -> Tuple[str, int]:
     return f"{prefix}-{uuid.uuid4().hex[:24]}", int(time.time())
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage, with ``prompt_tokens_details.cached_tokens``: the prompt tokens the prefix cache held."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def chat_logprobs(entries: List[tuple], piece) -> dict:

@@ -798,10 +798,12 @@ def browser(tmp_path_factory):
         yield driver
 
 
-def test_the_chat_page_streams_the_greedy_reply_over_two_turns(served, browser, tmp_path):
+def test_the_chat_page_streams_the_greedy_reply_over_two_turns(served, browser, tmp_path, reference):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.common.keys import Keys
     from selenium.webdriver.support.ui import WebDriverWait
+
+    from minimind_ray.generate import render_prompt
 
     wait = WebDriverWait(browser, 120)
     browser.get(served["base"] + "/")
@@ -811,7 +813,7 @@ def test_the_chat_page_streams_the_greedy_reply_over_two_turns(served, browser, 
         box = browser.find_element(By.ID, field)
         box.clear()
         box.send_keys(value)
-    history = []
+    history, prompts = [], []
     for turn, text in enumerate((PROMPT, "And of Spain?"), start=1):
         browser.find_element(By.ID, "prompt").send_keys(text + Keys.ENTER)
         wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, ".msg.assistant[data-state=done]")) == turn)
@@ -822,6 +824,11 @@ def test_the_chat_page_streams_the_greedy_reply_over_two_turns(served, browser, 
         history.append({"role": "assistant", "content": api})
         meta = browser.find_elements(By.CSS_SELECTOR, ".msg.assistant .meta")[-1].text
         assert "tokens" in meta  # the usage chunk of the stream was read
+        cached = int(re.search(r"\((\d+) cached\)", meta)[1])  # the prefix cache's share of the prompt
+        prompts.append(reference[1].encode(render_prompt(reference[1], history[:-1])))
+        if turn == 2:  # turn 2's prompt starts with turn 1's, stored in the prefix cache: its whole 16-token blocks
+            same = next((i for i, (a, b) in enumerate(zip(*prompts)) if a != b), len(prompts[0]))
+            assert cached >= same // 16 * 16
     assert not browser.find_elements(By.CSS_SELECTOR, ".msg.error")
     browser.save_screenshot(str(tmp_path / "chat.png"))
 
