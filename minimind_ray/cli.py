@@ -43,11 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--debug", action="store_true", help="on an error, show the full traceback (before the verb)")
     p.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     sub = p.add_subparsers(dest="verb", required=True)
-    verbs = [(stage.name, f"train on Ray: {stage.help}", train_verb) for stage in STAGES.values()]
-    verbs += [(name, module.HELP, module) for name, module in VERBS.items()]
-    for name, help, module in verbs:
+    verbs = [(stage.name, f"train on Ray: {stage.help}", train_verb, (stage.name,)) for stage in STAGES.values()]
+    verbs += [(name, module.HELP, module, ()) for name, module in VERBS.items()]
+    for name, help, module, stage in verbs:
         sp = sub.add_parser(name, help=help)
-        module.add_arguments(sp)
+        module.add_arguments(sp, *stage)  # a stage's verb lists the config fields its stage reads
         sp.set_defaults(fn=module.run)
     for sp in sub.choices.values():  # after the verb too: `minimind-ray pretrain ... --verbose`
         sp.add_argument("--verbose", action="store_true", default=argparse.SUPPRESS, help=VERBOSE_HELP)

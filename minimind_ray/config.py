@@ -27,13 +27,13 @@ from minimind_ray.evals.config import EvalConfig, validate_eval
 from minimind_ray.fsio import is_uri
 from minimind_ray.model.config import ModelConfig, validate_model
 from minimind_ray.model.presets import preset_values
-from minimind_ray.stages import STAGES, get_stage
+from minimind_ray.stages import STAGES, get_stage, other_stages_field
 from minimind_ray.store.config import CheckpointConfig, validate_checkpoint
 from minimind_ray.tokenizer_fetch import PINNED
 from minimind_ray.tracking.config import TrackingConfig
 
 __all__ = ["ConfigError", "RunConfig", "load_config", "validate", "to_dict", "from_dict", "to_yaml", "flatten",
-           "run_identity", "field_help", "run_config_of", "RUNTIME_FIELDS"]
+           "run_identity", "field_help", "run_config_of", "refuse_other_stages_field", "RUNTIME_FIELDS"]
 
 
 @dataclass
@@ -163,6 +163,14 @@ def field_help(cls=RunConfig, prefix: str = "") -> List[tuple]:
 # --------------------------------------------------------------------------- validation
 
 
+def refuse_other_stages_field(cfg: RunConfig, where: str = "") -> None:
+    """A field of a section the run's stage does not read, set (``train.grpo.rewards`` on an rloo run), is refused:
+    it would be ignored without a word. ``where``: what the config is, before the field (a pipeline's step)."""
+    foreign = other_stages_field(cfg.train)
+    if foreign:
+        raise ConfigError(f"{where}{foreign[0]}: {foreign[1]}")
+
+
 def validate(cfg: RunConfig) -> None:
     """Fail fast, naming the field, before any Ray work starts: each section's own rules (its room's), the stage's
     (its record's), then the rules that span rooms."""
@@ -175,6 +183,9 @@ def validate(cfg: RunConfig) -> None:
     need(d.tokenizer in ("auto", "builtin", *PINNED) or os.path.exists(d.tokenizer), "data.tokenizer",
          f"{d.tokenizer!r} is neither a tokenizer name (auto, builtin, {', '.join(PINNED)}) nor an existing directory")
     validate_train(cfg)
+    refuse_other_stages_field(cfg)
+    for section in get_stage(t.stage).shares:  # the sections it shares with other stages (train.rollout)
+        section.check(getattr(t, section.name))
     want_fmt = get_stage(t.stage).formats
     need(d.format in want_fmt, "data.format", f"{t.stage} trains on {' or '.join(want_fmt)} records, not {d.format!r}; "
                                               f"leave data.format out and the {t.stage} verb reads {want_fmt[0]}")

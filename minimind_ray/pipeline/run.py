@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from minimind_ray.config import ConfigError, RunConfig, load_config
+from minimind_ray.config import ConfigError, RunConfig, load_config, refuse_other_stages_field
 from minimind_ray.fsio import filesystem, is_uri, join, redact, write_text_atomic
 from minimind_ray.pipeline.config import PipelineConfig, StepConfig, is_training, kind_of, step_digest
 from minimind_ray.preflight import adopt_architecture
@@ -97,6 +97,11 @@ def _first_config(pipe: PipelineConfig, cli: List[str]) -> RunConfig:
 def run_pipeline(pipe: PipelineConfig, cli: Optional[List[str]] = None, text: str = "") -> PipelineResult:
     t0 = time.monotonic()
     cli = list(cli or [])
+    for step in pipe.steps:  # a field another stage reads, set on a training step: refused before any step runs
+        if is_training(step):
+            cfg = load_config(step.recipe, [*pipe.overrides, f"train.stage={kind_of(step)}", *step.overrides, *cli],
+                              check=False)
+            refuse_other_stages_field(cfg, f"pipeline step {step.name!r}: ")
     first = _first_config(pipe, cli)
     storage = storage_root(first)
     state_path = join(join(storage, pipe.name), STATE)

@@ -39,7 +39,7 @@ class PPOConfig:
                                               "with every later update of the step; None = never", gt=0)
     rewards: List[RewardConfig] = field(default_factory=lambda: [RewardConfig(n) for n in (
         "length", "think_format", "repetition")], metadata={
-        "help": "reward terms, as train.grpo.rewards (rules, 'module:function', reward_model); the sum is the "
+        "help": "reward terms (docs/rl.md: a rule's name, 'module:function' or reward_model); the sum is the "
                 "reward of a completion's last token. Default: MiniMind's rules; its recipe adds its reward model"})
 
 

@@ -9,8 +9,8 @@ from minimind_ray.config_checks import need
 from minimind_ray.rl.agent_config import AgentConfig, validate_agent
 from minimind_ray.rl.grpo_config import GRPOConfig
 from minimind_ray.rl.rewards import user_reward_names
-from minimind_ray.rl.rollout_config import actor_resources
 from minimind_ray.stages.grpo import STAGE as GRPO
+from minimind_ray.stages.rl_stage import RL_RECORD
 from minimind_ray.stages.stage import MemoryTerms, Stage
 
 
@@ -48,8 +48,5 @@ def plugins(cfg) -> List[str]:
 
 STAGE = Stage("agent", "agentic tool-use RL: multi-turn GRPO/CISPO rollouts that call tools and read their results",
               formats=("agent_rl",), objective=objective, export_prefix="agent", section=AgentConfig,
-              validate=validate, memory=memory, plugins=plugins, beside=actor_resources, old_keys=GRPO.old_keys,
-              metric_group="rl",
-              headline=("reward", "kl"), rl=True,
-              fsdp_refusal="its rollouts sample from the policy on each worker alone, which a sharded policy cannot "
-                           "do")
+              validate=validate, memory=memory, plugins=plugins, old_keys=GRPO.old_keys, reads=("grpo",),
+              headline=("reward", "kl"), **RL_RECORD)

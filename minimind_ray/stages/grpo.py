@@ -7,7 +7,7 @@ from typing import List
 from minimind_ray.data.config import PROMPT_FORMATS
 from minimind_ray.rl.grpo_config import GRPOConfig, adopt_old_keys, validate_grpo
 from minimind_ray.rl.rewards import user_reward_names
-from minimind_ray.rl.rollout_config import actor_resources
+from minimind_ray.stages.rl_stage import RL_RECORD
 from minimind_ray.stages.stage import MemoryTerms, Stage
 
 
@@ -30,8 +30,5 @@ def plugins(cfg) -> List[str]:
 
 STAGE = Stage("grpo", "GRPO/CISPO: sample completions, score them with rewards, reinforce the better ones",
               formats=PROMPT_FORMATS, objective=objective, export_prefix="grpo", section=GRPOConfig,
-              validate=validate_grpo, memory=memory, plugins=plugins, beside=actor_resources, old_keys=adopt_old_keys,
-              metric_group="rl",
-              headline=("reward", "reward_exact_answer", "kl"), rl=True,
-              fsdp_refusal="its rollouts sample from the policy on each worker alone, which a sharded policy cannot "
-                           "do")
+              validate=validate_grpo, memory=memory, plugins=plugins, old_keys=adopt_old_keys,
+              headline=("reward", "reward_exact_answer", "kl"), **RL_RECORD)

@@ -7,7 +7,7 @@ from typing import List
 from minimind_ray.data.config import PROMPT_FORMATS
 from minimind_ray.rl.ppo_config import PPOConfig, validate_ppo
 from minimind_ray.rl.rewards import user_reward_names
-from minimind_ray.rl.rollout_config import actor_resources
+from minimind_ray.stages.rl_stage import RL_RECORD
 from minimind_ray.stages.stage import MemoryTerms, Stage
 
 
@@ -32,7 +32,7 @@ def plugins(cfg) -> List[str]:
 
 STAGE = Stage("ppo", "PPO: an actor and a critic, GAE advantages of the rewards, clipped policy and value losses",
               formats=PROMPT_FORMATS, objective=objective, export_prefix="ppo_actor", parts=(("critic", "ppo_critic"),),
-              section=PPOConfig, validate=validate_ppo, memory=memory, plugins=plugins, beside=actor_resources, metric_group="rl",
-              headline=("reward", "kl"), rl=True,
-              fsdp_refusal="its rollouts sample from the policy on each worker alone, which a sharded policy cannot "
-                           "do, and its critic has a DDP wrapper of its own")
+              section=PPOConfig, validate=validate_ppo, memory=memory, plugins=plugins,
+              headline=("reward", "kl"),
+              **dict(RL_RECORD, fsdp_refusal=RL_RECORD["fsdp_refusal"] + ", and its critic has a DDP wrapper of its "
+                                                                         "own"))

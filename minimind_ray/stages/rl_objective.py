@@ -20,7 +20,7 @@ class RLObjective(Objective):
 
     def __init__(self, cfg, plan):
         super().__init__(cfg)
-        self.name, self.plan = cfg.train.stage, plan
+        self.plan = plan
 
     @property
     def reference(self):

@@ -28,7 +28,7 @@ from minimind_ray.config_checks import config_field as _f, need
 from minimind_ray.data.config import PROMPT_FORMATS
 from minimind_ray.rl.plan import Batch, GroupPlan, all_reduced
 from minimind_ray.rl.rewards import RewardConfig, user_reward_names, validate_reward_terms
-from minimind_ray.rl.rollout_config import actor_resources
+from minimind_ray.stages.rl_stage import RL_RECORD
 from minimind_ray.stages.stage import MemoryTerms, Stage
 
 
@@ -55,7 +55,7 @@ class RLOOConfig:
     mask_truncated: bool = _f(False, "completions that reach max_gen_len without an EOS carry no loss (TRL)")
     rewards: List[RewardConfig] = field(default_factory=lambda: [RewardConfig(n) for n in (
         "length", "think_format", "repetition")], metadata={
-        "help": "reward terms, as train.grpo.rewards (rules, 'module:function', reward_model); default: MiniMind's "
+        "help": "reward terms (docs/rl.md: a rule's name, 'module:function' or reward_model); default: MiniMind's "
                 "rule rewards"})
 
 
@@ -170,7 +170,4 @@ def plugins(cfg) -> List[str]:
 
 STAGE = Stage("rloo", "RLOO: k completions of each prompt, each one's baseline the mean reward of the other k - 1, "
                       "no critic", formats=PROMPT_FORMATS, objective=objective, export_prefix="rloo",
-              section=RLOOConfig, validate=validate, memory=memory, plugins=plugins, beside=actor_resources,
-              metric_group="rl", headline=("reward", "kl"), rl=True,
-              fsdp_refusal="its rollouts sample from the policy on each worker alone, which a sharded policy cannot "
-                           "do")
+              section=RLOOConfig, validate=validate, memory=memory, plugins=plugins, headline=("reward", "kl"), **RL_RECORD)

@@ -41,7 +41,7 @@ NEW_SECTIONS = ("train.simpo.", "train.rollout.", "train.parallelism", "train.ac
 # help lines that changed on purpose: the stage list names the new stage; train.grpo.rollout* moved to train.rollout;
 # data.format says what a verb implies when it is not given, data.train_path that one path needs no list (issue 38)
 CHANGED_HELP = {"cluster.max_failures", "train.faults",  # issue 47: what max_failures counts; the 'bug' kind
-                "train.stage", "train.grpo.rollout", "train.grpo.rollout_actors", "train.grpo.rollout_actor_cpus",
+                "train.stage", "train.ppo.rewards", "train.grpo.rollout", "train.grpo.rollout_actors", "train.grpo.rollout_actor_cpus",
                 "train.grpo.rollout_actor_gpus", "train.grpo.rollout_overlap", "data.format", "data.train_path"}
 
 
@@ -84,3 +84,19 @@ def test_help_lists_the_same_fields_defaults_and_lines(golden):
         assert now[name][0] == default and (name in CHANGED_HELP or now[name][1] == text), name
     assert [n for n in order if n in {g[0] for g in golden["help"]}] == [g[0] for g in golden["help"]]
     assert [n for n in order if n not in {g[0] for g in golden["help"]} and not n.startswith(NEW_SECTIONS)] == []
+
+
+# every recipe's run identity under every stage's verb, computed by the code of main before issue 56 moved the RL
+# algorithms (tests/fixtures/recipes_identity.json, /tmp-free: `python -c` of run_identity over load_config(recipe,
+# ["train.stage=<verb>"], check=False)): the same command still finds, and resumes, a run made before
+IDENTITIES = REPO / "tests" / "fixtures" / "recipes_identity.json"
+
+
+@pytest.mark.parametrize("recipe", [p for p in RECIPES], ids=lambda p: p.name)
+def test_a_recipe_keeps_its_run_identity_under_every_verb(recipe):
+    from minimind_ray.config import run_identity
+    from minimind_ray.stages import STAGE_NAMES
+
+    before = json.loads(IDENTITIES.read_text())[recipe.name]
+    now = {s: run_identity(load_config(str(recipe), [f"train.stage={s}"], check=False)) for s in STAGE_NAMES}
+    assert now == before
