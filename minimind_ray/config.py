@@ -131,7 +131,8 @@ RUNTIME_FIELDS = (
 def run_identity(cfg: "RunConfig") -> str:
     """``<stage>-<10 hex>``: a hash of the settings that define the training (model, data, stage, optimisation,
     seed), without the runtime-only ones in :data:`RUNTIME_FIELDS`, and of those only the ones that differ from the
-    config's defaults (the stage always counts). The default run name: the same command finds the same run again,
+    config's defaults (the stage always counts), each under the name its stage's record says it had when it moved
+    (``identity_renames``). The default run name: the same command finds the same run again,
     whatever the cluster size or tracking server, and a later version that adds a field (a new stage's section, a new
     option at its default) still finds it."""
     import hashlib
@@ -141,7 +142,8 @@ def run_identity(cfg: "RunConfig") -> str:
         return {k: v for k, v in flatten(d).items() if not any(k == f or k.startswith(f + ".") for f in RUNTIME_FIELDS)}
 
     defaults = defining(to_dict(RunConfig()))
-    kept = {k: v for k, v in defining(to_dict(cfg)).items()
+    renamed = dict(STAGES[cfg.train.stage].identity_renames) if cfg.train.stage in STAGES else {}
+    kept = {renamed.get(k, k): v for k, v in defining(to_dict(cfg)).items()
             if k == "train.stage" or k not in defaults or defaults[k] != v}
     digest = hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()
     return f"{cfg.train.stage}-{digest[:10]}"

@@ -79,6 +79,6 @@ def other_stages_field(train) -> Optional[Tuple[str, str]]:
             mine = [f"train.{n}.{key}" for n in stage.section_names()
                     if key in flatten(dataclasses.asdict(getattr(train, n)))]
             reads = ", ".join("train." + n for n in stage.section_names()) or "no stage's section"
-            hint = f"did you mean {mine[0]}?" if mine else f"a {stage.name} run reads {reads}: leave it out"
-            return f"train.{name}.{key}", f"a field of {whose}, which a {stage.name} run does not read; {hint}"
+            hint = f"did you mean {mine[0]}?" if mine else f"the {stage.name} stage reads {reads}: leave it out"
+            return f"train.{name}.{key}", f"a field of {whose}, which the {stage.name} stage does not read; {hint}"
     return None

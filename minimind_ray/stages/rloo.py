@@ -15,7 +15,8 @@ averaged over the global batch's completions (``train.rloo``).
 
 The worked example of docs/architecture.md, "Where to add things", for an RL algorithm: this module and one line of
 stages/__init__.py. The plan base (rl/plan.py:GroupPlan) samples the groups, scores them, keeps the reference and sends
-rollouts ahead; this module supplies the section, the advantages and the loss. Its math uses tensor methods only, and
+rollouts ahead; this module supplies the section, the advantages (the leave-one-out baseline is the RL toolkit's,
+rl/advantages.py, which GRPO's advantage='rloo' shares) and the loss; its plan is its objective. Its math uses tensor methods only, and
 torch is imported where a run uses it: the CLI and the config read this record.
 """
 from __future__ import annotations
@@ -81,12 +82,6 @@ def kl_penalised(rewards, old_logp, ref_logp, mask, beta: float):
     return rewards - beta * ((old_logp - ref_logp) * mask).sum(dim=1)
 
 
-def leave_one_out(rewards, k: int):
-    """Each of consecutive groups of ``k`` rewards (N,) minus the mean of the group's other k - 1 (N,)."""
-    grouped = rewards.view(-1, k)
-    return (grouped - (grouped.sum(dim=1, keepdim=True) - grouped) / (k - 1)).reshape(-1)
-
-
 def sequence_loss(logp, old_logp, mask, advantages, epsilon: float, epsilon_high: Optional[float]):
     """(each completion's clipped REINFORCE loss (N,), whether its clip took over (N,)): the ratio is that of the
     whole completion, exp(sum over its tokens of log p - log p_old); a completion with no token under ``mask`` has
@@ -125,6 +120,8 @@ class RLOOPlan(GroupPlan):
         return self.section.num_iterations
 
     def advantages(self, state, out: List[Batch]) -> None:
+        from minimind_ray.rl.advantages import leave_one_out  # lazy: torch, when a run trains
+
         r = self.section
         for b in out:
             rewards, mask = b["rewards"], b["completion_mask"]
@@ -141,7 +138,7 @@ class RLOOPlan(GroupPlan):
         return int(batch["completion_mask"].sum(dim=1).gt(0).sum())  # completions that carry a token
 
     def loss_sum(self, model, batch: Batch) -> Tuple:
-        from minimind_ray.rl.grpo import completion_logprobs  # lazy: torch, when a run trains
+        from minimind_ray.rl.logprobs import completion_logprobs  # lazy: torch, when a run trains
 
         r, mask = self.section, batch["completion_mask"]
         logp, aux = completion_logprobs(model, batch["input_ids"], batch["attention_mask"], mask.shape[1])
@@ -153,9 +150,7 @@ class RLOOPlan(GroupPlan):
 
 
 def objective(cfg):
-    from minimind_ray.stages.rl_objective import RLObjective  # lazy: torch, when a run builds its state
-
-    return RLObjective(cfg, RLOOPlan(cfg, cfg.train.rloo))
+    return RLOOPlan(cfg, cfg.train.rloo)
 
 
 def memory(cfg, policy, count) -> MemoryTerms:

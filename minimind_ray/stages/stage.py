@@ -86,6 +86,9 @@ class Stage:
     # keys of its section from before a rename, moved to where they are now (the run's config, before validation):
     # one notice per key moved (GRPO's train.grpo.rollout* -> train.rollout)
     old_keys: Callable[[Any], List[str]] = no_old_keys
+    # (a dotted key of a field that moved, the key a run's identity hashes it under): the name it had before the move,
+    # so that the same command still finds a run made before (the agent's train.agent.beta: train.grpo.beta)
+    identity_renames: Tuple[Tuple[str, str], ...] = ()
     shares: Tuple[Section, ...] = ()  # sections it reads besides its own, shared with other stages (train.rollout)
     reads: Tuple[str, ...] = ()  # other stages' sections it reads (train.<stage>): the agent's GRPO section
     # the cluster holds the workers but not what this stage places beside them (``beside``): (the field to name, what

@@ -100,9 +100,9 @@ def test_old_grpo_rollout_keys_are_read_by_the_stages_that_read_train_grpo_only(
                            "train.rollout.actors=2)",
                            "[minimind-ray] notice: train.grpo.rollout_overlap is now train.rollout.overlap (read as "
                            "train.rollout.overlap=True)"], stage
-    with pytest.raises(ConfigError, match=r"^train\.grpo\.rollout: a field of the grpo stage's section, which a rloo "
-                                          r"run does not read; a rloo run reads train\.rloo, train\.rollout: leave it "
-                                          r"out$"):
+    with pytest.raises(ConfigError, match=r"^train\.grpo\.rollout: a field of the grpo stage's section, which the rloo "
+                                          r"stage does not read; the rloo stage reads train\.rloo, train\.rollout: "
+                                          r"leave it out$"):
         load_config(None, ["data.train_path=[demo]", "model.preset=tiny", "train.stage=rloo", "train.init_from=.",
                            *old])
     assert "notice" not in capsys.readouterr().err

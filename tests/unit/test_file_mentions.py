@@ -5,7 +5,7 @@ recipes and Makefile. No Ray, no torch: a second.
 What is checked:
 - a path from the repository's root (``minimind_ray/``, ``bench/``, ``pipelines/``, ``tests/``, ``cluster/``,
   ``docs/``) ending in .py, .sh, .yaml or .md: it must exist;
-- a path from one of minimind_ray's rooms (``engine/loop.py``, ``rl/grpo_step.py``): it must exist in that room;
+- a path from one of minimind_ray's rooms (``engine/loop.py``, ``rl/plan.py``): it must exist in that room;
 - in code, a bare file name ending in .py: a file of that name must exist in the repository (or beside the mentioning file);
 - a name after a Python file's mention (``raytrain/driver.py:finish``, ``stages/stage.py:Stage.parents``): that file
   (any file of that name, for a bare one) must define it: a function, a class, a method or a module-level name.
