@@ -33,7 +33,7 @@ from minimind_ray.raytrain.driver import run
 from minimind_ray.raytrain.resume import RunFinished, storage_root
 from minimind_ray.raytrain.session import connect_ray
 from minimind_ray.raytrain.lineage import TAG_DATA, TAG_MANIFEST, manifest_sha256
-from minimind_ray.serve import launch
+from minimind_ray.serve import serve_verb
 from minimind_ray.tracking.parents import child_tags, end_run, record, register_version, start_parent
 from minimind_ray.tracking.runs import resolve_tracking_uri
 
@@ -288,8 +288,8 @@ def _serve(ctx: _Context, step: StepConfig) -> Dict[str, Any]:
 
     model = ctx.model(step)
     p = argparse.ArgumentParser(prog="serve step")
-    launch.add_arguments(p)  # the serve verb's own flags
-    launch.run(p.parse_args([model["checkpoint_dir"], *step.serve_args]))
+    serve_verb.add_arguments(p)  # the serve verb's own flags
+    serve_verb.run(p.parse_args([model["checkpoint_dir"], *step.serve_args]))
     return {"served": model["checkpoint_dir"]}
 
 

@@ -336,3 +336,26 @@ def test_a_lazy_reason_excuses_its_own_import_only():
     lines = src.splitlines()
     imports = [n for n in ast.walk(ast.parse(src)) if isinstance(n, (ast.Import, ast.ImportFrom))]
     assert [_lazy_reason(lines, n) for n in sorted(imports, key=lambda n: n.lineno)] == [True, False, True, False]
+
+
+def test_every_verb_is_one_module_named_for_it():
+    """docs/architecture.md, "A new verb": each of cli.py's VERBS is ``<verb>_verb.py`` (a dash as ``_``) in the room
+    that does its work; every stage's verb is raytrain/train_verb.py's; no other module is a verb's (``add_arguments``
+    and ``run`` at its top level) or is named like one."""
+    import sys
+
+    sys.path.insert(0, str(REPO))
+    from minimind_ray.cli import VERBS
+
+    misnamed = [f"{verb}: {m.__name__}" for verb, m in VERBS.items()
+                if m.__name__.rsplit(".", 1)[-1] != verb.replace("-", "_") + "_verb"]
+    assert not misnamed, "verb modules not named <verb>_verb.py:\n" + "\n".join(misnamed)
+    verbs = {m.__name__ for m in VERBS.values()} | {"minimind_ray.raytrain.train_verb"}
+    named = {".".join(p.relative_to(PKG.parent).with_suffix("").parts) for p in PKG.rglob("*_verb.py")}
+    assert named == verbs, f"modules named like a verb that are none: {sorted(named - verbs)}"
+    acting = set()
+    for name, path in _modules().items():
+        defined = {n.name for n in ast.parse(path.read_text()).body if isinstance(n, ast.FunctionDef)}
+        if {"add_arguments", "run"} <= defined:
+            acting.add(name)
+    assert acting == verbs, f"modules holding a verb outside the verb modules: {sorted(acting - verbs)}"
