@@ -60,8 +60,10 @@ class RunConfig:
 # --------------------------------------------------------------------------- loading
 
 
-def load_config(path: Optional[str] = None, overrides: Optional[List[str]] = None, check: bool = True) -> RunConfig:
-    """YAML file + dotted overrides -> validated RunConfig (``check=False``: resolved, not validated).
+def load_config(path: Optional[str] = None, overrides: Optional[List[str]] = None, check: bool = True,
+                stage: Optional[str] = None) -> RunConfig:
+    """YAML file + dotted overrides -> validated RunConfig (``check=False``: resolved, not validated). ``stage``: the
+    verb's (a training verb, a pipeline's step), over the YAML's train.stage and under the overrides.
 
     The model preset is applied first; fields named explicitly in the YAML or the
     overrides win over it.
@@ -70,6 +72,8 @@ def load_config(path: Optional[str] = None, overrides: Optional[List[str]] = Non
     layers = []
     if path:  # the file's own errors name the file (and line)
         layers.append(read_yaml(path, schema))
+    if stage is not None:  # the verb's stage, as a value: never a train.stage=... string parsed back
+        layers.append(OmegaConf.create({"train": {"stage": stage}}))
     try:
         layers.append(conform(schema, OmegaConf.from_dotlist(list(overrides or []))))
         user = OmegaConf.merge(*layers) if layers else OmegaConf.create({})

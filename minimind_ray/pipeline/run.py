@@ -62,10 +62,11 @@ class _Context:
         self.results: Dict[str, Dict[str, Any]] = {}
         self.last_trained: Optional[str] = None
 
-    def recipe(self, step: StepConfig, extra: List[str]) -> RunConfig:
-        """The step's recipe with the pipeline's overrides, the pipeline's experiment, then the step's own."""
+    def recipe(self, step: StepConfig, extra: List[str], stage: Optional[str] = None) -> RunConfig:
+        """The step's recipe with the pipeline's overrides, the pipeline's experiment, then the step's own; ``stage``:
+        a training step's."""
         exp = [f"tracking.experiment={self.experiment}"]
-        return load_config(step.recipe, [*self.pipe.overrides, *exp, *extra, *step.overrides, *self.cli])
+        return load_config(step.recipe, [*self.pipe.overrides, *exp, *extra, *step.overrides, *self.cli], stage=stage)
 
     def model(self, step: StepConfig) -> Dict[str, Any]:
         return self.results[self.last_trained if step.model == "previous" else step.model]
@@ -99,8 +100,7 @@ def run_pipeline(pipe: PipelineConfig, cli: Optional[List[str]] = None, text: st
     cli = list(cli or [])
     for step in pipe.steps:  # a field another stage reads, set on a training step: refused before any step runs
         if is_training(step):
-            cfg = load_config(step.recipe, [*pipe.overrides, f"train.stage={kind_of(step)}", *step.overrides, *cli],
-                              check=False)
+            cfg = load_config(step.recipe, [*pipe.overrides, *step.overrides, *cli], check=False, stage=kind_of(step))
             refuse_other_stages_field(cfg, f"pipeline step {step.name!r}: ")
     first = _first_config(pipe, cli)
     storage = storage_root(first)
@@ -173,7 +173,7 @@ def _run_step(ctx: _Context, step: StepConfig) -> Dict[str, Any]:
 def _train_config(ctx: _Context, step: StepConfig):
     """(the training step's RunConfig, the weights it starts from): its recipe, named for the pipeline, from the
     step its init_from names (``previous``: the last training step's result)."""
-    extra = [f"train.stage={kind_of(step)}", f"name={ctx.pipe.name}-{step.name}", "resume=auto"]
+    extra = [f"name={ctx.pipe.name}-{step.name}", "resume=auto"]
     source = None
     if step.init_from == "previous":
         source = ctx.results[ctx.last_trained]["checkpoint_dir"] if ctx.last_trained else None
@@ -181,7 +181,7 @@ def _train_config(ctx: _Context, step: StepConfig):
         source = ctx.results[step.init_from]["checkpoint_dir"] if step.init_from in ctx.results else step.init_from
     if source:
         extra.append(f"train.init_from={source}")
-    return ctx.recipe(step, extra), source
+    return ctx.recipe(step, extra, stage=kind_of(step)), source
 
 
 def check_the_next_training_step(ctx: _Context, done: StepConfig) -> None:

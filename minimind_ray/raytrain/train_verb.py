@@ -46,11 +46,9 @@ def load_run_config(args, stage: Optional[str] = None):
     from minimind_ray.config import load_config  # lazy: pyarrow, only when this runs
 
     overrides = list(args.overrides)
-    if stage:
-        overrides = [f"train.stage={stage}"] + overrides
     if getattr(args, "fresh", False):
         overrides.append("resume=never")
-    return load_config(args.config, overrides)
+    return load_config(args.config, overrides, stage=stage)
 
 
 def run(args) -> int:

@@ -359,3 +359,11 @@ def test_every_verb_is_one_module_named_for_it():
         if {"add_arguments", "run"} <= defined:
             acting.add(name)
     assert acting == verbs, f"modules holding a verb outside the verb modules: {sorted(acting - verbs)}"
+
+
+def test_the_verbs_stage_is_never_a_dotted_override_string():
+    """A training verb's (or a pipeline step's) stage reaches the config as a value (load_config's ``stage``), not as
+    a ``train.stage=...`` string parsed back."""
+    found = [f"{p.relative_to(REPO)}:{i}" for p in PKG.rglob("*.py")
+             for i, line in enumerate(p.read_text().splitlines(), 1) if re.search(r"""f?["']train\.stage=""", line)]
+    assert not found, "\n".join(found)
