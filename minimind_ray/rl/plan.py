@@ -16,11 +16,11 @@ hooks), so a stage record's ``objective`` returns the algorithm's plan.
 What an algorithm supplies (the rest has defaults):
 
     section             its config section (train.<name>): max_gen_len, temperature, top_p, top_k, rewards, mini_batches
-    kl_weight           > 0: a frozen reference is kept (its log-probs in each rolled-out batch as ``ref_logp``)
+    kl_field            its section's KL weight: > 0, a frozen reference is kept (its log-probs as ``ref_logp``)
     requests()          each micro-batch's first rollout request (prompt rows, their mask, sampling params, row seeds)
     score()             one micro-batch's rollout -> what the loss trains on: rewards, log-probs, ``metric_<name>`` sums
     advantages()        the step's rolled-out micro-batches get their ``advantages`` (a global batch's all-reduce here)
-    passes, weight(), loss_sum()   the updates per step, a micro-batch's loss units, its loss summed over them
+    passes_field, weight(), loss_sum()   passes per step, a micro-batch's loss units, its loss summed over them
     keep_update(), end_step(), state_dict(), trained_parts()    when it has an early stop, state or a second model
 
 Light: torch is imported where a run uses it, so that a stage record (stages/<name>.py, imported by the CLI) can
@@ -84,13 +84,16 @@ class RolloutPlan:
 
     # ------------------------------------------------------------------ what an algorithm supplies
 
+    kl_field = None  # its section's field weighing a KL to the frozen reference (> 0: one is kept); None: no reference
+    passes_field = None  # its section's field counting the optimizer passes over each batch of rollouts; None: one
+
     @property
     def kl_weight(self) -> float:
-        return 0.0
+        return getattr(self.section, self.kl_field) if self.kl_field else 0.0
 
     @property
     def passes(self) -> int:
-        return 1
+        return getattr(self.section, self.passes_field) if self.passes_field else 1
 
     def build_rewards(self, device) -> list:
         from minimind_ray.rl.rewards import build_rewards  # lazy: a reward model's torch, when a run builds its state
@@ -224,6 +227,7 @@ class GroupPlan(RolloutPlan):
     the behaviour and reference log-probs, ``section.mask_truncated`` (GRPO, RLOO)."""
 
     dynamic_rounds = 0  # DAPO's resampling of groups whose rewards are all equal (GRPO's dynamic_sampling)
+    kl_field, passes_field = "beta", "num_iterations"  # a group algorithm's section names them so (GRPO, RLOO)
 
     @property
     def group_size(self) -> int:

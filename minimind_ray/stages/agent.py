@@ -56,7 +56,7 @@ class AgentConfig(GroupPolicyConfig):
     reward_clip: Optional[float] = _f(3.0, "the total reward is clipped to [-reward_clip, reward_clip] (MiniMind: 3); "
                                            "None = no clip", gt=0)
     rewards: List[RewardConfig] = field(default_factory=lambda: [RewardConfig(n) for n in AGENT_REWARDS[:-1]],
-                                        metadata={"help": "reward terms of a whole trajectory (rl/agent_rewards.py): "
+                                        metadata={"help": "reward terms of a whole trajectory (rl/trajectory_rewards.py): "
                                                           "tool_tags | tool_calls | reply_format | gt_answer | "
                                                           "unfinished | repetition | reward_model, or "
                                                           "'module:function' called as fn(trajectories, **args); "

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 from minimind_ray.config_checks import config_field as _f, need
 from minimind_ray.data.config import PROMPT_FORMATS
 from minimind_ray.rl.plan import Batch, GroupPlan, all_reduced
-from minimind_ray.rl.rewards import RewardConfig, user_reward_names, validate_reward_terms
+from minimind_ray.rl.rewards import RewardConfig, reward_terms_field, user_reward_names, validate_reward_terms
 from minimind_ray.rl.rollout_config import RolloutConfig
 from minimind_ray.stages.rl_stage import RL_RECORD
 from minimind_ray.stages.stage import MemoryTerms, Stage
@@ -80,10 +80,9 @@ class GRPOConfig(GroupPolicyConfig):
     rollout_actor_cpus: float = _f(1.0, "old name of train.rollout.actor_cpus", gt=0)
     rollout_actor_gpus: float = _f(0.0, "old name of train.rollout.actor_gpus", ge=0)
     rollout_overlap: bool = _f(False, "old name of train.rollout.overlap")
-    rewards: List[RewardConfig] = field(default_factory=lambda: [RewardConfig(n) for n in (
-        "length", "think_format", "repetition")], metadata={
-        "help": "reward terms, e.g. [{name: exact_answer}, {name: reward_model, path: DIR, weight: 0.5}]; "
-                "default: MiniMind's rule rewards (length, think_format, repetition)"})
+    rewards: List[RewardConfig] = reward_terms_field(
+        "reward terms, e.g. [{name: exact_answer}, {name: reward_model, path: DIR, weight: 0.5}]; "
+                "default: MiniMind's rule rewards (length, think_format, repetition)")
 
 
 def validate_group_policy(cfg, g: GroupPolicyConfig, where: str) -> None:
@@ -177,16 +176,8 @@ class GRPOPlan(GroupPlan):
         self.kl = AdaptiveKL(self.g.beta, self.g.kl_target, self.g.kl_horizon)
 
     @property
-    def kl_weight(self) -> float:
-        return self.g.beta
-
-    @property
     def dynamic_rounds(self) -> int:
         return self.g.dynamic_sampling
-
-    @property
-    def passes(self) -> int:
-        return self.g.num_iterations
 
     def advantages(self, state, out: List[Batch]) -> None:
         from minimind_ray.rl.advantages import group_advantages  # lazy: torch, when a run trains

@@ -18,13 +18,13 @@ Light: torch is imported where a run uses it, since the CLI and the config read 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 from minimind_ray.config_checks import config_field as _f, need
 from minimind_ray.data.config import PROMPT_FORMATS
 from minimind_ray.rl.plan import Batch, RolloutPlan, all_reduced
-from minimind_ray.rl.rewards import RewardConfig, user_reward_names, validate_reward_terms
+from minimind_ray.rl.rewards import RewardConfig, reward_terms_field, user_reward_names, validate_reward_terms
 from minimind_ray.stages.rl_stage import RL_RECORD
 from minimind_ray.stages.stage import MemoryTerms, Stage
 
@@ -57,10 +57,9 @@ class PPOConfig:
     early_stop_kl: Optional[float] = _f(0.25, "an update whose approximate KL to the rollout policy (mean of "
                                               "(log p - log p_old)^2 / 2 over its tokens) exceeds this is dropped, "
                                               "with every later update of the step; None = never", gt=0)
-    rewards: List[RewardConfig] = field(default_factory=lambda: [RewardConfig(n) for n in (
-        "length", "think_format", "repetition")], metadata={
-        "help": "reward terms (docs/rl.md: a rule's name, 'module:function' or reward_model); the sum is the "
-                "reward of a completion's last token. Default: MiniMind's rules; its recipe adds its reward model"})
+    rewards: List[RewardConfig] = reward_terms_field(
+        "reward terms (docs/rl.md: a rule's name, 'module:function' or reward_model); the sum is the "
+                "reward of a completion's last token. Default: MiniMind's rules; its recipe adds its reward model")
 
 
 def validate(cfg) -> None:
@@ -84,6 +83,10 @@ TERMS = ("policy_loss", "value_loss", "kl", "approx_kl", "clip_fraction")  # sum
 
 
 class PPOPlan(RolloutPlan):
+    """PPO on the plan base: one completion per prompt, the critic trained beside the policy, GAE, the early stop."""
+
+    kl_field, passes_field = "kl_coef", "ppo_update_iters"
+
     def __init__(self, cfg, section):  # section: a PPOConfig (train.ppo)
         import torch
 
@@ -93,14 +96,6 @@ class PPOPlan(RolloutPlan):
         self._update = None  # this update's sums (TERMS, tokens), this rank
         self._applied = torch.zeros(len(TERMS) + 1, dtype=torch.float64)  # the step's applied updates, all ranks
         self._updates, self._stopped = 0, False
-
-    @property
-    def kl_weight(self) -> float:
-        return self.p.kl_coef
-
-    @property
-    def passes(self) -> int:
-        return self.p.ppo_update_iters
 
     def setup(self, model, device) -> None:
         from minimind_ray.rl.critic import CriticModel  # lazy: torch, when a run trains

@@ -22,13 +22,13 @@ torch is imported where a run uses it: the CLI and the config read this record.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 from minimind_ray.config_checks import config_field as _f, need
 from minimind_ray.data.config import PROMPT_FORMATS
 from minimind_ray.rl.plan import Batch, GroupPlan, all_reduced
-from minimind_ray.rl.rewards import RewardConfig, user_reward_names, validate_reward_terms
+from minimind_ray.rl.rewards import RewardConfig, reward_terms_field, user_reward_names, validate_reward_terms
 from minimind_ray.stages.rl_stage import RL_RECORD
 from minimind_ray.stages.stage import MemoryTerms, Stage
 
@@ -54,10 +54,9 @@ class RLOOConfig:
                                 "and the clip acts", ge=1)
     mini_batches: int = _f(1, "optimizer updates per pass: the rollouts split into this many mini-batches", ge=1)
     mask_truncated: bool = _f(False, "completions that reach max_gen_len without an EOS carry no loss (TRL)")
-    rewards: List[RewardConfig] = field(default_factory=lambda: [RewardConfig(n) for n in (
-        "length", "think_format", "repetition")], metadata={
-        "help": "reward terms (docs/rl.md: a rule's name, 'module:function' or reward_model); default: MiniMind's "
-                "rule rewards"})
+    rewards: List[RewardConfig] = reward_terms_field(
+        "reward terms (docs/rl.md: a rule's name, 'module:function' or reward_model); default: MiniMind's "
+                "rule rewards")
 
 
 def validate(cfg) -> None:
@@ -110,14 +109,6 @@ def normalised(advantages: list, state) -> list:
 class RLOOPlan(GroupPlan):
     """RLOO on the plan base: GroupPlan's rollouts (num_generations completions of each prompt, their rewards, the
     behaviour and reference log-probs); the KL-penalised leave-one-out advantages and the clipped sequence loss here."""
-
-    @property
-    def kl_weight(self) -> float:
-        return self.section.beta
-
-    @property
-    def passes(self) -> int:
-        return self.section.num_iterations
 
     def advantages(self, state, out: List[Batch]) -> None:
         from minimind_ray.rl.advantages import leave_one_out  # lazy: torch, when a run trains

@@ -60,7 +60,7 @@ NEW_SECTIONS = ("train.simpo.", "train.rollout.", "train.parallelism", "train.ac
 # help lines that changed on purpose: the stage list names the new stage; train.grpo.rollout* moved to train.rollout;
 # data.format says what a verb implies when it is not given, data.train_path that one path needs no list (issue 38)
 CHANGED_HELP = {"cluster.max_failures", "train.faults",  # issue 47: what max_failures counts; the 'bug' kind
-                "train.stage", "train.ppo.rewards", "train.grpo.rollout", "train.grpo.rollout_actors", "train.grpo.rollout_actor_cpus",
+                "train.stage", "train.ppo.rewards", "train.agent.rewards", "train.grpo.rollout", "train.grpo.rollout_actors", "train.grpo.rollout_actor_cpus",
                 "train.grpo.rollout_actor_gpus", "train.grpo.rollout_overlap", "data.format", "data.train_path"}
 
 
