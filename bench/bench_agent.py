@@ -3,7 +3,7 @@
   1. the starting model (a tool SFT of a demo SFT model: pipelines/configs/demo_tool_sft.yaml, run here from
      ``--sft`` unless ``--tool-sft`` names one): the eval verb's ``toolcall`` task on demo:toolcall_eval (200
      held-out sums "What is 3 plus 8 plus 5?" of three or four digits with the calculator offered, and 26
-     questions that need no tool), and whole greedy agent trajectories on the same 200 (rl/agent.py: the tool run,
+     questions that need no tool), and whole greedy agent trajectories on the same 200 (rl/turns.py: the tool run,
      its result read back): how many call the tool with the question's digits, how many end with the right sum
      (by the number of digits), how many of the right calls read the result back, and the mean reward;
   2. ``minimind-ray agent --config pipelines/configs/demo_agent.yaml train.init_from=<tool SFT run>``, timed;
@@ -28,8 +28,8 @@ from minimind_ray.evals.config import EvalTaskConfig
 from minimind_ray.evals.run import evaluate_task
 from minimind_ray.generate import tokenizer_for_weights
 from minimind_ray.raytrain.driver import run
-from minimind_ray.rl.agent import agent_rollout
-from minimind_ray.rl.agent_rewards import answer_calls, build_agent_rewards, final_answer, gt_found, score_trajectories
+from minimind_ray.rl.trajectory_rewards import answer_calls, build_agent_rewards, final_answer, gt_found, score_trajectories
+from minimind_ray.rl.turns import agent_rollout
 from minimind_ray.rl.rollout import SamplingParams, TorchRollout
 from minimind_ray.rl.tools import ToolBox
 from minimind_ray.store.weights import build_inference_model
@@ -52,7 +52,7 @@ def agent_scores(weights: str, cfg) -> dict:
     recs = [r for r in map(json.loads, open(path)) if r["subject"] == "arithmetic"]
     engine, box = TorchRollout(), ToolBox(cfg.train.agent.tools)
     engine.update_policy(model, 0)
-    params = SamplingParams(cfg.train.grpo.max_gen_len, 0.0, eos_id=tok.eos_id, pad_id=tok.pad_id)  # greedy
+    params = SamplingParams(cfg.train.agent.max_gen_len, 0.0, eos_id=tok.eos_id, pad_id=tok.pad_id)  # greedy
     terms, trajs = build_agent_rewards(cfg.train.agent.rewards), []
     encoder = Encoder("agent_rl", tok, cfg.data.max_seq_len)  # as the stage's prepare job encodes its records
     for i in range(0, len(recs), 25):
@@ -106,7 +106,7 @@ def main() -> None:
         tool_sft = res.run_dir
         print(f"tool SFT: {res.run_dir} in {wall:.0f} s wall")
     cfg = load_config(args.config, [f"train.init_from={tool_sft}", *args.overrides])
-    tokens = cfg.train.grpo.max_gen_len
+    tokens = cfg.train.agent.max_gen_len
     before = toolcall_scores(tool_sft, cfg.data.cache_dir, tokens), agent_scores(tool_sft, cfg)
     run = rl_run(cfg, args.agent)
     after = toolcall_scores(run.run_dir, cfg.data.cache_dir, tokens), agent_scores(run.run_dir, cfg)

@@ -3,7 +3,7 @@ the same.
 
 What one training worker generates in one GRPO step, with the in-worker sampler (``rl/rollout.py``
 ``TorchRollout``), each completion from its own seed (``row_seeds``), as the step asks for it: before, one
-``generate`` per micro-batch; after, ``generate_many`` of the step's micro-batches (rl/grpo_step.py), which runs
+``generate`` per micro-batch; after, ``generate_many`` of the step's micro-batches (rl/plan.py: the plan base), which runs
 them as one batch:
 
   demo             the demo recipe (demo_grpo.yaml): 16 sorting prompts x 8 completions, max_gen_len 10,

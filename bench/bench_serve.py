@@ -45,7 +45,7 @@ import torch
 from common import BASE_REV, REPO, cpu_by_process, cpu_spent, export_tree, fresh_weights, table
 from ray import serve
 
-from minimind_ray.serve import launch
+from minimind_ray.serve import serve_verb
 from minimind_ray.serve.engine import Engine, GenRequest
 from minimind_ray.serve.model_io import generate_tokens, load_served_model, render_prompt
 from minimind_ray.serve.options import ServeOptions
@@ -242,12 +242,12 @@ def main(argv=None) -> int:
                                                {"stream_interval_ms": args.stream_interval_ms})).validate()
     for attempt in range(3):  # on a loaded machine Ray's raylet can miss its fixed 30 s start-up window
         try:
-            launch.connect(opts)
+            serve_verb.connect(opts)
             break
         except Exception as e:  # noqa: BLE001
             print(f"ray.init failed ({e}); retrying", flush=True)
             ray.shutdown()
-    url = launch.deploy(opts, quiet=True)
+    url = serve_verb.deploy(opts, quiet=True)
     cpu_rows = []
     try:
         asyncio.run(serve_clients(url, "bench", messages_list[:4], 2, 8))  # warm-up

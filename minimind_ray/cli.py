@@ -12,26 +12,26 @@ import argparse
 import sys
 from typing import List, Optional
 
-from minimind_ray import chat_verb, export_verb, generate_verb, tokenizer_fetch, train_tokenizer_verb
+from minimind_ray import chat_verb, export_verb, fetch_tokenizer_verb, generate_verb, train_tokenizer_verb
 from minimind_ray.config_checks import ConfigError
 from minimind_ray.console import quiet_environment, set_verbose
-from minimind_ray.evals import verb as eval_verb
+from minimind_ray.evals import eval_verb
 from minimind_ray.failures import MISTAKE, Mistake, RunStopped
 from minimind_ray.memory_errors import OutOfMemory
-from minimind_ray.pipeline import verb as pipeline_verb
+from minimind_ray.pipeline import pipeline_verb
 from minimind_ray.raytrain import prepare_verb, sweep_verb, train_verb
 from minimind_ray.raytrain.restarts import RestartsSpent
-from minimind_ray.serve import launch as serve_verb
+from minimind_ray.serve import serve_verb
 from minimind_ray.stages import STAGES
 from minimind_ray.store import merge_lora_verb
 from minimind_ray.tokenizer_fetch import TokenizerFetchError
 
 # The verbs after the training ones (one per stage of the registry, all raytrain/train_verb.py), in --help's order.
-# Each is a module of the room that does its work: HELP (its line in `minimind-ray --help`), add_arguments(parser)
-# and run(args) -> the exit code. This file only assembles them.
+# Each is one module, <verb>_verb.py, of the room that does its work (docs/architecture.md, "A new verb"): HELP (its
+# line in `minimind-ray --help`), add_arguments(parser) and run(args) -> the exit code. This file only assembles them.
 VERBS = {"sweep": sweep_verb, "pipeline": pipeline_verb, "prepare": prepare_verb, "generate": generate_verb,
          "chat": chat_verb, "eval": eval_verb, "export": export_verb, "merge-lora": merge_lora_verb,
-         "train-tokenizer": train_tokenizer_verb, "fetch-tokenizer": tokenizer_fetch, "serve": serve_verb}
+         "train-tokenizer": train_tokenizer_verb, "fetch-tokenizer": fetch_tokenizer_verb, "serve": serve_verb}
 
 VERBOSE_HELP = ("show Ray's and MLflow's own lines too (Ray Data's progress, Ray Train's reports, Serve's access "
                 "lines, ...), as MINIMIND_RAY_VERBOSE=1 does; by default they go to Ray's log files only")
@@ -43,11 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--debug", action="store_true", help="on an error, show the full traceback (before the verb)")
     p.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     sub = p.add_subparsers(dest="verb", required=True)
-    verbs = [(stage.name, f"train on Ray: {stage.help}", train_verb) for stage in STAGES.values()]
-    verbs += [(name, module.HELP, module) for name, module in VERBS.items()]
-    for name, help, module in verbs:
+    verbs = [(stage.name, f"train on Ray: {stage.help}", train_verb, (stage.name,)) for stage in STAGES.values()]
+    verbs += [(name, module.HELP, module, ()) for name, module in VERBS.items()]
+    for name, help, module, stage in verbs:
         sp = sub.add_parser(name, help=help)
-        module.add_arguments(sp)
+        module.add_arguments(sp, *stage)  # a stage's verb lists the config fields its stage reads
         sp.set_defaults(fn=module.run)
     for sp in sub.choices.values():  # after the verb too: `minimind-ray pretrain ... --verbose`
         sp.add_argument("--verbose", action="store_true", default=argparse.SUPPRESS, help=VERBOSE_HELP)

@@ -27,13 +27,13 @@ from minimind_ray.evals.config import EvalConfig, validate_eval
 from minimind_ray.fsio import is_uri
 from minimind_ray.model.config import ModelConfig, validate_model
 from minimind_ray.model.presets import preset_values
-from minimind_ray.stages import STAGES, get_stage
+from minimind_ray.stages import STAGES, get_stage, other_stages_field
 from minimind_ray.store.config import CheckpointConfig, validate_checkpoint
 from minimind_ray.tokenizer_fetch import PINNED
 from minimind_ray.tracking.config import TrackingConfig
 
 __all__ = ["ConfigError", "RunConfig", "load_config", "validate", "to_dict", "from_dict", "to_yaml", "flatten",
-           "run_identity", "field_help", "run_config_of", "RUNTIME_FIELDS"]
+           "run_identity", "field_help", "run_config_of", "refuse_other_stages_field", "RUNTIME_FIELDS"]
 
 
 @dataclass
@@ -60,8 +60,10 @@ class RunConfig:
 # --------------------------------------------------------------------------- loading
 
 
-def load_config(path: Optional[str] = None, overrides: Optional[List[str]] = None, check: bool = True) -> RunConfig:
-    """YAML file + dotted overrides -> validated RunConfig (``check=False``: resolved, not validated).
+def load_config(path: Optional[str] = None, overrides: Optional[List[str]] = None, check: bool = True,
+                stage: Optional[str] = None) -> RunConfig:
+    """YAML file + dotted overrides -> validated RunConfig (``check=False``: resolved, not validated). ``stage``: the
+    verb's (a training verb, a pipeline's step), over the YAML's train.stage and under the overrides.
 
     The model preset is applied first; fields named explicitly in the YAML or the
     overrides win over it.
@@ -70,6 +72,8 @@ def load_config(path: Optional[str] = None, overrides: Optional[List[str]] = Non
     layers = []
     if path:  # the file's own errors name the file (and line)
         layers.append(read_yaml(path, schema))
+    if stage is not None:  # the verb's stage, as a value: never a train.stage=... string parsed back
+        layers.append(OmegaConf.create({"train": {"stage": stage}}))
     try:
         layers.append(conform(schema, OmegaConf.from_dotlist(list(overrides or []))))
         user = OmegaConf.merge(*layers) if layers else OmegaConf.create({})
@@ -131,7 +135,8 @@ RUNTIME_FIELDS = (
 def run_identity(cfg: "RunConfig") -> str:
     """``<stage>-<10 hex>``: a hash of the settings that define the training (model, data, stage, optimisation,
     seed), without the runtime-only ones in :data:`RUNTIME_FIELDS`, and of those only the ones that differ from the
-    config's defaults (the stage always counts). The default run name: the same command finds the same run again,
+    config's defaults (the stage always counts), each under the name its stage's record says it had when it moved
+    (``identity_renames``). The default run name: the same command finds the same run again,
     whatever the cluster size or tracking server, and a later version that adds a field (a new stage's section, a new
     option at its default) still finds it."""
     import hashlib
@@ -141,7 +146,8 @@ def run_identity(cfg: "RunConfig") -> str:
         return {k: v for k, v in flatten(d).items() if not any(k == f or k.startswith(f + ".") for f in RUNTIME_FIELDS)}
 
     defaults = defining(to_dict(RunConfig()))
-    kept = {k: v for k, v in defining(to_dict(cfg)).items()
+    renamed = dict(STAGES[cfg.train.stage].identity_renames) if cfg.train.stage in STAGES else {}
+    kept = {renamed.get(k, k): v for k, v in defining(to_dict(cfg)).items()
             if k == "train.stage" or k not in defaults or defaults[k] != v}
     digest = hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()
     return f"{cfg.train.stage}-{digest[:10]}"
@@ -163,6 +169,14 @@ def field_help(cls=RunConfig, prefix: str = "") -> List[tuple]:
 # --------------------------------------------------------------------------- validation
 
 
+def refuse_other_stages_field(cfg: RunConfig, where: str = "") -> None:
+    """A field of a section the run's stage does not read, set (``train.grpo.rewards`` on an rloo run), is refused:
+    it would be ignored without a word. ``where``: what the config is, before the field (a pipeline's step)."""
+    foreign = other_stages_field(cfg.train)
+    if foreign:
+        raise ConfigError(f"{where}{foreign[0]}: {foreign[1]}")
+
+
 def validate(cfg: RunConfig) -> None:
     """Fail fast, naming the field, before any Ray work starts: each section's own rules (its room's), the stage's
     (its record's), then the rules that span rooms."""
@@ -175,6 +189,9 @@ def validate(cfg: RunConfig) -> None:
     need(d.tokenizer in ("auto", "builtin", *PINNED) or os.path.exists(d.tokenizer), "data.tokenizer",
          f"{d.tokenizer!r} is neither a tokenizer name (auto, builtin, {', '.join(PINNED)}) nor an existing directory")
     validate_train(cfg)
+    refuse_other_stages_field(cfg)
+    for section in get_stage(t.stage).shares:  # the sections it shares with other stages (train.rollout)
+        section.check(getattr(t, section.name))
     want_fmt = get_stage(t.stage).formats
     need(d.format in want_fmt, "data.format", f"{t.stage} trains on {' or '.join(want_fmt)} records, not {d.format!r}; "
                                               f"leave data.format out and the {t.stage} verb reads {want_fmt[0]}")

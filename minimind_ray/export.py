@@ -26,9 +26,9 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch import nn
 
-from minimind_ray.config import run_config_of
+from minimind_ray.config import RunConfig, run_config_of
 from minimind_ray.fsio import atomic_write, torch_save_atomic, write_text_atomic
-from minimind_ray.model.config import ModelConfig
+from minimind_ray.model.config import ModelConfig, holds_lora
 from minimind_ray.model.lora import ADAPTER_FILE_PREFIX, merge_lora, save_lora
 from minimind_ray.model.minimind import clean_state_dict, unwrap_model
 from minimind_ray.model.rope import YARN
@@ -49,7 +49,7 @@ FORMATS = ("minimind", "hf", "safetensors", "gguf")
 
 
 def _has_lora(model: nn.Module) -> bool:
-    return any(".lora." in name for name, _ in model.named_parameters())
+    return holds_lora(name for name, _ in model.named_parameters())
 
 
 def export_minimind_pth(model: nn.Module, out_dir, prefix: str = "pretrain") -> str:
@@ -275,12 +275,11 @@ def export_from_source(source: str, out, formats=("minimind", "hf"), preset: Opt
         raise ValueError(f"export format(s) {unknown or list(formats)} unknown; choose from {', '.join(FORMATS)}")
     model, lw = build_inference_model(source, preset, merge_lora=False)
     tok_dir = tokenizer or lw.tokenizer_dir
-    stage = "pretrain"
-    run_cfg = run_config_of(lw.run_config)
+    run_cfg = run_config_of(lw.run_config)  # weights with no run recorded are named as the default stage's
+    prefix = get_stage((run_cfg or RunConfig()).train.stage).export_prefix
     if run_cfg is not None:
-        stage = get_stage(run_cfg.train.stage).export_prefix
         if tok_dir is None:
             from minimind_ray.tokenizer import resolve_tokenizer  # lazy: tokenizers, only when this runs
 
             tok_dir = resolve_tokenizer(run_cfg.data.tokenizer, run_cfg.data.cache_dir, run_cfg.model.generation).path
-    return _export_model(model, Path(out), stage, formats, tok_dir, lora=lora)
+    return _export_model(model, Path(out), prefix, formats, tok_dir, lora=lora)

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from minimind_ray.model.config import ModelConfig
+from minimind_ray.model.config import ModelConfig, holds_lora
 from minimind_ray.fsio import atomic_write
 from minimind_ray.model.minimind import clean_state_dict, unwrap_model
 from minimind_ray.model.rope import YARN
@@ -75,7 +75,7 @@ def gguf_tensors(model: nn.Module, dtype: torch.dtype = torch.float16) -> Dict[s
     import gguf
 
     raw = unwrap_model(model)
-    if any(".lora." in k for k in raw.state_dict()):
+    if holds_lora(raw.state_dict()):
         raise ValueError("model has LoRA adapters: merge_lora(model) before exporting to GGUF")
     if dtype not in DTYPES:
         raise ValueError(f"GGUF export dtype {dtype} is not one of {', '.join(map(str, DTYPES))}")

@@ -175,6 +175,21 @@ def classify(worker_exceptions: Dict[int, BaseException]) -> Verdict:
     return mistake or error or Verdict(FAULT, None, "no worker error")
 
 
+class NotPlaced(RuntimeError):
+    """What a stage places beside the workers (its record's ``beside``: RL's rollout actors) could not be placed in
+    time. Its message is one line that starts with the field to change, ``train.<section>.<field>: ... could not be
+    placed ...``; a restart would wait as long, so the controller ends the run (raytrain/faults.py)."""
+
+
+NOT_PLACED = re.compile(r"train\.[\w.]+: [^\n]*could not be placed[^\n]*")
+
+
+def not_placed(error: BaseException) -> Optional[str]:
+    """The one line of a :class:`NotPlaced` in the text of ``error`` (which may be Ray's wrapper of it), or None."""
+    found = NOT_PLACED.search(str(error))
+    return found.group(0) if found else None
+
+
 class RunStopped(RuntimeError):
     """Raised (inside Ray Train's ControllerError) when a failure is not retried: a mistake, or an error that recurred.
     Carries the verdict, so that the driver can say it in one line and keep the traceback in the run's error.log."""

@@ -22,7 +22,6 @@ needs the network or the mirror.
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import os
 import shutil
@@ -212,20 +211,3 @@ def fetch_to(name: str, out: str, mirror: Optional[str] = None, cache_dir: Optio
                                       f"refusing to overwrite it (move it away or choose another --out)")
         fsio.write_bytes_atomic(dst, data)
     return target
-
-
-# ``minimind-ray fetch-tokenizer NAME --out DIR``: this module is the verb's, as light as the parser needs
-HELP = (f"download MiniMind's tokenizer NAME (pinned commit, sha256-checked) into OUT/NAME: a mirror for {MIRROR_ENV} "
-        f"on offline clusters")
-
-
-def add_arguments(sp: argparse.ArgumentParser) -> None:
-    sp.add_argument("name", choices=sorted(PINNED))
-    sp.add_argument("--out", required=True, help="local directory or URI; the files land in OUT/NAME/")
-
-
-def run(args) -> int:
-    target = fetch_to(args.name, args.out)
-    print(f"{args.name}: {target} (sha256-checked)")
-    print(f"use it with {MIRROR_ENV}={args.out} and data.tokenizer={args.name}, or with data.tokenizer={target}")
-    return 0

@@ -4,7 +4,7 @@
 
 Works under `ray job submit`, with RAY_ADDRESS set, or with nothing set (a local Ray).
 All logic lives in the library (minimind_ray.cli -> minimind_ray.raytrain.driver); the stage
-itself is minimind_ray/stages/grpo.py, its plan minimind_ray/rl/grpo_step.py, on rl/plan.py (docs/rl.md).
+itself is minimind_ray/stages/grpo.py, with its plan, on rl/plan.py (docs/rl.md).
 """
 import sys
 

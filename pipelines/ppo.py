@@ -4,7 +4,7 @@
 
 Works under `ray job submit`, with RAY_ADDRESS set, or with nothing set (a local Ray).
 All logic lives in the library (minimind_ray.cli -> minimind_ray.raytrain.driver); the stage
-itself is minimind_ray/stages/ppo.py, its plan minimind_ray/rl/ppo_step.py and rl/ppo.py (docs/rl.md).
+itself is minimind_ray/stages/ppo.py, with its plan, on rl/plan.py and rl/critic.py (docs/rl.md).
 """
 import sys
 

@@ -242,7 +242,7 @@ class _NoOutOfMemoryTraceback(logging.Filter):
 
 def _raise_if_out_of_memory(error: BaseException, data_cfg, n_chunks: int) -> None:
     """A prepare task that Ray's memory monitor killed more often than ``RAY_task_oom_retries`` (set by
-    ``raytrain/driver.py:connect_ray``; Ray's own default retries without end) fails the job: say so in
+    ``raytrain/session.py:connect_ray``; Ray's own default retries without end) fails the job: say so in
     one line, with the memory seen and the settings that size a task."""
     seen = next((s for s in (read_oom(str(x)) for x in (error, getattr(error, "cause", None)) if x is not None)
                  if s is not None), None)

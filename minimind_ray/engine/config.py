@@ -1,5 +1,6 @@
 """The engine's configuration: the optimisation loop (``train:``), with one section per stage that has settings of
-its own (``train.lora``, ``train.dpo``, ...: each stage's record in minimind_ray/stages/ brings its section)."""
+its own (``train.lora``, ``train.dpo``, ...) and those several stages share (``train.rollout``): each stage's record in
+minimind_ray/stages/ brings the sections it reads."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,8 +9,7 @@ from typing import List, Optional
 
 from minimind_ray.config_checks import config_field as _f, need
 from minimind_ray.fault_schedule import validate_faults
-from minimind_ray.rl.rollout_config import RolloutConfig, validate_rollout
-from minimind_ray.stages import STAGE_NAMES, STAGES
+from minimind_ray.stages import STAGE_NAMES, STAGES, TRAIN_SECTIONS
 
 
 @dataclass
@@ -56,13 +56,12 @@ class LoopConfig:
     collective_timeout_s: float = _f(600.0, "a collective that takes longer fails the worker group (hung-rank detection)", gt=0)
     sample_log_dir: Optional[str] = _f(None, "debug: each rank appends the sample ids of every step here (exactly-once checks)")
     threads_per_worker: int = _f(0, "torch/OMP threads per worker; 0 = CPUs per worker rounded up", ge=0)
-    rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)  # the RL stages' engine (rl/)
 
 
-# TrainConfig: the loop's fields, then train.<stage> for each stage with a section, in the registry's order
+# TrainConfig: the loop's fields, then each train.<name> section the stages' records bring (their own, and those
+# several share: the RL stages' train.rollout), in the registry's order
 TrainConfig = dataclasses.make_dataclass(
-    "TrainConfig",
-    [(s.name, s.section, dataclasses.field(default_factory=s.section)) for s in STAGES.values() if s.section],
+    "TrainConfig", [(name, cls, dataclasses.field(default_factory=cls)) for name, (cls, _) in TRAIN_SECTIONS.items()],
     bases=(LoopConfig,), namespace={"__module__": __name__, "__doc__": "The optimisation loop."})
 
 
@@ -82,6 +81,3 @@ def validate_train(cfg) -> None:
     need(t.parallelism == "ddp" or refusal is None, "train.parallelism",
          f"stage {t.stage!r} does not train under fsdp: {refusal}; use train.parallelism=ddp")
     validate_faults(cfg)
-    validate_rollout(t.rollout)
-    need(t.rollout == RolloutConfig() or STAGES[t.stage].rl, "train.rollout",
-         f"stage {t.stage!r} samples no completions: leave train.rollout as it is")

@@ -3,7 +3,7 @@ Beside the model it configures, as nanoGPT's GPTConfig sits beside its GPT; mini
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Iterable, List, Optional
 
 from minimind_ray.config_checks import config_field as _f, need
 
@@ -56,3 +56,16 @@ def validate_model(m: ModelConfig) -> None:
          f"does not divide hidden_size {m.hidden_size}")
     if m.use_moe:
         need(1 <= m.num_experts_per_tok <= m.num_experts, "model.num_experts_per_tok", "must be in [1, num_experts]")
+
+
+LORA_KEY = ".lora."  # in the key of every LoRA adapter tensor: ``<module>.lora.{A,B}.weight`` (model/lora.py)
+
+
+def is_lora_key(key: str) -> bool:
+    """Whether a state-dict key (or parameter name) is a LoRA adapter's."""
+    return LORA_KEY in key
+
+
+def holds_lora(keys: Iterable[str]) -> bool:
+    """Whether weights with these state-dict keys (or parameter names) hold LoRA adapters: the one test of it."""
+    return any(is_lora_key(k) for k in keys)

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from minimind_ray.model.config import LoRAConfig
+from minimind_ray.model.config import LoRAConfig, is_lora_key
 from minimind_ray.fsio import torch_save_atomic
 from minimind_ray.model.minimind import clean_state_dict, unwrap_model
 
@@ -65,7 +65,7 @@ class LoRALinear(nn.Linear):
 
 
 def _is_target(name: str, module: nn.Module, targets: List[str]) -> bool:
-    if not isinstance(module, nn.Linear) or isinstance(module, LoRALinear) or ".lora." in f"{name}.":
+    if not isinstance(module, nn.Linear) or isinstance(module, LoRALinear) or is_lora_key(f"{name}."):
         return False  # not a linear layer, or already adapted, or part of an adapter
     if "square" in targets and module.in_features == module.out_features:
         return True
@@ -97,7 +97,7 @@ def apply_lora(model: nn.Module, cfg: LoRAConfig) -> List[str]:
 def freeze_base(model: nn.Module) -> None:
     """Only the adapters train: every parameter outside a ``.lora.`` branch stops requiring grad."""
     for name, p in unwrap_model(model).named_parameters():
-        p.requires_grad_(".lora." in name)
+        p.requires_grad_(is_lora_key(name))
 
 
 def _adapters(model: nn.Module) -> Dict[str, LoRALinear]:

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from minimind_ray.config import ConfigError, RunConfig, load_config
+from minimind_ray.config import ConfigError, RunConfig, load_config, refuse_other_stages_field
 from minimind_ray.fsio import filesystem, is_uri, join, redact, write_text_atomic
 from minimind_ray.pipeline.config import PipelineConfig, StepConfig, is_training, kind_of, step_digest
 from minimind_ray.preflight import adopt_architecture
@@ -33,7 +33,7 @@ from minimind_ray.raytrain.driver import run
 from minimind_ray.raytrain.resume import RunFinished, storage_root
 from minimind_ray.raytrain.session import connect_ray
 from minimind_ray.raytrain.lineage import TAG_DATA, TAG_MANIFEST, manifest_sha256
-from minimind_ray.serve import launch
+from minimind_ray.serve import serve_verb
 from minimind_ray.tracking.parents import child_tags, end_run, record, register_version, start_parent
 from minimind_ray.tracking.runs import resolve_tracking_uri
 
@@ -62,10 +62,11 @@ class _Context:
         self.results: Dict[str, Dict[str, Any]] = {}
         self.last_trained: Optional[str] = None
 
-    def recipe(self, step: StepConfig, extra: List[str]) -> RunConfig:
-        """The step's recipe with the pipeline's overrides, the pipeline's experiment, then the step's own."""
+    def recipe(self, step: StepConfig, extra: List[str], stage: Optional[str] = None) -> RunConfig:
+        """The step's recipe with the pipeline's overrides, the pipeline's experiment, then the step's own; ``stage``:
+        a training step's."""
         exp = [f"tracking.experiment={self.experiment}"]
-        return load_config(step.recipe, [*self.pipe.overrides, *exp, *extra, *step.overrides, *self.cli])
+        return load_config(step.recipe, [*self.pipe.overrides, *exp, *extra, *step.overrides, *self.cli], stage=stage)
 
     def model(self, step: StepConfig) -> Dict[str, Any]:
         return self.results[self.last_trained if step.model == "previous" else step.model]
@@ -97,6 +98,10 @@ def _first_config(pipe: PipelineConfig, cli: List[str]) -> RunConfig:
 def run_pipeline(pipe: PipelineConfig, cli: Optional[List[str]] = None, text: str = "") -> PipelineResult:
     t0 = time.monotonic()
     cli = list(cli or [])
+    for step in pipe.steps:  # a field another stage reads, set on a training step: refused before any step runs
+        if is_training(step):
+            cfg = load_config(step.recipe, [*pipe.overrides, *step.overrides, *cli], check=False, stage=kind_of(step))
+            refuse_other_stages_field(cfg, f"pipeline step {step.name!r}: ")
     first = _first_config(pipe, cli)
     storage = storage_root(first)
     state_path = join(join(storage, pipe.name), STATE)
@@ -168,7 +173,7 @@ def _run_step(ctx: _Context, step: StepConfig) -> Dict[str, Any]:
 def _train_config(ctx: _Context, step: StepConfig):
     """(the training step's RunConfig, the weights it starts from): its recipe, named for the pipeline, from the
     step its init_from names (``previous``: the last training step's result)."""
-    extra = [f"train.stage={kind_of(step)}", f"name={ctx.pipe.name}-{step.name}", "resume=auto"]
+    extra = [f"name={ctx.pipe.name}-{step.name}", "resume=auto"]
     source = None
     if step.init_from == "previous":
         source = ctx.results[ctx.last_trained]["checkpoint_dir"] if ctx.last_trained else None
@@ -176,7 +181,7 @@ def _train_config(ctx: _Context, step: StepConfig):
         source = ctx.results[step.init_from]["checkpoint_dir"] if step.init_from in ctx.results else step.init_from
     if source:
         extra.append(f"train.init_from={source}")
-    return ctx.recipe(step, extra), source
+    return ctx.recipe(step, extra, stage=kind_of(step)), source
 
 
 def check_the_next_training_step(ctx: _Context, done: StepConfig) -> None:
@@ -283,8 +288,8 @@ def _serve(ctx: _Context, step: StepConfig) -> Dict[str, Any]:
 
     model = ctx.model(step)
     p = argparse.ArgumentParser(prog="serve step")
-    launch.add_arguments(p)  # the serve verb's own flags
-    launch.run(p.parse_args([model["checkpoint_dir"], *step.serve_args]))
+    serve_verb.add_arguments(p)  # the serve verb's own flags
+    serve_verb.run(p.parse_args([model["checkpoint_dir"], *step.serve_args]))
     return {"served": model["checkpoint_dir"]}
 
 

@@ -95,7 +95,7 @@ def connect(cfg: RunConfig, name: str) -> Tuple[RunConfig, bool, str]:
         warn_relative_paths(cfg)
     use_gpu, backend = gpus_and_backend(cfg)
     run_cfg = dataclasses.replace(cfg, name=name, cluster=dataclasses.replace(cfg.cluster, use_gpu=use_gpu),
-                                  train=_absolute_weight_paths(cfg.train))
+                                  train=absolute_weight_paths(cfg.train))
     check_resources(run_cfg, use_gpu)  # before any data work: a request that cannot fit fails in seconds
     warn_if_short(run_cfg, use_gpu)  # one worker's peak memory by the estimate, against what a worker has
     return run_cfg, use_gpu, backend
@@ -215,14 +215,13 @@ def finish(spec: WorkerSpec, result, tokenizer, end_mlflow_run) -> RunResult:
     return out
 
 
-def _absolute_weight_paths(t):
-    """The TrainConfig with every local weights path made absolute: workers run in another directory."""
+def absolute_weight_paths(t):
+    """The TrainConfig with every local weights path made absolute (init_from, and each of the stage's parents: a
+    reference, a teacher): the workers run in another directory."""
     def absolute(p):
         return p if p is None or is_uri(p) else str(Path(p).expanduser().resolve())
 
-    return dataclasses.replace(t, init_from=absolute(t.init_from),
-                               dpo=dataclasses.replace(t.dpo, reference=absolute(t.dpo.reference)),
-                               distill=dataclasses.replace(t.distill, teacher_weights=absolute(t.distill.teacher_weights)))
+    return get_stage(t.stage).with_parents(dataclasses.replace(t, init_from=absolute(t.init_from)), absolute)
 
 
 def export_and_log(spec: WorkerSpec, result, tokenizer) -> RunResult:

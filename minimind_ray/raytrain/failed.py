@@ -5,7 +5,7 @@ user needs the cause and where to look; the driver turns what ``fit()`` raised i
 line (the CLI prints it, exit 2), and writes the page to ``<run_dir>/error.log``:
 
 * a worker out of memory (raytrain/oom.py: the settings to change);
-* rollout actors that could not be placed (raytrain/faults.py);
+* what a stage places beside the workers that could not be placed (failures.py:NotPlaced, RL's rollout actors);
 * a failure that was not retried (failures.py: the user's mistake, or an error that recurred), whose line names the
   field or plug-in at fault;
 * ``cluster.max_failures`` spent on faults.
@@ -18,9 +18,8 @@ import time
 from typing import Optional
 
 from minimind_ray.config import RunConfig
-from minimind_ray.failures import TRACEBACK_ATTR, one_line, run_stopped
+from minimind_ray.failures import TRACEBACK_ATTR, not_placed, one_line, run_stopped
 from minimind_ray.fsio import join, redact, write_text_atomic
-from minimind_ray.raytrain.faults import not_placed
 from minimind_ray.raytrain.oom import explain as explain_oom
 from minimind_ray.raytrain.resources import ClusterTooSmall
 from minimind_ray.raytrain.restarts import RestartsSpent

@@ -32,7 +32,7 @@ import pyarrow.fs as pafs
 import torch
 
 from minimind_ray.config import RunConfig  # the Ray layer is above the config: it runs what a RunConfig says
-from minimind_ray.failures import FailurePolicy, RunStopped
+from minimind_ray.failures import FailurePolicy, RunStopped, not_placed
 from minimind_ray.fault_schedule import FaultSpec, fault_schedule, start_faults
 from minimind_ray.fsio import filesystem, is_uri, join, write_bytes_atomic
 from minimind_ray.raytrain.oom import stop_on_out_of_memory
@@ -285,24 +285,15 @@ def failure_callback(sink, progress_run: str, run_dir: Optional[str], retry_mist
     return FailureNotice()
 
 
-NOT_PLACED = re.compile(r"train\.rollout\.actors: [^\n]*could not be placed[^\n]*")
-
-
 def stop_when_not_placed(worker_exceptions) -> None:
-    """In the controller: end the run (no restart) when a worker could not place its rollout actors (rl/actors.py):
-    a restart would wait as long for the same resources."""
+    """In the controller: end the run (no restart) when a worker could not place what its stage places beside it
+    (failures.py:NotPlaced, RL's rollout actors): a restart would wait as long for the same resources."""
     from ray.train import ControllerError
 
     for error in worker_exceptions.values():
-        found = NOT_PLACED.search(str(error))
+        found = not_placed(error)
         if found:
-            raise ControllerError(RuntimeError(found.group(0)))
-
-
-def not_placed(error: BaseException) -> Optional[str]:
-    """The one line of a run that stopped because its rollout actors could not be placed, or None."""
-    found = NOT_PLACED.search(str(error))
-    return found.group(0) if found else None
+            raise ControllerError(RuntimeError(found))
 
 
 def write_record(run_dir: Optional[str], name: str, record: dict) -> None:

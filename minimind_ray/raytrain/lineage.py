@@ -15,7 +15,6 @@ TAG_MANIFEST = "minimind.data.manifest_sha256"
 TAG_DATA = "minimind.data.prepared_dir"
 TAG_INIT_FROM = "minimind.init_from"
 TAG_INIT_FROM_RUN = "minimind.init_from.run_id"
-TAG_TEACHER_RUN = "minimind.distill.teacher.run_id"  # a stage's parents: minimind.<stage>.<parent>.run_id
 TAG_SKIPPED = "data/skipped"  # the records the prepare left out: '1 of 12,345 records (bad_json: 1; first at f:6)'
 
 

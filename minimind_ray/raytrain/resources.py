@@ -7,7 +7,7 @@ from typing import Dict
 
 from minimind_ray.config import ConfigError, RunConfig
 from minimind_ray.raytrain.runtime_env import beside_workers
-from minimind_ray.rl.rollout_config import actor_resources
+from minimind_ray.stages import get_stage
 
 
 class ClusterTooSmall(ConfigError):
@@ -46,12 +46,11 @@ def check_resources(cfg: RunConfig, use_gpu: bool) -> None:
             detail = ", ".join(f"{k}: need {n:g}, cluster has {h:g}" for k, (n, h) in short.items())
             waited = f"waited {cfg.cluster.resource_timeout_s:g}s (cluster.resource_timeout_s)"
             workers_fit = all(total.get(k, 0.0) >= v * need_workers for k, v in per.items())
-            r = cfg.train.rollout
-            if workers_fit and actor_resources(cfg):
-                raise ClusterTooSmall(
-                    f"train.rollout.actors: the cluster holds the {need_workers} worker(s) of {per} but not {r.actors} "
-                    f"rollout actor(s) of {r.actor_cpus:g} CPU / {r.actor_gpus:g} GPU beside them ({detail}); {waited}. "
-                    f"Lower train.rollout.actors or actor_cpus/actor_gpus, use train.rollout.engine=worker, or add nodes.")
+            stage = get_stage(cfg.train.stage)
+            if workers_fit and stage.beside(cfg):  # its record says what it places beside them and what to change
+                field, lacks, change = stage.beside_shortfall(cfg)
+                raise ClusterTooSmall(f"{field}: the cluster holds the {need_workers} worker(s) of {per} but not "
+                                      f"{lacks} beside them ({detail}); {waited}. {change}")
             field = "cluster.use_gpu" if "GPU" in short else "cluster.num_workers"
             raise ClusterTooSmall(
                 f"{field}: the cluster cannot hold {need_workers} worker(s) of {per} and what runs beside them "

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
 
-START_GUARD = f"{__name__}.StartGuard"  # for RAY_TRAIN_CALLBACKS (raytrain/driver.py:train_env)
+START_GUARD = f"{__name__}.StartGuard"  # for RAY_TRAIN_CALLBACKS (raytrain/session.py:train_env)
 
 
 class StartGuard(ControllerCallback, WorkerGroupCallback):

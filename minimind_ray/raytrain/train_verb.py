@@ -12,11 +12,14 @@ import argparse
 from typing import Optional
 
 
-def fields_epilog() -> str:
-    """Every config field with its default and help line: the end of each training verb's ``--help``."""
+def fields_epilog(stage: Optional[str] = None) -> str:
+    """The config fields with their defaults and help lines: the end of each training verb's ``--help``. Those of
+    ``stage``: the shared ones and the sections its record reads, not the other stages' (``None``: every field)."""
     from minimind_ray.config import field_help  # lazy: pyarrow, only when this runs
+    from minimind_ray.stages import other_sections  # lazy: with config, only when this runs
 
-    rows = [f"  {name}={default!r}\n      {help}" for name, default, help in field_help()]
+    hidden = tuple(f"train.{name}." for name in (other_sections(stage) if stage else ()))
+    rows = [f"  {name}={default!r}\n      {help}" for name, default, help in field_help() if not name.startswith(hidden)]
     return "config fields (override as key=value):\n" + "\n".join(rows)
 
 
@@ -26,8 +29,9 @@ def add_config_arguments(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=3e-4")
 
 
-def add_arguments(sp: argparse.ArgumentParser) -> None:
-    sp.epilog = fields_epilog()  # the config fields, laid out as written
+def add_arguments(sp: argparse.ArgumentParser, stage: Optional[str] = None) -> None:
+    """``stage``: the verb's stage (cli.py gives each stage's verb its name), whose fields its --help lists."""
+    sp.epilog = fields_epilog(stage)  # the config fields, laid out as written
     sp.formatter_class = argparse.RawDescriptionHelpFormatter
     add_config_arguments(sp)
     sp.add_argument("--fresh", action="store_true",
@@ -42,11 +46,9 @@ def load_run_config(args, stage: Optional[str] = None):
     from minimind_ray.config import load_config  # lazy: pyarrow, only when this runs
 
     overrides = list(args.overrides)
-    if stage:
-        overrides = [f"train.stage={stage}"] + overrides
     if getattr(args, "fresh", False):
         overrides.append("resume=never")
-    return load_config(args.config, overrides)
+    return load_config(args.config, overrides, stage=stage)
 
 
 def run(args) -> int:

@@ -27,6 +27,7 @@ from typing import Dict, Optional
 import torch
 from torch import Tensor
 
+from minimind_ray.failures import NotPlaced
 from minimind_ray.model.prefix_cache import PrefixCache
 from minimind_ray.model.sampling import SamplingParams
 from minimind_ray.rl.rollout import Rollout, RolloutEngine, merge_requests, sample_completions, split_rollout
@@ -86,7 +87,7 @@ def actor_name(run_name: str, index: int) -> str:
     return f"minimind-rollout-{run_name}-{index}"
 
 
-class RolloutActorsNotPlaced(RuntimeError):
+class RolloutActorsNotPlaced(NotPlaced):
     """The pool of rollout actors could not be placed in time: the message is one line naming train.rollout.actors.
     A restart would wait the same, so the run stops (raytrain/faults.py: failure_callback)."""
 

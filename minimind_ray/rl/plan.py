@@ -1,25 +1,26 @@
-"""The plan base of every RL algorithm: what one step of GRPO (rl/grpo_step.py), PPO (rl/ppo_step.py), the agent
-(rl/agent_step.py) or an algorithm in a stage module of its own does, written once. An algorithm subclasses
+"""The plan base of every RL algorithm: what one step of GRPO, PPO, the agent, RLOO (each one module of stages/:
+stages/grpo.py, ppo.py, agent.py, rloo.py) or a new algorithm does, written once. An algorithm subclasses
 :class:`RolloutPlan` (or :class:`GroupPlan`, for one that samples a group of completions per prompt) and supplies only
-what differs; the stage record's objective is stages/rl_objective.py:RLObjective with the algorithm's plan.
+what differs. The plan is the stage's objective: it answers what the engine asks of one (stages/objective.py's
+hooks), so a stage record's ``objective`` returns the algorithm's plan.
 
-    build(model)    the frozen reference (a copy of the initial policy, when the algorithm weighs a KL to it) and the
+    setup(model)    the frozen reference (a copy of the initial policy, when the algorithm weighs a KL to it) and the
                     reward terms, loaded without moving the sampling RNG
     prepare(step)   the rollouts sent ahead for this step are collected (train.rollout.overlap), the policy's weights
                     go to the rollout engine of train.rollout, the step's requests are generated (all micro-batches as
                     one batch, unless they were sent ahead) and scored, step + 1's requests are sent to run during this
                     step's update (where overlapping keeps a restored run exact), the advantages are computed, and the
                     rollout's seconds are a metric
-    updates()       passes over the rollouts, each of mini-batches optimizer updates over row slices of them
+    update_plan()   passes over the rollouts, each of mini-batches optimizer updates over row slices of them
 
 What an algorithm supplies (the rest has defaults):
 
     section             its config section (train.<name>): max_gen_len, temperature, top_p, top_k, rewards, mini_batches
-    kl_weight           > 0: a frozen reference is kept (its log-probs in each rolled-out batch as ``ref_logp``)
+    kl_field            its section's KL weight: > 0, a frozen reference is kept (its log-probs as ``ref_logp``)
     requests()          each micro-batch's first rollout request (prompt rows, their mask, sampling params, row seeds)
     score()             one micro-batch's rollout -> what the loss trains on: rewards, log-probs, ``metric_<name>`` sums
     advantages()        the step's rolled-out micro-batches get their ``advantages`` (a global batch's all-reduce here)
-    passes, weight(), loss_sum()   the updates per step, a micro-batch's loss units, its loss summed over them
+    passes_field, weight(), loss_sum()   passes per step, a micro-batch's loss units, its loss summed over them
     keep_update(), end_step(), state_dict(), trained_parts()    when it has an early stop, state or a second model
 
 Light: torch is imported where a run uses it, so that a stage record (stages/<name>.py, imported by the CLI) can
@@ -84,13 +85,16 @@ class RolloutPlan:
 
     # ------------------------------------------------------------------ what an algorithm supplies
 
+    kl_field = None  # its section's field weighing a KL to the frozen reference (> 0: one is kept); None: no reference
+    passes_field = None  # its section's field counting the optimizer passes over each batch of rollouts; None: one
+
     @property
     def kl_weight(self) -> float:
-        return 0.0
+        return getattr(self.section, self.kl_field) if self.kl_field else 0.0
 
     @property
     def passes(self) -> int:
-        return 1
+        return getattr(self.section, self.passes_field) if self.passes_field else 1
 
     def build_rewards(self, device) -> list:
         from minimind_ray.rl.rewards import build_rewards  # lazy: a reward model's torch, when a run builds its state
@@ -117,6 +121,14 @@ class RolloutPlan:
     def loss_sum(self, model, batch: Batch):
         raise NotImplementedError
 
+    def metric_weight(self, batch: Batch) -> int:
+        """The rolled-out completions: the interval meter's means are over completions."""
+        return int(batch.get("metric_rows", batch["completion_mask"].new_zeros(())).item())
+
+    def tokens(self, batch: Batch) -> int:
+        """Tokens of the update's forward pass (for tokens/s and MFU)."""
+        return int(sum(v.numel() for k, v in batch.items() if k.endswith("input_ids")))
+
     def keep_update(self, state) -> bool:
         return True
 
@@ -137,7 +149,7 @@ class RolloutPlan:
 
     # ------------------------------------------------------------------ what every algorithm does
 
-    def build(self, model, device) -> None:
+    def setup(self, model, device) -> None:
         """The reference and the reward terms, once, before the policy is wrapped for training."""
         import torch  # lazy: torch, when a run builds its state
 
@@ -145,9 +157,9 @@ class RolloutPlan:
         with torch.random.fork_rng(devices=[]):  # loading a reward model must not move the sampling RNG
             self.rewards = self.build_rewards(device)
 
-    def setup(self, state) -> None:
+    def start(self, state) -> None:
         """The engine and the tokenizer, once, on the first step (the engine needs the worker's state)."""
-        from minimind_ray.rl.grpo import run_tokenizer  # lazy: torch, when a run trains
+        from minimind_ray.rl.completions import run_tokenizer  # lazy: torch, when a run trains
 
         if self.engine is None:
             self.engine = build_rollout(self.cfg, state)
@@ -173,7 +185,7 @@ class RolloutPlan:
     def prepare(self, state, batches: List[Batch], step: int) -> List[Batch]:
         import torch  # lazy: torch, when a run trains
 
-        self.setup(state)
+        self.start(state)
         t0 = time.perf_counter()
         ahead = [self.engine.collect(h) for h in self.pending.pop(step, [])]  # generated from the older weights
         self.engine.update_policy(state.model, step)
@@ -192,7 +204,7 @@ class RolloutPlan:
         self.step_metrics(out[0], scale, state)
         return out
 
-    def updates(self, batches: List[Batch]) -> List[List[List[Batch]]]:
+    def update_plan(self, batches: List[Batch]) -> List[List[List[Batch]]]:
         """``passes`` passes over the rollouts, each ``section.mini_batches`` updates: update j of a pass trains on the
         j-th row slice of every micro-batch (the same slices on every rank and pass); the metrics ride with the
         first."""
@@ -212,10 +224,11 @@ class RolloutPlan:
 
 class GroupPlan(RolloutPlan):
     """An algorithm that samples ``section.num_generations`` completions of each prompt, each from its own seed
-    (rollout.row_seeds), and scores them with rl/grpo.py:rollout_micro_batch: the group's rewards and each term's,
+    (rollout.row_seeds), and scores them with rl/completions.py:rollout_micro_batch: the group's rewards and each term's,
     the behaviour and reference log-probs, ``section.mask_truncated`` (GRPO, RLOO)."""
 
     dynamic_rounds = 0  # DAPO's resampling of groups whose rewards are all equal (GRPO's dynamic_sampling)
+    kl_field, passes_field = "beta", "num_iterations"  # a group algorithm's section names them so (GRPO, RLOO)
 
     @property
     def group_size(self) -> int:
@@ -229,7 +242,7 @@ class GroupPlan(RolloutPlan):
                  self.params(), row_seeds(self.cfg.train.seed, step, mb["sample_ids"], G).to(dev)) for mb in batches]
 
     def score(self, state, mb: Batch, step: int, roll) -> Batch:
-        from minimind_ray.rl.grpo import rollout_micro_batch  # lazy: torch, when a run trains
+        from minimind_ray.rl.completions import rollout_micro_batch  # lazy: torch, when a run trains
 
         return rollout_micro_batch(mb, engine=self.engine, params=self.params(), group_size=self.group_size,
                                    rewards=self.rewards, tokenizer=self.tokenizer, reference=self.reference,

@@ -30,7 +30,7 @@ import contextlib
 import math
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from minimind_ray.config_checks import ConfigError, config_field as _f, need
@@ -249,3 +249,11 @@ def validate_reward_terms(terms: List[RewardConfig], where: str) -> None:
 def user_reward_names(terms: List[RewardConfig]) -> List[str]:
     """The user's own reward functions among ``terms`` (``package.module:function``), which the workers must import."""
     return [r.name for r in terms if r.name not in BUILTIN_REWARDS and ":" in r.name]
+
+
+MINIMIND_RULES = ("length", "think_format", "repetition")  # MiniMind's rule rewards: every section's default
+
+
+def reward_terms_field(help: str, names=MINIMIND_RULES):
+    """An RL section's ``rewards``: a list of :class:`RewardConfig`, by default one per name (MiniMind's rules)."""
+    return field(default_factory=lambda: [RewardConfig(n) for n in names], metadata={"help": help})

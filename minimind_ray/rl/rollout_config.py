@@ -1,7 +1,7 @@
 """Where an RL stage's completions are generated (``train.rollout``): in each training worker, or on a pool of Ray
 actors that generates for every rank (rl/actors.py). One section for every RL stage (GRPO, PPO, the agent), as
 verl's rollout workers serve every algorithm. GRPO's old ``train.grpo.rollout*`` keys still work: its stage record moves
-them here (rl/grpo_config.py:adopt_old_keys), with a notice naming the new key."""
+them here (stages/grpo.py:adopt_old_keys), with a notice naming the new key."""
 from __future__ import annotations
 
 from dataclasses import dataclass

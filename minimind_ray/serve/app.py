@@ -131,7 +131,7 @@ class ChatServer:
                  "required" if self.key_hash else "not required")
 
     def describe(self) -> dict:
-        """What this replica serves, for the command's startup line (serve/launch.py:served_info, through Serve's
+        """What this replica serves, for the command's startup line (serve/serve_verb.py:served_info, through Serve's
         handle): the model id, the weights, the context it serves and the one its run trained at."""
         return {"model": self.name, "weights": self.opts.weights, "context_length": self.context,
                 "trained_context_length": self.trained_context}

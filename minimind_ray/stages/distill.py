@@ -40,6 +40,6 @@ def memory(cfg, policy, count) -> MemoryTerms:
 
 STAGE = Stage("distill", "distillation from a frozen teacher", formats=("sft", "pretrain"), objective=objective,
               export_prefix="full_dist", section=DistillConfig, validate=validate, memory=memory,
-              parents=lambda cfg: {"teacher": cfg.train.distill.teacher_weights}, own_architecture=("teacher",),
+              parent_fields=(("teacher", "teacher_weights"),), own_architecture=("teacher",),
               headline=("kl",),
               fsdp_refusal="its frozen teacher would stay a whole copy on every worker, unsharded")

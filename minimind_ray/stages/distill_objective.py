@@ -13,8 +13,6 @@ from minimind_ray.stages.objective import Objective, load_frozen
 class DistillObjective(Objective):
     """alpha * CE + (1 - alpha) * T^2 * KL(teacher || student) on target tokens (MiniMind's defaults 0.5, 1.5)."""
 
-    name = "distill"
-
     def setup(self, model: nn.Module, device: torch.device) -> None:
         d = self.cfg.train.distill
         tcfg = ModelConfig(**preset_values(d.teacher_preset)) if d.teacher_preset else self.cfg.model

@@ -29,6 +29,6 @@ def memory(cfg, policy, count) -> MemoryTerms:
 
 STAGE = Stage("dpo", "direct preference optimisation on chosen/rejected pairs", formats=("dpo",), objective=objective,
               export_prefix="dpo", section=DPOConfig, memory=memory,
-              parents=lambda cfg: {"reference": cfg.train.dpo.reference},
+              parent_fields=(("reference", "reference"),),
               headline=("reward_margin", "reward_accuracy"),
               fsdp_refusal="its frozen reference would stay a whole copy on every worker, unsharded")

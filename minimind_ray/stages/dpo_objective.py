@@ -14,8 +14,6 @@ class DPOObjective(Objective):
     The reference model is a frozen copy held outside the trained module: it is
     never handed to the optimizer, DDP or the checkpoint."""
 
-    name = "dpo"
-
     def setup(self, model: nn.Module, device: torch.device) -> None:
         ref = self.cfg.train.dpo.reference
         self.reference = (load_frozen(self.cfg.model, ref, device, "train.dpo.reference") if ref

@@ -52,6 +52,6 @@ def memory(cfg, policy, count) -> MemoryTerms:
 
 STAGE = Stage("kto", "KTO: preference optimisation on unpaired replies judged desirable or not", formats=("kto",),
               objective=objective, export_prefix="kto", section=KTOConfig, validate=validate, memory=memory,
-              parents=lambda cfg: {"reference": cfg.train.kto.reference},
+              parent_fields=(("reference", "reference"),),
               headline=("kl", "reward_accuracy"),
               fsdp_refusal="its frozen reference would stay a whole copy on every worker, unsharded")

@@ -29,8 +29,6 @@ class KTOObjective(Objective):
     each micro-batch carries it as ``kl``. With no ``kl`` (the held-out evaluation, which has no step) a micro-batch
     uses its own pairs'. The reference is a frozen copy held outside the trained module, as DPO's."""
 
-    name = "kto"
-
     def setup(self, model: nn.Module, device: torch.device) -> None:
         ref = self.cfg.train.kto.reference
         self.reference = (load_frozen(self.cfg.model, ref, device, "train.kto.reference") if ref

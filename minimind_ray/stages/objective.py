@@ -42,9 +42,8 @@ def token_log_probs(logits: torch.Tensor, targets: torch.Tensor) -> Tuple[torch.
 
 
 class Objective:
-    """Base: causal-LM cross-entropy on every target token (pretrain, SFT)."""
-
-    name = "pretrain"
+    """Base: causal-LM cross-entropy on every target token (the pretrain and sft stages' objective; what the others
+    share). A stage's record names its objective (stages/stage.py); the objective needs no name of its own."""
 
     def __init__(self, cfg):  # the run's RunConfig
         self.cfg = cfg

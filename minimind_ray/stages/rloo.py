@@ -15,20 +15,21 @@ averaged over the global batch's completions (``train.rloo``).
 
 The worked example of docs/architecture.md, "Where to add things", for an RL algorithm: this module and one line of
 stages/__init__.py. The plan base (rl/plan.py:GroupPlan) samples the groups, scores them, keeps the reference and sends
-rollouts ahead; this module supplies the section, the advantages and the loss. Its math uses tensor methods only, and
+rollouts ahead; this module supplies the section, the advantages (the leave-one-out baseline is the RL toolkit's,
+rl/advantages.py, which GRPO's advantage='rloo' shares) and the loss; its plan is its objective. Its math uses tensor methods only, and
 torch is imported where a run uses it: the CLI and the config read this record.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 from minimind_ray.config_checks import config_field as _f, need
 from minimind_ray.data.config import PROMPT_FORMATS
 from minimind_ray.rl.plan import Batch, GroupPlan, all_reduced
-from minimind_ray.rl.rewards import RewardConfig, user_reward_names, validate_reward_terms
-from minimind_ray.rl.rollout_config import actor_resources
+from minimind_ray.rl.rewards import RewardConfig, reward_terms_field, user_reward_names, validate_reward_terms
+from minimind_ray.stages.rl_stage import RL_RECORD
 from minimind_ray.stages.stage import MemoryTerms, Stage
 
 
@@ -53,10 +54,9 @@ class RLOOConfig:
                                 "and the clip acts", ge=1)
     mini_batches: int = _f(1, "optimizer updates per pass: the rollouts split into this many mini-batches", ge=1)
     mask_truncated: bool = _f(False, "completions that reach max_gen_len without an EOS carry no loss (TRL)")
-    rewards: List[RewardConfig] = field(default_factory=lambda: [RewardConfig(n) for n in (
-        "length", "think_format", "repetition")], metadata={
-        "help": "reward terms, as train.grpo.rewards (rules, 'module:function', reward_model); default: MiniMind's "
-                "rule rewards"})
+    rewards: List[RewardConfig] = reward_terms_field(
+        "reward terms (docs/rl.md: a rule's name, 'module:function' or reward_model); default: MiniMind's "
+                "rule rewards")
 
 
 def validate(cfg) -> None:
@@ -79,12 +79,6 @@ def kl_penalised(rewards, old_logp, ref_logp, mask, beta: float):
     """Each completion's reward (N,) minus beta times its KL to the reference: the sum of log p - log ref over its
     tokens (``mask`` (N, R)), with the behaviour policy's log-probs, as TRL penalises its RLOO rewards."""
     return rewards - beta * ((old_logp - ref_logp) * mask).sum(dim=1)
-
-
-def leave_one_out(rewards, k: int):
-    """Each of consecutive groups of ``k`` rewards (N,) minus the mean of the group's other k - 1 (N,)."""
-    grouped = rewards.view(-1, k)
-    return (grouped - (grouped.sum(dim=1, keepdim=True) - grouped) / (k - 1)).reshape(-1)
 
 
 def sequence_loss(logp, old_logp, mask, advantages, epsilon: float, epsilon_high: Optional[float]):
@@ -116,15 +110,9 @@ class RLOOPlan(GroupPlan):
     """RLOO on the plan base: GroupPlan's rollouts (num_generations completions of each prompt, their rewards, the
     behaviour and reference log-probs); the KL-penalised leave-one-out advantages and the clipped sequence loss here."""
 
-    @property
-    def kl_weight(self) -> float:
-        return self.section.beta
-
-    @property
-    def passes(self) -> int:
-        return self.section.num_iterations
-
     def advantages(self, state, out: List[Batch]) -> None:
+        from minimind_ray.rl.advantages import leave_one_out  # lazy: torch, when a run trains
+
         r = self.section
         for b in out:
             rewards, mask = b["rewards"], b["completion_mask"]
@@ -141,7 +129,7 @@ class RLOOPlan(GroupPlan):
         return int(batch["completion_mask"].sum(dim=1).gt(0).sum())  # completions that carry a token
 
     def loss_sum(self, model, batch: Batch) -> Tuple:
-        from minimind_ray.rl.grpo import completion_logprobs  # lazy: torch, when a run trains
+        from minimind_ray.rl.logprobs import completion_logprobs  # lazy: torch, when a run trains
 
         r, mask = self.section, batch["completion_mask"]
         logp, aux = completion_logprobs(model, batch["input_ids"], batch["attention_mask"], mask.shape[1])
@@ -153,9 +141,7 @@ class RLOOPlan(GroupPlan):
 
 
 def objective(cfg):
-    from minimind_ray.stages.rl_objective import RLObjective  # lazy: torch, when a run builds its state
-
-    return RLObjective(cfg, RLOOPlan(cfg, cfg.train.rloo))
+    return RLOOPlan(cfg, cfg.train.rloo)
 
 
 def memory(cfg, policy, count) -> MemoryTerms:
@@ -170,7 +156,4 @@ def plugins(cfg) -> List[str]:
 
 STAGE = Stage("rloo", "RLOO: k completions of each prompt, each one's baseline the mean reward of the other k - 1, "
                       "no critic", formats=PROMPT_FORMATS, objective=objective, export_prefix="rloo",
-              section=RLOOConfig, validate=validate, memory=memory, plugins=plugins, beside=actor_resources,
-              metric_group="rl", headline=("reward", "kl"), rl=True,
-              fsdp_refusal="its rollouts sample from the policy on each worker alone, which a sharded policy cannot "
-                           "do")
+              section=RLOOConfig, validate=validate, memory=memory, plugins=plugins, headline=("reward", "kl"), **RL_RECORD)

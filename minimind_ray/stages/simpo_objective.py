@@ -12,8 +12,6 @@ class SimPOObjective(Objective):
 
     Chosen and rejected go through one forward (one backward graph for DDP), as in DPO; there is no reference."""
 
-    name = "simpo"
-
     def weight(self, batch: Batch) -> int:
         return int(batch["chosen_input_ids"].shape[0])  # pairs
 

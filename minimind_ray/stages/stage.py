@@ -1,12 +1,13 @@
 """What a training stage is: one :class:`Stage` record per stage (``stages/<name>.py``) holding everything that
 differs between stages, so that the rest of the project asks the record instead of comparing stage names.
 
-The record is light (no torch): the CLI and the config read it. The stage's objective (its loss) lives in
-``stages/<name>_objective.py`` (or the shared cross-entropy of ``stages/objective.py``) and is imported only when a
-run builds its training state.
+The record is light (no torch): the CLI and the config read it. The stage's objective (its loss) is imported only
+when a run builds its training state: from ``stages/<name>_objective.py`` (the supervised and preference stages), the
+shared cross-entropy of ``stages/objective.py``, or, for an RL stage, its plan in its own module.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -41,12 +42,22 @@ def nothing_beside(cfg) -> Dict[str, float]:
     return {}
 
 
-def no_parents(cfg) -> Dict[str, Optional[str]]:
-    return {}
-
-
 def no_old_keys(cfg) -> List[str]:
     return []
+
+
+@dataclass(frozen=True)
+class Section:
+    """A ``train.<name>`` section that several stages read (the RL stages' ``train.rollout``), as their records name
+    it; the engine's config composes it once."""
+
+    name: str
+    cls: type  # its config dataclass
+    check: Callable[[Any], None]  # its own checks (takes the section), naming the field
+
+
+def no_shortfall(cfg) -> Tuple[str, str, str]:
+    return ("cluster.num_workers", "what the stage places beside them", "Lower cluster.num_workers or add nodes.")
 
 
 @dataclass(frozen=True)
@@ -55,7 +66,7 @@ class Stage:
 
     name: str
     help: str
-    formats: Tuple[str, ...]  # data formats it trains on (data/config.py:FORMATS); the first is its own: the verb
+    formats: Tuple[str, ...]  # data formats it trains on (data/formats/__init__.py:FORMATS); the first is its own: the verb
     # implies it when data.format is not given
     objective: Callable[[Any], Any]  # cfg -> its Objective (stages/objective.py); imports torch when called
     export_prefix: str  # MiniMind's file-name prefix for the weights (its trainers' naming)
@@ -66,13 +77,23 @@ class Stage:
     memory: Callable[[Any, Any, Callable[[Any], int]], MemoryTerms] = plain_memory
     plugins: Callable[[Any], List[str]] = no_plugins  # the user's 'package.module:function' names its config holds
     beside: Callable[[Any], Dict[str, float]] = nothing_beside  # resources it places beside the workers
-    parents: Callable[[Any], Dict[str, Optional[str]]] = no_parents  # weights it starts from besides init_from
+    # weights it starts from besides init_from: (the parent's name, the field of its own section holding its path);
+    # the driver makes each path absolute (the workers run in another directory), lineage and preflight read them
+    parent_fields: Tuple[Tuple[str, str], ...] = ()
     # parents whose architecture is their own (a teacher): checked before Ray for completeness only, not against the
     # run's model (preflight.py)
     own_architecture: Tuple[str, ...] = ()
     # keys of its section from before a rename, moved to where they are now (the run's config, before validation):
     # one notice per key moved (GRPO's train.grpo.rollout* -> train.rollout)
     old_keys: Callable[[Any], List[str]] = no_old_keys
+    # (a dotted key of a field that moved, the key a run's identity hashes it under): the name it had before the move,
+    # so that the same command still finds a run made before (the agent's train.agent.beta: train.grpo.beta)
+    identity_renames: Tuple[Tuple[str, str], ...] = ()
+    shares: Tuple[Section, ...] = ()  # sections it reads besides its own, shared with other stages (train.rollout)
+    reads: Tuple[str, ...] = ()  # other stages' sections it reads (train.<stage>): the agent's GRPO section
+    # the cluster holds the workers but not what this stage places beside them (``beside``): (the field to name, what
+    # the cluster lacks, the sentence saying what to change), for raytrain/resources.py's refusal
+    beside_shortfall: Callable[[Any], Tuple[str, str, str]] = no_shortfall
     metric_group: str = "train"  # its interval metrics' MLflow group: train/<key>, or rl/<key>
     headline: Tuple[str, ...] = ()  # interval metrics the console shows beside the loss
     rl: bool = False  # samples completions from the policy (train.rollout applies)
@@ -83,3 +104,20 @@ class Stage:
     # unless its record says otherwise: a model held beside the sharded policy, or a policy sampled one rank at a time,
     # needs more than the engine's wrapper
     fsdp_refusal: Optional[str] = "it is not run under FSDP yet"
+
+    def section_names(self) -> Tuple[str, ...]:
+        """The ``train.<name>`` sections a run of this stage reads: its own, other stages' it reads, shared ones."""
+        return (((self.name,) if self.section else ()) + self.reads + tuple(s.name for s in self.shares))
+
+    def parents(self, cfg) -> Dict[str, Optional[str]]:
+        """{parent: its weights path or None} for each weights it starts from besides init_from."""
+        section = getattr(cfg.train, self.name, None)
+        return {parent: getattr(section, f) for parent, f in self.parent_fields}
+
+    def with_parents(self, train, change: Callable[[Optional[str]], Optional[str]]):
+        """A copy of the TrainConfig ``train`` with ``change`` applied to every parent's path."""
+        if not self.parent_fields:
+            return train
+        section = getattr(train, self.name)
+        moved = dataclasses.replace(section, **{f: change(getattr(section, f)) for _, f in self.parent_fields})
+        return dataclasses.replace(train, **{self.name: moved})

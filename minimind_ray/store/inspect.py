@@ -20,7 +20,7 @@ import pyarrow.fs as pafs
 import torch
 
 from minimind_ray.fsio import filesystem, is_uri, join
-from minimind_ray.model.config import ModelConfig
+from minimind_ray.model.config import ModelConfig, holds_lora, is_lora_key
 from minimind_ray.model.minimind import resolve_config
 from minimind_ray.store.pth import WeightsError, read_pth
 from minimind_ray.store.weights import (HF_CONFIG, SAFETENSORS_CONFIG_KEY, is_hf_folder, read_bytes,
@@ -123,25 +123,25 @@ def inspect_weights(source: str) -> WeightsInfo:
         ck = resolve_checkpoint(source)  # verified: every listed file there at its size
         meta = ck.meta()
         kind = "checkpoint" if ck.location.rstrip("/") == source.rstrip("/") else "run"
-        lora = any(".lora." in k for k in _checkpoint_keys(ck))
+        lora = holds_lora(_checkpoint_keys(ck))
         return WeightsInfo(source, kind, model_config_of(meta.config), recorded=True, lora=lora, step=meta.step,
                            run_config=meta.config)
     if source.endswith(".safetensors"):
         header = _safetensors_header(source)
         recorded = (header.get("__metadata__") or {}).get(SAFETENSORS_CONFIG_KEY)
         shapes = _shapes(header)
-        lora = any(".lora." in k for k in shapes)
+        lora = holds_lora(shapes)
         if recorded:
             known = {f.name for f in dataclasses.fields(ModelConfig)}
             mc = ModelConfig(**{k: v for k, v in json.loads(recorded).items() if k in known})
             return WeightsInfo(source, "safetensors", mc, recorded=True, lora=lora)
         return WeightsInfo(source, "safetensors", _infer(shapes, source), recorded=False, lora=lora)
     sd = _pth_state(source)
-    return WeightsInfo(source, "pth", _infer(sd, source), recorded=False, lora=any(".lora." in k for k in sd))
+    return WeightsInfo(source, "pth", _infer(sd, source), recorded=False, lora=holds_lora(sd))
 
 
 def _infer(sd: Dict[str, torch.Tensor], source: str) -> ModelConfig:
-    base = {k: v for k, v in sd.items() if ".lora." not in k}
+    base = {k: v for k, v in sd.items() if not is_lora_key(k)}
     if not base:
         raise WeightsError(f"{source}: holds LoRA adapters only ({len(sd)} '*.lora.*' tensors), no base weights: "
                            f"merge them first (minimind-ray merge-lora) or give the LoRA run's directory")

@@ -34,7 +34,7 @@ import pyarrow.fs as pafs
 import torch
 
 from minimind_ray.fsio import filesystem, is_uri, join
-from minimind_ray.model.config import LoRAConfig, ModelConfig
+from minimind_ray.model.config import LoRAConfig, ModelConfig, holds_lora, is_lora_key
 from minimind_ray.model.lora import adapter_rank, apply_lora, merge_adapters, merge_lora as merge
 from minimind_ray.model.minimind import build_model, clean_state_dict, unwrap_model
 from minimind_ray.model.presets import PRESETS, preset_values
@@ -107,7 +107,7 @@ def infer_model_config(sd: Dict[str, torch.Tensor], where: str = "the weights") 
         with torch.device("meta"):
             m = build_model(mc)
         base = {k: tuple(v.shape) for k, v in m.state_dict().items()}
-        if all(want.get(k) == s for k, s in base.items()) and all(k in base or ".lora." in k for k in want):
+        if all(want.get(k) == s for k, s in base.items()) and all(k in base or is_lora_key(k) for k in want):
             return mc
     raise WeightsError(f"{where}: the weights match no known preset; pass --preset (see minimind_ray/model/presets.py)")
 
@@ -257,7 +257,7 @@ def apply_weights(model, lw: LoadedWeights, merge_lora: bool = True):
     """Load ``lw`` into a model built from its config. LoRA adapters in the weights are attached
     (with the run's LoRA config, or the rank read off the tensors), then folded in unless ``merge_lora`` is False."""
     sd = {k: v.float() for k, v in lw.state_dict.items()}
-    has_lora = any(".lora." in k for k in sd)
+    has_lora = holds_lora(sd)
     if has_lora:
         recorded = (lw.run_config or {}).get("train", {}).get("lora")  # the adapters' settings, as the run recorded
         lcfg = LoRAConfig(**recorded) if recorded else LoRAConfig(rank=adapter_rank(sd, lw.source or "weights"))
@@ -280,7 +280,7 @@ def load_model_weights(model: torch.nn.Module, source: str, strict: bool = True)
         log.warning("%s: trained with other settings than this model's, which are kept: %s", source,
                     ", ".join(f"model.{f}={a!r} (the weights were trained with {r!r})" for f, (r, a) in diff.items()))
     sd = lw.state_dict
-    if any(".lora." in k for k in sd) and not any(".lora." in k for k in model.state_dict()):
+    if holds_lora(sd) and not holds_lora(model.state_dict()):
         sd = apply_weights(copy.deepcopy(model), lw, merge_lora=True).state_dict()
     load_pth(model, sd, strict=strict)
 

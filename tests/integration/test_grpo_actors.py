@@ -66,7 +66,7 @@ def test_the_pool_samples_what_the_worker_samples_and_survives_a_killed_actor(ra
     state, seen = train(grpo_config(base, "name=t-actors", *ACTORS), path, KillAtStep3())
     assert seen.reward == in_worker[1].reward
     assert same_weights(state, in_worker[0])
-    assert state.objective.plan.engine.recreated >= 1
+    assert state.objective.engine.recreated >= 1
     assert ray.get(ray.get_actor(actor_name("t-actors", 0)).pid.remote()) != seen.killed_pid
 
 
@@ -109,7 +109,7 @@ def in_worker_samples(state, weights, step, prompts):
 
     model = copy.deepcopy(state.model)
     model.load_state_dict(weights)
-    engine, plan, G = TorchRollout(), state.objective.plan, state.cfg.train.grpo.num_generations
+    engine, plan, G = TorchRollout(), state.objective, state.cfg.train.grpo.num_generations
     engine.update_policy(model, step)
     return [engine.generate(mb["prompt_ids"].repeat_interleave(G, 0), mb["prompt_mask"].repeat_interleave(G, 0),
                             plan.params(), seeds=row_seeds(state.cfg.train.seed, step, mb["sample_ids"], G)
@@ -221,7 +221,7 @@ def test_ppo_and_the_agent_on_the_actor_pool(ray_session, prepared, agent_prepar
     worker_state, worker = train(cfg(f"name=t-{stage}-worker"), path)
     pool_state, pool = train(cfg(f"name=t-{stage}-pool", *POOL), path)
     assert pool.reward == worker.reward and same_weights(pool_state, worker_state)
-    assert pool_state.objective.plan.engine.calls > 0  # the actors generated, not the worker
+    assert pool_state.objective.engine.calls > 0  # the actors generated, not the worker
     overlap = cfg(f"name=t-{stage}-overlap", *POOL, "train.rollout.overlap=true")
     straight, seen = train(overlap, path)
     assert seen.reward[1] == worker.reward[1]  # step 1 samples from the weights of its own step

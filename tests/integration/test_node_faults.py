@@ -299,8 +299,8 @@ def test_user_plugins_reach_the_workers_of_every_rl_stage(two_worker_nodes, tmp_
     runs = {
         "ppo": ["data.format=prompt", "data.max_seq_len=48", "train.ppo.max_gen_len=4",
                 "train.ppo.rewards=[{name: 'my_rewards:ppo_bonus'}]"],
-        "agent": ["data.format=agent_rl", "data.max_seq_len=320", "train.grpo.num_generations=2",
-                  "train.grpo.max_gen_len=8", "train.agent.max_total_len=360", "train.agent.max_turns=1",
+        "agent": ["data.format=agent_rl", "data.max_seq_len=320", "train.agent.num_generations=2",
+                  "train.agent.max_gen_len=8", "train.agent.max_total_len=360", "train.agent.max_turns=1",
                   "train.agent.rewards=[{name: 'my_rewards:agent_bonus'}]",
                   "train.agent.tools=[{name: add, function: 'my_tools:add', schema: {type: function, function: "
                   "{name: add, parameters: {type: object, properties: {a: {type: number}, b: {type: number}}}}}}]"],

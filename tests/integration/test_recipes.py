@@ -133,7 +133,7 @@ GRPO_CPU = ["train.grpo.max_gen_len=8",
             "train.grpo.rewards=[{name: length}, {name: think_format}, {name: repetition}]"]
 # PPO and the agent stage likewise (the agent's trajectories up to 96 tokens; its reward terms without the model)
 PPO_CPU = ["train.ppo.max_gen_len=8", "train.ppo.rewards=[{name: length}, {name: think_format}, {name: repetition}]"]
-AGENT_CPU = ["train.grpo.max_gen_len=8", "train.agent.max_total_len=96",
+AGENT_CPU = ["train.agent.max_gen_len=8", "train.agent.max_total_len=96",
              "train.agent.rewards=[{name: tool_tags}, {name: tool_calls}, {name: reply_format}, {name: gt_answer}, "
              "{name: unfinished}, {name: repetition}]"]
 CPU_RL = {"grpo": GRPO_CPU, "ppo_": PPO_CPU, "agent": AGENT_CPU}

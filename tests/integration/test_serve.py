@@ -252,7 +252,7 @@ def test_models_and_health(served, trained):
         entry = json.loads(r.read())["data"][0]
     assert (entry["context_length"], entry["trained_context_length"]) == (CONTEXT, 64)
     # what `minimind-ray serve` prints once the app is up: the replica's own account, through Serve's handle
-    from minimind_ray.serve.launch import served_info, startup_line
+    from minimind_ray.serve.serve_verb import served_info, startup_line
 
     info = served_info("serve-run")
     assert info == {"model": "tiny-sft", "weights": trained.run_dir, "context_length": CONTEXT,
@@ -939,12 +939,12 @@ def test_replicas_export_prometheus_metrics_through_rays_metrics_port(served):
 
 def test_the_serve_commands_own_ray_exports_metrics_on_loopback_only(tmp_path):
     """Where the metrics are by default: `minimind-ray serve` without a cluster starts a Ray of its own
-    (serve/launch.py:connect), whose metrics agent serves Prometheus' /metrics (the replicas' metrics with Ray's)
+    (serve/serve_verb.py:connect), whose metrics agent serves Prometheus' /metrics (the replicas' metrics with Ray's)
     on 127.0.0.1 alone, not on the machine's network address; the command prints that URL."""
     script = textwrap.dedent('''
         import json, urllib.request
         import psutil
-        from minimind_ray.serve.launch import connect, metrics_url
+        from minimind_ray.serve.serve_verb import connect, metrics_url
         from minimind_ray.serve.options import ServeOptions
 
         started = connect(ServeOptions(weights="unused", cpus_per_replica=1))  # imports Ray, as the command does

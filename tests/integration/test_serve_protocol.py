@@ -216,7 +216,7 @@ def test_the_api_key_leaves_the_driver_only_as_its_sha256(tmp_path, monkeypatch)
     import argparse
 
     from minimind_ray.config import ConfigError
-    from minimind_ray.serve.launch import add_arguments, options_from_args
+    from minimind_ray.serve.serve_verb import add_arguments, options_from_args
 
     p = argparse.ArgumentParser()
     add_arguments(p)

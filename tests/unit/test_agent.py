@@ -12,11 +12,12 @@ import pytest
 import torch
 
 from minimind_ray.config import ConfigError, load_config
-from minimind_ray.rl.agent import Trajectory, tool_turn_text
-from minimind_ray.rl.agent_config import ToolConfig
-from minimind_ray.rl.agent_rewards import build_agent_rewards, gt_found, score_trajectories
-from minimind_ray.rl.tools import CALCULATOR_SCHEMA, ToolBox, calculate, check_arguments, parse_tool_calls
+from minimind_ray.rl.rewards import RewardConfig
 from minimind_ray.rl.rollout import TorchRollout
+from minimind_ray.rl.tools import CALCULATOR_SCHEMA, ToolBox, calculate, check_arguments, parse_tool_calls
+from minimind_ray.rl.trajectory_rewards import build_agent_rewards, gt_found, score_trajectories
+from minimind_ray.rl.turns import Trajectory, tool_turn_text
+from minimind_ray.stages.agent import ToolConfig
 from tests.conftest import minimind_tokenizer_dir
 
 CALL = '<tool_call>\n{"name": "calculate", "arguments": {"expression": "3 + 4"}}\n</tool_call>'
@@ -94,8 +95,7 @@ def traj(*turns, gt=("7",), unfinished=False, tools=(CALCULATOR_SCHEMA,)):
 
 
 def test_agent_rewards_add_up_to_minimind_by_hand():
-    from minimind_ray.rl.grpo_config import RewardConfig
-    from minimind_ray.rl.agent_config import AgentConfig
+    from minimind_ray.stages.agent import AgentConfig
 
     terms = build_agent_rewards(AgentConfig().rewards)
     cases = [  # (trajectory, each term: tags, calls, format, gt, unfinished, repetition)
@@ -211,8 +211,8 @@ def scripted_engine(state, tok, replies, bias):
         def update_policy(self, model, step):
             self.model = Scripted(model, tok, replies, bias)
 
-    plan = state.objective.plan
-    plan.setup(state)
+    plan = state.objective
+    plan.start(state)
     plan.engine = ScriptedRollout(state.autocast)
 
 
@@ -236,25 +236,46 @@ def agent_config(init_from, *extra):
         "data.train_path=[demo]", "model.preset=tiny", "train.stage=agent", "data.format=agent_rl",
         "data.max_seq_len=320", f"train.init_from={init_from}", "train.global_batch_size=2", "train.micro_batch_size=1",
         "train.max_steps=4", "train.lr=3e-3", "train.warmup_steps=1", "train.log_interval=1", "checkpoint.interval=2",
-        "train.grpo.num_generations=2", "train.grpo.max_gen_len=48", "train.grpo.temperature=1.0",
-        "train.grpo.loss_type=grpo", "train.agent.max_total_len=420", "cluster.num_workers=1", *extra])
+        "train.agent.num_generations=2", "train.agent.max_gen_len=48", "train.agent.temperature=1.0",
+        "train.agent.loss_type=grpo", "train.agent.max_total_len=420", "cluster.num_workers=1", *extra])
 
 
 def test_agent_config_is_checked():
     for extra, field in ((["train.agent.max_total_len=100"], "train.agent.max_total_len"),
                          (["train.agent.tools=[{name: weather}]"], r"train.agent.tools\[0\].function"),
                          (["train.agent.rewards=[{name: length}]"], r"train.agent.rewards\[0\].name"),
-                         (["train.grpo.rewards=[{name: exact_answer}]"], "train.grpo.rewards")):
+                         (["train.grpo.rewards=[{name: exact_answer}]"],
+                          r"^train\.grpo\.rewards: .*did you mean train\.agent\.rewards\?$")):
         with pytest.raises(ConfigError, match=field):
             load_config(None, ["data.train_path=[demo]", "model.preset=tiny", "train.stage=agent",
                                "data.format=agent_rl", "data.max_seq_len=320", "train.init_from=.", *extra])
+
+
+def test_the_grpo_keys_the_agent_read_before_its_section_are_read_into_it_with_a_notice(capsys):
+    """Before issue 56 the agent's group, sampling and loss were train.grpo's: those keys still work, each moved into
+    train.agent with one notice, and the run keeps the identity (its default name) it had."""
+    from minimind_ray.config import run_identity
+
+    base = ["data.train_path=[demo]", "model.preset=tiny", "train.stage=agent", "data.format=agent_rl",
+            "data.max_seq_len=320", "train.init_from=.", "train.agent.max_total_len=420"]
+    old = load_config(None, base + ["train.grpo.num_generations=2", "train.grpo.beta=0.0"])
+    assert [line for line in capsys.readouterr().err.splitlines() if "notice" in line] == [
+        "[minimind-ray] notice: train.grpo.num_generations is now train.agent.num_generations for the agent stage "
+        "(read as train.agent.num_generations=2)",
+        "[minimind-ray] notice: train.grpo.beta is now train.agent.beta for the agent stage (read as "
+        "train.agent.beta=0.0)"]
+    new = load_config(None, base + ["train.agent.num_generations=2", "train.agent.beta=0.0"])
+    assert (old.train.agent.num_generations, old.train.agent.beta) == (2, 0.0)
+    assert old.train.grpo == type(old.train.grpo)() and run_identity(old) == run_identity(new)
+    with pytest.raises(ConfigError, match=r"^train\.agent\.beta: 0\.5, but the old train\.grpo\.beta says 0\.0"):
+        load_config(None, base + ["train.grpo.beta=0.0", "train.agent.beta=0.5"])
 
 
 def test_a_rollout_runs_the_tool_and_only_the_policys_tokens_carry_loss(agent_prepared):
     from minimind_ray.engine.state import TrainState
 
     prepared, base, tok = agent_prepared
-    state = TrainState.build(agent_config(base, "train.global_batch_size=1", "train.grpo.max_gen_len=64"), prepared)
+    state = TrainState.build(agent_config(base, "train.global_batch_size=1", "train.agent.max_gen_len=64"), prepared)
     scripted_engine(state, tok, [CALL, "So the answer is 7."], bias=1e4)
     batches = state.objective.prepare(state, state.stream.next_step(), 1)
     state.stream.close()

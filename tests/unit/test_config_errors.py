@@ -97,6 +97,6 @@ def test_item13_max_seq_len_beyond_the_rope_table_fails_naming_both_fields():
 
 def test_item13_values_on_the_edges_of_their_ranges_are_accepted():
     cfg = load_config(None, DEMO + ["model.dropout=0.0", "data.block_rows=1", "train.max_steps=1", "train.epochs=1",
-                                    "checkpoint.num_to_keep=1", "train.lora.rank=1",
+                                    "checkpoint.num_to_keep=1", "train.stage=lora", "train.lora.rank=1",
                                     "data.max_seq_len=256", "model.max_position_embeddings=256"])
     assert cfg.data.block_rows == 1 and cfg.data.max_seq_len == cfg.model.max_position_embeddings

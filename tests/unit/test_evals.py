@@ -286,7 +286,7 @@ def test_shots_skip_a_subject_without_dev_rows_and_name_one_with_fewer(tmp_path,
 
 
 def test_mc_shots_beyond_the_pool_use_what_there_is_and_say_so(tmp_path, tok):
-    from minimind_ray.evals.verb import format_table
+    from minimind_ray.evals.eval_verb import format_table
 
     mc = tmp_path / "arc.jsonl"
     mc.write_text("".join(json.dumps({"question": f"Q{i}?", "choices": ["a", "b"], "answer": i % 2}) + "\n"

@@ -98,7 +98,7 @@ def test_gguf_round_trip_every_tensor_and_the_tokenizer(tmp_path, preset, arch, 
     assert field(f"{arch}.rope.freq_base") == pytest.approx(c.rope_theta)
     assert field(f"{arch}.rope.dimension_count") == c.head_dim == c.hidden_size // c.num_attention_heads
     scaling = {k for k in r.fields if k.startswith(f"{arch}.rope.scaling.")}
-    if yarn:  # llama.cpp's YaRN with MiniMind's factor over its original context (model/minimind.py:YARN)
+    if yarn:  # llama.cpp's YaRN with MiniMind's factor over its original context (model/rope.py:YARN)
         assert (field(f"{arch}.rope.scaling.type"), field(f"{arch}.rope.scaling.factor"),
                 field(f"{arch}.rope.scaling.original_context_length")) == (
                     "yarn", YARN["factor"], YARN["original_max_position_embeddings"])

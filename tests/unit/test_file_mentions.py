@@ -5,8 +5,10 @@ recipes and Makefile. No Ray, no torch: a second.
 What is checked:
 - a path from the repository's root (``minimind_ray/``, ``bench/``, ``pipelines/``, ``tests/``, ``cluster/``,
   ``docs/``) ending in .py, .sh, .yaml or .md: it must exist;
-- a path from one of minimind_ray's rooms (``engine/loop.py``, ``rl/grpo_step.py``): it must exist in that room;
-- in code, a bare file name ending in .py: a file of that name must exist in the repository (or beside the mentioning file).
+- a path from one of minimind_ray's rooms (``engine/loop.py``, ``rl/plan.py``): it must exist in that room;
+- in code, a bare file name ending in .py: a file of that name must exist in the repository (or beside the mentioning file);
+- a name after a Python file's mention (``raytrain/driver.py:finish``, ``stages/stage.py:Stage.parents``): that file
+  (any file of that name, for a bare one) must define it: a function, a class, a method or a module-level name.
 
 Another project's file is written with its owner just before it ("MiniMind's ``model/model_minimind.py``", "Ray's
 ``default_worker.py``", a user's ``my_rewards.py``): those are not checked. A file that is gone on purpose, named to
@@ -25,6 +27,7 @@ REPO = Path(__file__).resolve().parents[2]
 TOPS = ("minimind_ray", "bench", "pipelines", "tests", "cluster", "docs")
 ROOMS = {p.name for p in (REPO / "minimind_ray").iterdir() if (p / "__init__.py").exists()}
 MENTION = re.compile(r"(?<![\w/.<>*-])((?:[A-Za-z_][\w.-]*/)*[A-Za-z_][\w-]*\.(?:py|sh|yaml|md))(?![\w/])")
+NAMED = re.compile(r"(?<![\w/.<>*-])((?:[A-Za-z_][\w.-]*/)*[A-Za-z_][\w-]*\.py):([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)?)")
 OWNER = re.compile(r"MiniMind|Ray's|user")  # in the 40 characters before a mention: another project's, or a user's
 GONE = re.compile(r"\bbefore issue \d+", re.IGNORECASE)
 
@@ -77,8 +80,31 @@ def exists(mention: str, path: Path, code: bool) -> bool:
     return not code or not mention.endswith(".py") or mention in BASENAMES or (path.parent / mention).exists()
 
 
+def candidates(mention: str, path: Path) -> List[Path]:
+    """The files a mention may name: from the root, from a room, beside the mentioning file, or any of that name."""
+    found = [p for p in (REPO / mention, REPO / "minimind_ray" / mention, path.parent / mention) if p.is_file()]
+    return found or [p for p in CODE if p.name == mention.rsplit("/", 1)[-1]]
+
+
+def defined_names(p: Path) -> set:
+    names = set()
+    for node in ast.walk(ast.parse(p.read_text(errors="replace"))):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+    return names
+
+
+def names_defined(mention: str, name: str, path: Path) -> bool:
+    """Whether ``mention``'s file defines ``name`` (``Class.method``: both)."""
+    files = candidates(mention, path)
+    return not files or any(set(name.split(".")) <= defined_names(p) for p in files)
+
+
 def stale(path: Path) -> List[str]:
-    """One line per mention in ``path`` of a file that does not exist."""
+    """One line per mention in ``path`` of a file that does not exist, or of a name its file does not define."""
     found, name = [], path.relative_to(REPO) if REPO in path.parents else path.name
     for first, text, code in texts(path):
         for m in MENTION.finditer(text):
@@ -89,6 +115,13 @@ def stale(path: Path) -> List[str]:
             if GONE.search(paragraph):
                 continue
             found.append(f"{name}:{first + text.count(chr(10), 0, m.start())}: {mention}")
+        for m in NAMED.finditer(text):
+            mention, named = m.group(1), m.group(2)
+            if not exists(mention, path, code) or names_defined(mention, named, path) or \
+                    OWNER.search(text[max(0, m.start() - 40):m.start()]) or \
+                    GONE.search(text[:m.start()].rsplit("\n\n", 1)[-1]):
+                continue
+            found.append(f"{name}:{first + text.count(chr(10), 0, m.start())}: {mention}:{named}")
     return found
 
 
@@ -104,3 +137,11 @@ def test_a_stale_mention_is_found_and_a_gone_or_foreign_one_is_not(tmp_path):
                    "Before issue 33 an objective lived in `engine/objectives.py`.\n\n"
                    "MiniMind's `model/model_minimind.py`, and `bench/bench_serve.py`.\n")
     assert stale(doc) == ["notes.md:1: minimind_ray/engine/nowhere.py", "notes.md:1: rl/old_step.py"]
+
+
+def test_a_name_its_file_does_not_define_is_found(tmp_path):
+    doc = tmp_path / "notes.md"
+    doc.write_text("The run ends in `raytrain/driver.py:finish`, not `raytrain/driver.py:_finish`; the record's "
+                   "`stages/stage.py:Stage.parents`, not `stages/stage.py:Stage.ancestors`.\n\n"
+                   "Before issue 56 `config.py:gone` was there.\n")
+    assert stale(doc) == ["notes.md:1: raytrain/driver.py:_finish", "notes.md:1: stages/stage.py:Stage.ancestors"]

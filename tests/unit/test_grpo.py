@@ -11,7 +11,9 @@ import torch
 
 from minimind_ray.config import load_config
 from minimind_ray.model.minimind import build_model
-from minimind_ray.rl.grpo import eos_mask, group_advantages, group_std, k3_kl, per_token_loss, sequence_mean
+from minimind_ray.rl.advantages import group_advantages, group_std
+from minimind_ray.rl.logprobs import eos_mask
+from minimind_ray.rl.losses import k3_kl, per_token_loss, sequence_mean
 from minimind_ray.model.sampling import sample_tokens
 from minimind_ray.rl.rollout import SamplingParams, TorchRollout, token_logprobs
 from minimind_ray.tokenizer import load_tokenizer

@@ -9,10 +9,10 @@ import math
 import pytest
 import torch
 
-from minimind_ray.rl.grpo import (aggregate_loss, group_advantages, kl_estimate, loss_units, per_token_loss,
-                                  sequence_mean)
-from minimind_ray.rl.grpo_step import AdaptiveKL
+from minimind_ray.rl.advantages import group_advantages
+from minimind_ray.rl.losses import aggregate_loss, kl_estimate, loss_units, per_token_loss, sequence_mean
 from minimind_ray.rl.rollout import SamplingParams, TorchRollout, row_seeds
+from minimind_ray.stages.grpo import AdaptiveKL, GRPOPlan
 from tests.unit.test_grpo import _left_pad, _one_token, grpo_config, prepared, tiny  # noqa: F401 (fixtures)
 
 LN_HALF = math.log(0.5)
@@ -155,7 +155,7 @@ def test_dynamic_sampling_and_truncation_masks(prepared):
     batches = cut.objective.prepare(cut, cut.stream.next_step(), 1)
     for b in batches:
         ends = b["input_ids"][:, -2:]
-        finished = (ends == cut.objective.plan.tokenizer.eos_id).any(dim=1)
+        finished = (ends == cut.objective.tokenizer.eos_id).any(dim=1)
         assert torch.equal(b["completion_mask"].sum(dim=1) > 0, finished)  # only completions that ended train
     cut.stream.close()
 
@@ -184,9 +184,9 @@ def test_the_adaptive_beta_is_checkpointed_with_the_run(prepared, tmp_path):
     first.stream.close()
     resumed = TrainState.build(cfg, path)
     resumed.restore(open_checkpoint(tmp_path / "ck"))
-    assert resumed.objective.plan.kl.beta == first.objective.plan.kl.beta != 0.1
+    assert resumed.objective.kl.beta == first.objective.kl.beta != 0.1
     run(resumed)
-    assert resumed.objective.plan.kl.beta == straight.objective.plan.kl.beta
+    assert resumed.objective.kl.beta == straight.objective.kl.beta
     a, b = straight.model.state_dict(), resumed.model.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
 
@@ -244,7 +244,7 @@ def _terms(seen):
 def _rollout(engine, mb=None, seen=None, **kw):
     """rollout_micro_batch on the scripted pieces: 2 prompts x 2 completions of up to 4 tokens, the two reward
     terms (their calls appended to ``seen``)."""
-    from minimind_ray.rl.grpo import rollout_micro_batch
+    from minimind_ray.rl.completions import rollout_micro_batch
 
     kw = {"params": SamplingParams(max_new_tokens=4), **kw}
     return rollout_micro_batch(_micro_batch() if mb is None else mb, engine=engine, group_size=2,
@@ -319,7 +319,7 @@ def test_a_group_still_flat_after_its_rounds_is_dropped_and_truncation_masked():
 
 
 def test_unknown_options_are_named():
-    from minimind_ray.rl.grpo import aggregate_loss, kl_estimate, per_token_loss
+    from minimind_ray.rl.losses import aggregate_loss, kl_estimate, per_token_loss
 
     x = torch.zeros(1, 2)
     with pytest.raises(ValueError, match=r"train.grpo.kl_estimator: unknown 'k4'; one of \('k1', 'k2', 'k3'\)"):
@@ -347,7 +347,7 @@ def test_tokens_an_engine_marks_invalid_reach_neither_the_rewards_nor_the_loss()
 
 
 def test_the_references_log_probs_under_its_autocast(tiny):
-    from minimind_ray.rl.grpo import completion_logprobs
+    from minimind_ray.rl.logprobs import completion_logprobs
 
     entered = []
 
@@ -366,7 +366,8 @@ def test_the_references_log_probs_under_its_autocast(tiny):
 
 
 def test_small_pieces_at_their_edges():
-    from minimind_ray.rl.grpo import _widen, eos_mask
+    from minimind_ray.rl.completions import _widen
+    from minimind_ray.rl.logprobs import eos_mask
 
     x = torch.tensor([[1, 2, 3], [4, 5, 6]])
     wide = _widen(x, 5, 7)
@@ -388,7 +389,7 @@ def test_small_pieces_at_their_edges():
 
 
 def test_completion_logprobs_are_the_positions_that_predict_the_completion(tiny):
-    from minimind_ray.rl.grpo import completion_logprobs
+    from minimind_ray.rl.logprobs import completion_logprobs
 
     ids = torch.tensor([[0, 9, 10, 5, 6, 2], [11, 12, 13, 7, 7, 7]])
     attn = torch.tensor([[0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
@@ -403,13 +404,22 @@ def test_completion_logprobs_are_the_positions_that_predict_the_completion(tiny)
     assert not entropy.requires_grad
 
 
+def grpo_loss_sum(model, batch, section, beta=None):
+    """GRPO's plan's loss_sum at ``beta`` (the adaptive controller's now), else the section's."""
+    from types import SimpleNamespace
+
+    plan = GRPOPlan(SimpleNamespace(name="test"), SimpleNamespace(kl_target=None, kl_horizon=1, **vars(section)))
+    plan.kl.beta = section.beta if beta is None else beta
+    return plan.loss_sum(model, batch)
+
+
 def test_grpo_loss_sum_wires_the_pieces_by_hand(tiny):
-    """grpo_loss_sum = aggregate_loss(per_token_loss(completion_logprobs(...))), with the step's metric sums passed
+    """GRPO's loss_sum = aggregate_loss(per_token_loss(completion_logprobs(...))), with the step's metric sums passed
     through, per-pass metrics divided by num_iterations, the KL metric only with a reference, and an adaptive beta
     taking the config's place."""
     from types import SimpleNamespace
 
-    from minimind_ray.rl.grpo import completion_logprobs, grpo_loss_sum
+    from minimind_ray.rl.logprobs import completion_logprobs
 
     ids = torch.tensor([[0, 9, 10, 5, 6, 2], [11, 12, 13, 7, 7, 7]])
     attn = torch.tensor([[0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
@@ -448,7 +458,7 @@ def test_grpo_loss_sum_wires_the_pieces_by_hand(tiny):
 def test_the_tokenizer_of_the_prompts_is_the_manifests_and_checked_by_hash(tmp_path):
     from types import SimpleNamespace
 
-    from minimind_ray.rl.grpo import run_tokenizer
+    from minimind_ray.rl.completions import run_tokenizer
     from minimind_ray.tokenizer import load_tokenizer
     from tests.conftest import minimind_tokenizer_dir
 

@@ -11,7 +11,9 @@ import torch
 
 from minimind_ray.config import ConfigError, load_config
 from minimind_ray.model.minimind import build_model
-from minimind_ray.rl.ppo import CriticModel, gae, ppo_token_losses, token_rewards, whiten
+from minimind_ray.rl.advantages import gae, token_rewards, whiten
+from minimind_ray.rl.critic import CriticModel
+from minimind_ray.rl.losses import ppo_token_losses
 from tests.unit.test_grpo import prepared  # noqa: F401 (fixture: prompts "What is a plus b?" and a tiny base model)
 
 LN_HALF, LN_QUARTER = math.log(0.5), math.log(0.25)

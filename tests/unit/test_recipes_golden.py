@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from minimind_ray.config import field_help, load_config, to_dict
+from minimind_ray.config import field_help, flatten, load_config, to_dict
+from minimind_ray.stages import STAGES
 
 REPO = Path(__file__).resolve().parents[2]
 GOLDEN = REPO / "tests" / "fixtures" / "recipes_golden.json"
@@ -20,8 +21,20 @@ RECIPES = sorted(p for p in (REPO / "pipelines" / "configs").glob("*.yaml")
 
 
 def _resolved(path: Path) -> dict:
-    # as JSON would hold it: tuples are lists, anything else its str
-    return json.loads(json.dumps(to_dict(load_config(str(path), check=False)), sort_keys=True, default=str))
+    # as JSON would hold it: tuples are lists, anything else its str; a field that moved (the agent's group policy,
+    # issue 56: train.grpo.* -> train.agent.*) under the name it had, as its stage's record says
+    cfg = load_config(str(path), check=False)
+    flat = json.loads(json.dumps(flatten(to_dict(cfg)), sort_keys=True, default=str))
+    for now, before in STAGES[cfg.train.stage].identity_renames:
+        flat[before] = flat.pop(now)
+    out: dict = {}
+    for key, value in flat.items():
+        *parents, leaf = key.split(".")
+        node = out
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return out
 
 
 def _help() -> list:
@@ -37,17 +50,26 @@ NEW_SECTIONS = ("train.simpo.", "train.rollout.", "train.parallelism", "train.ac
                 # keep every recipe's run as it was: a mistake failed every attempt anyway)
                 "cluster.retry_mistakes", "cluster.check_local_fit",
                 # issue 49: how a checkpoint reaches storage (the same files either way; a bucket's upload off the step)
-                "checkpoint.upload")
+                "checkpoint.upload",
+                # issue 56: the agent's own section holds the group policy it read from train.grpo (GRPO's defaults)
+                *(f"train.agent.{n}" for n in ("num_generations", "max_gen_len", "temperature", "top_p", "top_k",
+                                                "loss_type", "epsilon", "clip_high", "epsilon_high", "beta",
+                                                "kl_estimator", "kl_target", "kl_horizon", "advantage",
+                                                "scale_rewards", "loss_agg", "num_iterations", "mini_batches",
+                                                "mask_truncated")))
 # help lines that changed on purpose: the stage list names the new stage; train.grpo.rollout* moved to train.rollout;
 # data.format says what a verb implies when it is not given, data.train_path that one path needs no list (issue 38)
 CHANGED_HELP = {"cluster.max_failures", "train.faults",  # issue 47: what max_failures counts; the 'bug' kind
-                "train.stage", "train.grpo.rollout", "train.grpo.rollout_actors", "train.grpo.rollout_actor_cpus",
+                "train.stage", "train.ppo.rewards", "train.agent.rewards", "train.grpo.rollout", "train.grpo.rollout_actors", "train.grpo.rollout_actor_cpus",
                 "train.grpo.rollout_actor_gpus", "train.grpo.rollout_overlap", "data.format", "data.train_path"}
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
+    # a list of sections (eval.tasks) by index, so that a field added to every item is one new key per item
     out = {}
     for k, v in d.items():
+        if isinstance(v, list) and v and all(isinstance(x, dict) for x in v):
+            v = {str(i): x for i, x in enumerate(v)}
         out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
     return out
 
@@ -62,6 +84,9 @@ def golden():
     return json.loads(GOLDEN.read_text())
 
 
+# fields added to every eval task since (issue 57: a gen task's prefix cache, off by default)
+NEW_TASK_FIELDS = {"prefix_cache_mb"}
+
 NEW_RECIPES = {"simpo_26m.yaml", "kto_26m.yaml", "demo_rloo.yaml"}  # recipes added since (the new stages')
 
 
@@ -73,7 +98,8 @@ def test_every_recipe_of_the_golden_file_is_still_there(golden):
 def test_a_recipe_resolves_to_the_same_values(recipe, golden):
     now, before = _flat(_resolved(recipe)), _flat(golden["recipes"][recipe.name])
     assert {k: now.get(k, "<missing>") for k in before} == before
-    assert [k for k in now if k not in before and not k.startswith(NEW_SECTIONS)] == []
+    assert [k for k in now if k not in before and not k.startswith(NEW_SECTIONS)
+            and k.split(".")[-1] not in NEW_TASK_FIELDS] == []
 
 
 def test_help_lists_the_same_fields_defaults_and_lines(golden):
@@ -84,3 +110,26 @@ def test_help_lists_the_same_fields_defaults_and_lines(golden):
         assert now[name][0] == default and (name in CHANGED_HELP or now[name][1] == text), name
     assert [n for n in order if n in {g[0] for g in golden["help"]}] == [g[0] for g in golden["help"]]
     assert [n for n in order if n not in {g[0] for g in golden["help"]} and not n.startswith(NEW_SECTIONS)] == []
+
+
+# every recipe's run identity under every stage's verb, computed by the code of main before issue 56 moved the RL
+# algorithms into stages/ and gave the agent its own section (tests/fixtures/recipes_identity.json: run_identity of
+# load_config(recipe, ["train.stage=<verb>"], check=False) for every verb): the same command still finds, and resumes,
+# a run made before. A recipe under a verb whose run is now refused (the agent's recipes, whose train.agent section a
+# grpo run does not read) has no run to find; its own verb is always compared.
+IDENTITIES = REPO / "tests" / "fixtures" / "recipes_identity.json"
+
+
+@pytest.mark.parametrize("recipe", [p for p in RECIPES], ids=lambda p: p.name)
+def test_a_recipe_keeps_its_run_identity_under_every_verb_that_still_runs_it(recipe):
+    from minimind_ray.config import run_identity
+    from minimind_ray.stages import STAGE_NAMES, other_stages_field
+
+    before = json.loads(IDENTITIES.read_text())[recipe.name]
+    own = load_config(str(recipe), check=False).train.stage
+    now, compared = {}, {}
+    for s in STAGE_NAMES:
+        cfg = load_config(str(recipe), [f"train.stage={s}"], check=False)
+        if s == own or other_stages_field(cfg.train) is None:
+            now[s], compared[s] = run_identity(cfg), before[s]
+    assert own in now and now == compared

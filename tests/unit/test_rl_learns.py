@@ -81,7 +81,8 @@ def stage_config(stage: str, base: str, seed: int, steps: int = STEPS):
                f"train.ppo.rewards=[{{name: '{me}:punctuation_reward'}}]"]
     else:
         own = ["train.stage=agent", "data.format=agent_rl", "data.max_seq_len=320", "train.global_batch_size=2",
-               "train.micro_batch_size=2", *grpo, "train.grpo.loss_type=grpo", "train.agent.max_total_len=420",
+               "train.micro_batch_size=2", *(o.replace("train.grpo.", "train.agent.") for o in grpo),
+               "train.agent.loss_type=grpo", "train.agent.max_total_len=420",
                f"train.agent.rewards=[{{name: '{me}:punctuation_reward_of_turns'}}]"]
     return load_config(None, common + own)
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from minimind_ray.config import ConfigError, load_config
-from minimind_ray.rl.grpo import group_advantages
-from minimind_ray.stages.rloo import RLOOConfig, RLOOPlan, kl_penalised, leave_one_out, sequence_loss
+from minimind_ray.rl.advantages import group_advantages, leave_one_out
+from minimind_ray.stages.rloo import RLOOConfig, RLOOPlan, kl_penalised, sequence_loss
 from tests.unit.test_grpo import prepared  # noqa: F401 (the prepared prompts and base weights)
 
 LN_HALF = math.log(0.5)

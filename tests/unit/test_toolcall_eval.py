@@ -96,7 +96,7 @@ def test_the_task_end_to_end_on_a_model_that_calls_the_calculator(tmp_path, tok,
     prompt that asks for it, valid but not as expected on another, and wrong where no tool is wanted."""
     from minimind_ray.config import load_config
     from minimind_ray.evals.run import evaluate_task
-    from minimind_ray.evals.verb import format_table
+    from minimind_ray.evals.eval_verb import format_table
     from minimind_ray.model.minimind import build_model
     from tests.unit.test_agent import CALL as SCRIPT, Scripted
 

@@ -1,4 +1,4 @@
-"""The Ray Train settings a run puts in its driver's environment while it trains (raytrain/driver.py:train_env),
+"""The Ray Train settings a run puts in its driver's environment while it trains (raytrain/session.py:train_env),
 which Ray Train hands on to the controller and the workers however the run reaches Ray, a submitted job included: the
 worker-group start timeout is the run's cluster.resource_timeout_s, a value the user exported wins, and afterwards the
 environment is as it was (a pipeline's next stage, or a process the program starts later, sees no leftover)."""

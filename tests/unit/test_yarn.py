@@ -135,12 +135,12 @@ def test_bad_rope_scaling_flags_exit_2_naming_the_flag(capsys, pth, verb, bad, m
 def test_serve_carries_the_switch_to_the_replicas_model(pth):
     """serve: the flags become ServeOptions.rope_scaling (the dict each replica receives), and the replica's
     loader builds the YaRN model from it."""
-    from minimind_ray.serve.launch import options_from_args
+    from minimind_ray.serve.serve_verb import options_from_args
     from minimind_ray.serve.model_io import load_served_model
 
     args = build_parser().parse_args(["serve", str(pth), "--tokenizer", "minimind2", "--rope-scaling", "yarn",
                                       "--factor", str(FACTOR), "--original-max-position-embeddings", str(ORIG)])
-    args.rope_scaling = rope_scaling_of(args)  # what serve/launch.py:run does before options_from_args
+    args.rope_scaling = rope_scaling_of(args)  # what serve/serve_verb.py:run does before options_from_args
     opts = options_from_args(args)
     assert opts.rope_scaling["type"] == "yarn" and opts.rope_scaling["factor"] == FACTOR
     served = load_served_model(opts.weights, tokenizer=opts.tokenizer, rope_scaling=opts.rope_scaling)

@@ -33,7 +33,7 @@ _SENTINEL = "\x00minimind-ray-reply\x00"
 
 @dataclass
 class Trajectory:
-    """What a reward term sees of one rollout (rl/agent_rewards.py)."""
+    """What a reward term sees of one rollout (rl/trajectory_rewards.py)."""
 
     prompt: str  # the chat-templated prompt, special tokens kept
     messages: List[dict]  # the prompt's messages

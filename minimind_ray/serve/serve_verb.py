@@ -36,7 +36,7 @@ HELP = "serve WEIGHTS on Ray Serve: an OpenAI-compatible API and a chat page (do
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The serve command's flags: the CLI verb's (``python -m pipelines.serve`` is that verb), ``python -m
-    minimind_ray.serve.launch``'s and the pipeline's serve step's (its ``serve_args``)."""
+    minimind_ray.serve.serve_verb``'s and the pipeline's serve step's (its ``serve_args``)."""
     d = ServeOptions()
     p.add_argument("weights", help=ServeOptions.__dataclass_fields__["weights"].metadata["help"])
     p.add_argument("--host", default=d.host, help="bind address (default 127.0.0.1: this machine only; "

@@ -1,6 +1,6 @@
 """Reward terms of the agent stage: MiniMind's ``calculate_rewards`` of ``trainer/train_agent.py`` (d65ef2c), split into
 terms that add up to it (written anew), and plug-ins. Every term is called once per micro-batch as
-``fn(trajectories, **args)`` (rl/agent.py:Trajectory) and returns one float per trajectory; a trajectory's reward is
+``fn(trajectories, **args)`` (rl/turns.py:Trajectory) and returns one float per trajectory; a trajectory's reward is
 ``clip(sum of weight * term, -reward_clip, reward_clip)``. With every term at weight 1 this is MiniMind's reward:
 
 ``tool_tags``     -0.5 per unbalanced ``<tool_call>`` / ``</tool_call>`` tag in the turns' answers (after ``</think>``)
