@@ -37,7 +37,9 @@ NEW_SECTIONS = ("train.simpo.", "train.rollout.", "train.parallelism", "train.ac
                 # keep every recipe's run as it was: a mistake failed every attempt anyway)
                 "cluster.retry_mistakes", "cluster.check_local_fit",
                 # issue 49: how a checkpoint reaches storage (the same files either way; a bucket's upload off the step)
-                "checkpoint.upload")
+                "checkpoint.upload",
+                # issue 54: a tokenizer other than train.init_from's is refused unless this allows it (default: refuse)
+                "data.allow_tokenizer_change")
 # help lines that changed on purpose: the stage list names the new stage; train.grpo.rollout* moved to train.rollout;
 # data.format says what a verb implies when it is not given, data.train_path that one path needs no list (issue 38)
 CHANGED_HELP = {"cluster.max_failures", "train.faults",  # issue 47: what max_failures counts; the 'bug' kind
