@@ -4,6 +4,7 @@ run"). ``run(cfg)`` is what every pipeline, sweep and CLI verb calls::
     check_before_ray   what config and files decide (preflight.py): the architecture of train.init_from, the
                        tokenizer, what a local Ray can hold, a look at the data; a mistake is said before Ray starts
     decide_run         a new run, a resumed one, one trained further, or one already finished (resume.py)
+    set_aside_refused_checkpoints   a checkpoint that no longer verifies, out of Ray's count (store/retention.py)
     connect            a cluster or a local Ray (session.py), GPUs or not, the worker group checked against it
     prepare_data       raw jsonl tokenized once with Ray Data into Parquet + manifest (data/prepare.py)
     open_tracking      the MLflow run: created, or reopened when this run name resumes
@@ -68,6 +69,7 @@ def run(cfg: RunConfig, *, tags: Optional[Dict[str, str]] = None, callbacks=(), 
     for line in (plan, *checked.lines):
         print(redact(f"[minimind-ray] {line}"), flush=True)
     run_dir = f"{storage.rstrip('/')}/{name}"
+    set_aside_refused_checkpoints(run_dir)
     run_cfg, use_gpu, backend = connect(cfg, name)
     prepared_dir = prepare_data(cfg, checked.tokenizer)
     uri, run_id = open_tracking(run_cfg, run_dir, prepared_dir, {
@@ -85,6 +87,15 @@ def run(cfg: RunConfig, *, tags: Optional[Dict[str, str]] = None, callbacks=(), 
     result = fit(spec, make_trainer, ProgressPrinter(sink, progress_run, name, stage.headline, stage.rl),
                  end_mlflow_run)
     return finish(spec, result, checked.tokenizer, end_mlflow_run)
+
+
+def set_aside_refused_checkpoints(run_dir: str) -> None:
+    """Before Ray counts them: each checkpoint of the run that no longer verifies moved aside and out of Ray's list
+    (store/retention.py), so checkpoint.num_to_keep never keeps a refused one in place of a good one; said."""
+    from minimind_ray.store.retention import set_aside_refused  # lazy: torch, only when this runs
+
+    for line in set_aside_refused(run_dir):
+        print(redact(f"[minimind-ray] {line}"), flush=True)
 
 
 def connect(cfg: RunConfig, name: str) -> Tuple[RunConfig, bool, str]:
