@@ -83,7 +83,8 @@ class RayHooks(Hooks):
         import ray
 
         sink = self.spec.progress_sink
-        return sink is not None and bool(ray.get(sink.stop_requested.remote(self.spec.progress_run), timeout=10))
+        # a slow answer is no stop yet (the next check asks again): the other ranks wait in the broadcast meanwhile
+        return sink is not None and bool(ray.get(sink.stop_requested.remote(self.spec.progress_run), timeout=2))
 
     # -- checkpoint on preemption (raytrain/preemption.py): ask Ray every few steps, checkpoint, hold
     def preemption_notice(self, step):
