@@ -12,8 +12,8 @@ naming the holder and what to do (:class:`RunInUse`). The lease is never a file 
   (``If-None-Match: *``: of two creators exactly one succeeds; boto3's ``put_object(IfNoneMatch=...)``, which AWS S3,
   MinIO and the suite's moto server honour; pyarrow's S3 filesystem cannot make a conditional write). The holder renews
   it every :data:`RENEW_S` (``If-Match`` its last ETag); one not renewed for :data:`STALE_S` by the store's own clock, or
-  whose holder was a process of this host that is gone, is stale and taken over (a conditional write again: one
-  taker wins), and that is said.
+  whose holder was a process of this host that is gone, or of this same Ray job (a sweep trial Tune restarted on
+  another node), is stale and taken over (a conditional write again: one taker wins), and that is said.
 * Any other storage (``gs://``, ...): no lease; a line says so.
 """
 from __future__ import annotations
@@ -22,6 +22,7 @@ import datetime
 import json
 import os
 import socket
+import sys
 import threading
 import time
 from typing import List, Optional
@@ -45,8 +46,11 @@ def holder_record() -> dict:
             "job_submission_id", "")
     except (ValueError, AttributeError):
         job = ""
+    ray = sys.modules.get("ray")  # not imported for this: a CLI run holds its lease before Ray starts
+    ray_job = ray.get_runtime_context().get_job_id() if ray is not None and ray.is_initialized() else ""
     now = time.time()
-    return {"host": socket.gethostname(), "pid": os.getpid(), "job": job, "started": now, "renewed": now}
+    return {"host": socket.gethostname(), "pid": os.getpid(), "job": job, "ray_job": ray_job, "started": now,
+            "renewed": now}
 
 
 def describe(holder: Optional[dict]) -> str:
@@ -170,7 +174,8 @@ class BucketLease(Lease):
             holder = None
         server_now = _server_time(got)
         idle = (server_now - got["LastModified"]).total_seconds() if server_now else 0.0
-        if idle < self.stale_s and not _gone_from_this_host(holder):
+        same_job = bool(holder and holder.get("ray_job") and holder.get("ray_job") == self.record["ray_job"])
+        if idle < self.stale_s and not _gone_from_this_host(holder) and not same_job:
             raise _refusal(self.run_dir, holder)
         try:
             etag = self._put(IfMatch=got["ETag"])  # of two takers, one wins
@@ -178,7 +183,8 @@ class BucketLease(Lease):
             if _precondition(e):
                 raise _refusal(self.run_dir, None) from None
             raise
-        why = "its process is gone" if idle < self.stale_s else f"not renewed for {idle:.0f} s"
+        why = (f"not renewed for {idle:.0f} s" if idle >= self.stale_s else
+               "its process is gone" if not same_job else "a process of this same Ray job: a restarted sweep trial")
         self.lines.append(f"took over the lease of run {self.run_dir} from {describe(holder)} ({why})")
         return etag
 

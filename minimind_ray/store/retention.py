@@ -44,7 +44,7 @@ def set_aside_refused(run_dir: str) -> List[str]:
             continue  # never finished: not Ray's to count unless it registered it (then dropped below, if gone)
         where = join(run_dir, e.base_name)
         try:
-            open_checkpoint(e.path, fs, deep=True, where=where)
+            open_checkpoint(e.path, fs, where=where)  # every listed file there at its size (no reads: cheap)
             continue
         except CheckpointError as refusal:
             why = " ".join(str(refusal).split())

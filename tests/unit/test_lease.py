@@ -97,3 +97,23 @@ def test_renewal_keeps_a_bucket_lease_and_a_lost_one_is_said(s3, capsys):
     assert lease.lost and "was taken over by another command" in capsys.readouterr().out
     lease.release()  # leaves the taker's object alone
     assert json.loads(s3.read(key))["host"] == "thief"
+
+
+def test_a_bucket_lease_of_the_same_ray_job_is_taken_over_at_once(s3, monkeypatch):
+    """A sweep trial that Tune restarts on another node holds its run again: the lease of a process of the same Ray
+    job (the sweep's) is taken over; another job's is not."""
+    from minimind_ray.store import lease as lease_module
+
+    run_dir = s3.uri("unit", uuid.uuid4().hex[:8], "sweep-trial")
+    key = f"{run_dir.split(f'{s3.uri()}/', 1)[1]}/{LEASE}"
+    s3.client().put_object(Bucket="mmr-test", Key=key, Body=json.dumps(
+        {"host": "lost-node", "pid": 7, "job": "", "ray_job": "02000000", "started": 0, "renewed": 0}).encode())
+    mine = lease_module.holder_record()
+    monkeypatch.setattr(lease_module, "holder_record", lambda: {**mine, "ray_job": "03000000"})
+    with pytest.raises(RunInUse, match="pid 7 on host lost-node"):
+        hold(run_dir)
+    monkeypatch.setattr(lease_module, "holder_record", lambda: {**mine, "ray_job": "02000000"})
+    lease = hold(run_dir)
+    assert len(lease.lines) == 1 and lease.lines[0].endswith("(a process of this same Ray job: a restarted sweep "
+                                                             "trial)"), lease.lines
+    lease.release()
