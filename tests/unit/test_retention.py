@@ -7,12 +7,11 @@ cluster: Ray Train's CheckpointManager runs on its own, on an event loop of the 
 from __future__ import annotations
 
 import asyncio
-import json
+import shutil
 import uuid
 from pathlib import Path
 
 import pyarrow.fs as pafs
-import pytest
 from ray.train import Checkpoint, CheckpointConfig
 from ray.train.v2._internal.execution.checkpoint.checkpoint_manager import CheckpointManager
 from ray.train.v2._internal.execution.storage import StorageContext
@@ -56,7 +55,6 @@ def _run_with_two_checkpoints(tmp_path: Path, storage: str, run_dir: str):
         else:
             Path(dirs[step]).parent.mkdir(parents=True, exist_ok=True)
             d.rename(dirs[step])
-    fs, _ = filesystem(storage)
     _ray_keeps(storage, Path(run_dir).name, [(s, filesystem(dirs[s])[1]) for s in (2, 4)])
     return dirs
 
@@ -70,7 +68,7 @@ def _check_retention(tmp_path, storage, run_dir, dirs, why):
     # the rerun: Ray restores step 2, then registers the rerun's steps 4 and 6; the good step 2 goes only when two
     # newer checkpoints that verify are kept, never for the refused one
     new4, new6 = (_local_checkpoint(tmp_path / "rerun", s) for s in (4, 6))
-    fs, root = filesystem(run_dir)
+    _, root = filesystem(run_dir)
     targets = []
     for d in (new4, new6):
         name = d.name.replace("2026-12-06", "2026-12-07")  # a later attempt's names
@@ -115,3 +113,16 @@ def test_refused_checkpoints_are_kept_up_to_a_bound_and_unfinished_ones_left_to_
     assert len(refused) == REFUSED_KEPT and refused[-1].endswith(f"-{REFUSED_KEPT + 2:02d}.000000")
     assert unfinished.name in _names(str(run))
     assert set_aside_refused(str(run)) == []  # nothing left to refuse
+
+
+def test_a_snapshot_naming_a_deleted_checkpoint_no_longer_stops_ray(tmp_path):
+    """Issue 54, item 1's aftermath: two writers left Ray's snapshot naming a checkpoint one of them deleted, and
+    raising train.max_steps then failed in Ray's CheckpointManagerInitializationError. The snapshot loses what is
+    gone, so Ray's manager loads it and restores the newest that is there."""
+    storage = str(tmp_path / "runs")
+    run_dir = f"{storage}/run"
+    dirs = _run_with_two_checkpoints(tmp_path, storage, run_dir)
+    shutil.rmtree(dirs[4])  # deleted by the other writer
+    assert set_aside_refused(run_dir) == []
+    restored, kept = _ray_keeps(storage, "run", [])
+    assert restored == Path(dirs[2]).name and kept == [Path(dirs[2]).name]
