@@ -235,8 +235,10 @@ def fit(spec: WorkerSpec, make_trainer, printer: ProgressPrinter, end_mlflow_run
         if end_mlflow_run:
             end_mlflow_run("KILLED")
         code = stop.exit_code if stop is not None and stop.asked else 130
-        raise Interrupted("[minimind-ray] stopped at once by the operator; run the same command to resume from the "
-                          "last checkpoint in storage", code) from None
+        line = ("[minimind-ray] stopped at once by the operator; run the same command to resume from the last "
+                "checkpoint in storage")
+        print(line, flush=True)
+        raise Interrupted(line, code) from None
     except BaseException as e:
         printer.close()
         one_line = explain_failure(cfg, spec.run_dir, e)
