@@ -20,6 +20,7 @@ from minimind_ray.failures import MISTAKE, Mistake, RunStopped
 from minimind_ray.memory_errors import OutOfMemory
 from minimind_ray.pipeline import pipeline_verb
 from minimind_ray.raytrain import prepare_verb, sweep_verb, train_verb
+from minimind_ray.raytrain.interrupt import Interrupted
 from minimind_ray.raytrain.restarts import RestartsSpent
 from minimind_ray.serve import serve_verb
 from minimind_ray.stages import STAGES
@@ -76,6 +77,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     quiet_environment()  # before Ray or MLflow is imported
     try:
         return args.fn(args)
+    except Interrupted as e:  # Ctrl-C / SIGTERM: a clean stop, said already (raytrain/interrupt.py)
+        return e.exit_code
     except Exception as e:
         worker_traceback = e.verdict.traceback.rstrip() if isinstance(e, RunStopped) else ""  # the worker's own
         if args.debug or not isinstance(e, user_errors()):

@@ -8,7 +8,9 @@ faults"): the first of the driver's steps (raytrain/driver.py:run). Each refusal
   a checkpoint's own config the same way) and says so; with one written that differs, the run is refused, naming both.
   The other weights a stage starts from (a DPO reference; a distillation teacher, whose architecture is its own) must be
   whole too, and the reference of the same architecture.
-* **The tokenizer**: fetched or found here, not in the workers, and its vocabulary checked against the model's.
+* **The tokenizer**: fetched or found here, not in the workers, and its vocabulary checked against the model's, and
+  against the one ``train.init_from`` trained with: another vocabulary is refused unless
+  ``data.allow_tokenizer_change=true`` (a refused run never becomes ``<stage>-latest``).
 * **What a local Ray can hold**, when this run starts its own: training workers against cores and GPUs, their memory
   estimate against the machine's (``cluster.check_local_fit``). On a cluster the placement is Ray's, bounded by
   ``cluster.resource_timeout_s`` as before.
@@ -24,7 +26,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
-import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
@@ -46,9 +47,7 @@ from minimind_ray.store.inspect import WeightsInfo, architecture, differences, i
 from minimind_ray.store.pth import WeightsError
 from minimind_ray.store.reach import check_storage
 from minimind_ray.store.weights import resolve_checkpoint
-from minimind_ray.tokenizer import resolve_tokenizer
-
-log = logging.getLogger(__name__)
+from minimind_ray.tokenizer import load_tokenizer, resolve_tokenizer
 
 LOOK_RECORDS = 1000  # the first records of a file that the look reads
 LOOK_FILES = 16  # the files it looks at (prepare reads them all, as before)
@@ -71,7 +70,7 @@ def check_before_ray(cfg: RunConfig, local_ray: bool) -> Checked:
     cfg, lines = adopt_architecture(cfg)
     check_parents(cfg)
     tokenizer = resolve_tokenizer(cfg.data.tokenizer, cfg.data.cache_dir, cfg.model.generation)
-    check_vocabulary(cfg, tokenizer)
+    lines += check_vocabulary(cfg, tokenizer)
     if local_ray and cfg.cluster.check_local_fit:
         check_local_fit(cfg)
     look_at_data(cfg)
@@ -143,24 +142,38 @@ def check_parents(cfg: RunConfig) -> None:
 # --------------------------------------------------------------------------- tokenizer
 
 
-def check_vocabulary(cfg: RunConfig, tokenizer) -> None:
-    """The tokenizer's ids fit the embedding; a tokenizer other than the one ``train.init_from`` trained with is
-    said (its ids mean other tokens), not refused: a new chat template is a deliberate change."""
+def check_vocabulary(cfg: RunConfig, tokenizer) -> List[str]:
+    """The tokenizer's ids fit the embedding; a tokenizer whose vocabulary differs from the one ``train.init_from``
+    trained with is refused (its ids mean other tokens: issue 54), unless ``data.allow_tokenizer_change`` (a vocabulary
+    extension). One that differs in its chat template or special-token names only is said, not refused: a new template
+    is a deliberate change. Returns the lines to say."""
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ConfigError(f"data.tokenizer: {cfg.data.tokenizer!r} has {tokenizer.vocab_size} tokens, more than the "
                           f"model's vocab_size {cfg.model.vocab_size}"
                           + (" (train.init_from's)" if cfg.train.init_from and not _written_model_fields(cfg) else ""))
     if not cfg.train.init_from:
-        return
-    recorded = _recorded_tokenizer_hash(cfg.train.init_from)
-    if recorded and recorded != tokenizer.hash():
-        log.warning("train.init_from %s was trained with another tokenizer (hash %s) than data.tokenizer=%s (hash "
-                    "%s): its ids mean other tokens", redact(cfg.train.init_from), recorded[:12],
-                    cfg.data.tokenizer, tokenizer.hash()[:12])
+        return []
+    recorded = _recorded_tokenizer(cfg.train.init_from)
+    if not recorded or recorded.get("tokenizer_hash") in (None, tokenizer.hash()):
+        return []
+    source, theirs = redact(cfg.train.init_from), recorded.get("tokenizer_path") or "its data's manifest"
+    vocab = _recorded_vocab_hash(recorded)
+    if vocab == tokenizer.vocab_hash():
+        return [f"data.tokenizer={cfg.data.tokenizer} has the vocabulary train.init_from {source} trained with "
+                f"({theirs}), with another chat template or special-token names"]
+    differs = ("a vocabulary other than" if vocab else "another tokenizer (its vocabulary unknown: no longer readable) "
+               "than")
+    said = (f"train.init_from {source} was trained with {differs} data.tokenizer={cfg.data.tokenizer} "
+            f"({theirs}, hash {recorded['tokenizer_hash'][:12]}; given: hash {tokenizer.hash()[:12]}): its ids mean "
+            f"other tokens")
+    if cfg.data.allow_tokenizer_change:
+        return [f"WARNING: {said}; trained anyway (data.allow_tokenizer_change=true)"]
+    raise ConfigError(f"data.tokenizer: {said}; use the tokenizer it trained with, or set "
+                      f"data.allow_tokenizer_change=true for a deliberate change (a vocabulary extension)")
 
 
-def _recorded_tokenizer_hash(source: str) -> Optional[str]:
-    """The tokenizer hash of the data a run or checkpoint trained on (its prepared manifest), when still readable."""
+def _recorded_tokenizer(source: str) -> Optional[dict]:
+    """The manifest of the data a run or checkpoint trained on (its tokenizer's hash and path), when still readable."""
     try:
         info = inspect_weights(source)
         prepared = (info.run_config or {}).get("data") and _prepared_dir(info)
@@ -168,8 +181,19 @@ def _recorded_tokenizer_hash(source: str) -> Optional[str]:
             return None
         fs, path = filesystem(join(prepared, "manifest.json"))
         with fs.open_input_stream(path) as f:
-            return json.loads(f.read()).get("tokenizer_hash")
+            return json.loads(f.read())
     except Exception:  # a courtesy: the manifest may be gone with its cache
+        return None
+
+
+def _recorded_vocab_hash(manifest: dict) -> Optional[str]:
+    """The vocabulary hash of the tokenizer a manifest names: recorded (data prepared since issue 54), or read from
+    the tokenizer it names while that is still there; None when neither."""
+    if manifest.get("tokenizer_vocab_hash"):
+        return manifest["tokenizer_vocab_hash"]
+    try:
+        return load_tokenizer(manifest["tokenizer_path"]).vocab_hash()
+    except Exception:  # gone with its cache, or a bucket's copy no longer there
         return None
 
 

@@ -213,6 +213,12 @@ class Tokenizer:
             self._hash = h.hexdigest()
         return self._hash
 
+    def vocab_hash(self) -> str:
+        """sha256 of the vocabulary alone (every token and its id, added tokens included): what a model's embedding
+        rows mean. Two tokenizers that differ only in their chat template or special-token names have the same."""
+        vocab = sorted(self._hf.get_vocab(with_added_tokens=True).items(), key=lambda kv: kv[1])
+        return hashlib.sha256(json.dumps(vocab, ensure_ascii=False, separators=(",", ":")).encode()).hexdigest()
+
     def save(self, out_dir: str) -> None:
         """tokenizer.json + tokenizer_config.json (with the chat template): loadable here and by
         ``transformers.AutoTokenizer``. Each file is written atomically; nothing else in

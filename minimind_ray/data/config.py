@@ -21,6 +21,7 @@ class DataConfig:
     format: str = _f("pretrain", f"record format: {describe()}; not given: the verb's own (its stage's first format: docs/data.md, 'Sources')")
     train_path: List[str] = _f([], "one or a list of jsonl(.gz)/parquet files, directories, globs or URIs (data.train_path=x.jsonl or '[a.jsonl,b.jsonl]'); or a prepared directory with manifest.json; 'demo' = the built-in corpus (its file of data.format), 'demo:<name>' = one of its files (tool_sft, mc_eval, ...)")
     tokenizer: str = _f("auto", "'auto' = MiniMind's tokenizer of model.generation; 'minimind2' | 'minimind3' (fetched by name, sha256-checked; offline: MINIMIND_RAY_TOKENIZER_MIRROR); 'builtin' = trained on the demo corpus; or a directory with tokenizer.json")
+    allow_tokenizer_change: bool = _f(False, "train with a data.tokenizer whose vocabulary differs from the one train.init_from trained with (a vocabulary extension); refused otherwise, its ids would mean other tokens")
     max_seq_len: int = _f(512, "tokens per training sequence", ge=8)
     pack: bool = _f(True, "pretrain: pack documents into full windows (False = MiniMind pad mode)")
     bad_records: str = _f("skip", "bad input policy: 'skip' (count per reason) or 'strict' (fail at the first, naming file:line)")

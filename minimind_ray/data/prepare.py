@@ -242,7 +242,7 @@ class _NoOutOfMemoryTraceback(logging.Filter):
 
 def _raise_if_out_of_memory(error: BaseException, data_cfg, n_chunks: int) -> None:
     """A prepare task that Ray's memory monitor killed more often than ``RAY_task_oom_retries`` (set by
-    ``raytrain/session.py:connect_ray``; Ray's own default retries without end) fails the job: say so in
+    ``ray_settings.py``, before Ray is imported; Ray's own default retries without end) fails the job: say so in
     one line, with the memory seen and the settings that size a task."""
     seen = next((s for s in (read_oom(str(x)) for x in (error, getattr(error, "cause", None)) if x is not None)
                  if s is not None), None)
@@ -301,6 +301,7 @@ def prepare(sources: List[str], out_dir: str, tokenizer, data_cfg, digests: Opti
         "version": PREPARED_VERSION,
         **row_settings(data_cfg),
         "tokenizer_hash": tokenizer.hash(),
+        "tokenizer_vocab_hash": tokenizer.vocab_hash(),  # what train.init_from's later runs compare (preflight.py)
         "tokenizer_path": getattr(tokenizer, "source", tokenizer.path),  # a bucket's URI, not the driver's copy
         "vocab_size": tokenizer.vocab_size,
         "token_bytes": tokenizer.token_bytes(),  # bits per byte (engine/evaluate.py): the bytes each id spells

@@ -4,6 +4,8 @@ run"). ``run(cfg)`` is what every pipeline, sweep and CLI verb calls::
     check_before_ray   what config and files decide (preflight.py): the architecture of train.init_from, the
                        tokenizer, what a local Ray can hold, a look at the data; a mistake is said before Ray starts
     decide_run         a new run, a resumed one, one trained further, or one already finished (resume.py)
+    hold_lease         one writer per run: the run's lease, or a refusal naming its holder (store/lease.py)
+    set_aside_refused_checkpoints   a checkpoint that no longer verifies, out of Ray's count (store/retention.py)
     connect            a cluster or a local Ray (session.py), GPUs or not, the worker group checked against it
     prepare_data       raw jsonl tokenized once with Ray Data into Parquet + manifest (data/prepare.py)
     open_tracking      the MLflow run: created, or reopened when this run name resumes
@@ -27,6 +29,7 @@ from minimind_ray.fsio import filesystem, is_uri, join, redact
 from minimind_ray.preflight import check_before_ray
 from minimind_ray.raytrain.failed import explain as explain_failure
 from minimind_ray.raytrain.faults import fault_wiring
+from minimind_ray.raytrain.interrupt import Interrupted, StopRequest, stop_on_signals
 from minimind_ray.raytrain.lineage import lineage_tags, skipped
 from minimind_ray.raytrain.oom import warn_if_short
 from minimind_ray.raytrain.progress import ProgressPrinter, progress_sink
@@ -39,6 +42,7 @@ from minimind_ray.raytrain.session import (connect_ray, gpus_and_backend, in_ray
 from minimind_ray.raytrain.spec import WorkerSpec
 from minimind_ray.raytrain.validation import validation_config
 from minimind_ray.stages import get_stage
+from minimind_ray.store.lease import hold as hold_lease
 from minimind_ray.tracking.artifacts import log_final_artifacts
 from minimind_ray.tracking.runs import finish_run, resolve_tracking_uri, start_run
 
@@ -65,9 +69,20 @@ def run(cfg: RunConfig, *, tags: Optional[Dict[str, str]] = None, callbacks=(), 
     cfg = checked.cfg  # the user's, with train.init_from's architecture when they gave none
     storage = storage_root(cfg)
     name, plan = decide_run(cfg, storage)  # a finished run, or a choice for the user, is said before Ray starts too
-    for line in (plan, *checked.lines):
-        print(redact(f"[minimind-ray] {line}"), flush=True)
     run_dir = f"{storage.rstrip('/')}/{name}"
+    lease = hold_lease(run_dir)  # one writer per run: a second command on it is refused here, before Ray
+    try:
+        for line in (plan, *checked.lines, *lease.lines):
+            print(redact(f"[minimind-ray] {line}"), flush=True)
+        return train_held_run(cfg, checked, name, run_dir, storage, tags, callbacks, report_every_eval)
+    finally:
+        lease.release()
+
+
+def train_held_run(cfg: RunConfig, checked, name: str, run_dir: str, storage: str, tags, callbacks,
+                   report_every_eval: bool) -> RunResult:
+    """:func:`run`'s steps once this process holds the run's lease (store/lease.py)."""
+    set_aside_refused_checkpoints(run_dir)
     run_cfg, use_gpu, backend = connect(cfg, name)
     prepared_dir = prepare_data(cfg, checked.tokenizer)
     uri, run_id = open_tracking(run_cfg, run_dir, prepared_dir, {
@@ -82,9 +97,42 @@ def run(cfg: RunConfig, *, tags: Optional[Dict[str, str]] = None, callbacks=(), 
     make_trainer = build_trainer(spec, wiring, storage, [*wiring.callbacks, *callbacks])
     end_mlflow_run = functools.partial(finish_run, uri, run_id, timeout_s=cfg.tracking.timeout_s) if run_id else None
     stage = get_stage(cfg.train.stage)  # the console shows its headline metrics
-    result = fit(spec, make_trainer, ProgressPrinter(sink, progress_run, name, stage.headline, stage.rl),
-                 end_mlflow_run)
+    stop = StopRequest()  # Ctrl-C / SIGTERM while it trains: a clean stop (raytrain/interrupt.py)
+    result = fit(spec, make_trainer, ProgressPrinter(sink, progress_run, name, stage.headline, stage.rl,
+                                                     operator_stop=stop), end_mlflow_run, stop)
+    if stop.asked:
+        end_on_stop(spec, result, stop, end_mlflow_run)
     return finish(spec, result, checked.tokenizer, end_mlflow_run)
+
+
+def end_on_stop(spec: WorkerSpec, result, stop: StopRequest, end_mlflow_run) -> None:
+    """The operator stopped the run and its workers ended on a checkpoint, whose uploads they waited for: the MLflow
+    run KILLED, one line (the step, the checkpoint, how to resume), :class:`Interrupted`. A run that reached its last
+    step before it could stop is finished as usual."""
+    from minimind_ray.store.checkpoint import open_checkpoint  # lazy: torch, only when this runs
+
+    step, where = (result.metrics or {}).get("step"), "none"
+    if result.checkpoint is not None:
+        where = join(spec.run_dir, Path(result.checkpoint.path).name)
+        meta = open_checkpoint(where).meta()
+        if meta.step >= meta.total_steps:
+            return
+        step = meta.step
+    if end_mlflow_run:
+        end_mlflow_run("KILLED")
+    line = redact(f"[minimind-ray] interrupted at step {step}: the run ends on checkpoint {where}, in storage; run "
+                  f"the same command to resume")
+    print(line, flush=True)
+    raise Interrupted(line, stop.exit_code)
+
+
+def set_aside_refused_checkpoints(run_dir: str) -> None:
+    """Before Ray counts them: each checkpoint of the run that no longer verifies moved aside and out of Ray's list
+    (store/retention.py), so checkpoint.num_to_keep never keeps a refused one in place of a good one; said."""
+    from minimind_ray.store.retention import set_aside_refused  # lazy: torch, only when this runs
+
+    for line in set_aside_refused(run_dir):
+        print(redact(f"[minimind-ray] {line}"), flush=True)
 
 
 def connect(cfg: RunConfig, name: str) -> Tuple[RunConfig, bool, str]:
@@ -172,15 +220,25 @@ def build_trainer(spec: WorkerSpec, wiring, storage: str, callbacks: list):
     )
 
 
-def fit(spec: WorkerSpec, make_trainer, printer: ProgressPrinter, end_mlflow_run):
+def fit(spec: WorkerSpec, make_trainer, printer: ProgressPrinter, end_mlflow_run, stop: Optional[StopRequest] = None):
     """Ray Train's result of the run, fitted again after each failed start; a failure ends the MLflow run and is
-    raised as one line where it can be (failed.py), its tracebacks in the run's error.log."""
+    raised as one line where it can be (failed.py), its tracebacks in the run's error.log. ``stop``: the operator's
+    signals while it trains (interrupt.py); a second one ends the run at once, KILLED."""
     cfg = spec.cfg
     printer.start()
     try:
-        with train_env(cfg):
+        with train_env(cfg), stop_on_signals(stop or StopRequest()):
             result = fit_with_restarts(make_trainer, cfg.cluster.max_failures, spec.run_dir, cfg.name,
                                        cfg.cluster.min_workers)
+    except KeyboardInterrupt:  # the second signal (or Ctrl-C outside a main thread's handler): stopped at once
+        printer.close()
+        if end_mlflow_run:
+            end_mlflow_run("KILLED")
+        code = stop.exit_code if stop is not None and stop.asked else 130
+        line = ("[minimind-ray] stopped at once by the operator; run the same command to resume from the last "
+                "checkpoint in storage")
+        print(line, flush=True)
+        raise Interrupted(line, code) from None
     except BaseException as e:
         printer.close()
         one_line = explain_failure(cfg, spec.run_dir, e)

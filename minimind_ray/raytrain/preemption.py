@@ -45,17 +45,26 @@ def check_interval(cfg) -> int:
 class PreemptionCheck:
     """One rank's side: when to ask Ray, what it answered, and the hold after the notice's checkpoint."""
 
-    def __init__(self, cfg, run_dir: Optional[str], rank: int, total_steps: int, ask=None):
+    def __init__(self, cfg, run_dir: Optional[str], rank: int, total_steps: int, ask=None, stop_asked=None,
+                 world: int = 1):
         self.every, self.run_dir, self.rank, self.total_steps = check_interval(cfg), run_dir, rank, total_steps
         self.ask = ask  # None: ray.train.get_preemption_info (a unit test passes its own)
+        # the operator's stop (raytrain/interrupt.py): rank 0 asks ``stop_asked`` where it asks for a drain notice (at
+        # every log step when preemption_check_interval=0), and every rank takes its answer
+        self.stop_every, self.stop_asked, self.world = self.every or cfg.train.log_interval, stop_asked, world
+        self.stopping = False  # True once the operator's stop arrived: the notice's checkpoint, then the loop ends
         self.info = None  # ray.train.PreemptionInfo, once a notice arrived
         self.noticed_at: Optional[float] = None
         self.asks, self.ask_seconds = 0, 0.0  # what the checks cost (bench/bench_preemption.py reads the mean)
 
     def due(self, step: int) -> bool:
         """Whether a node of this run is being drained, asked on every ``every``-th step (the same on every rank).
-        The last step is never held: it checkpoints anyway and the run ends."""
-        if not self.every or step % self.every or step >= self.total_steps or self.info is not None:
+        The last step is never held: it checkpoints anyway and the run ends. The operator's stop is a notice too."""
+        if step >= self.total_steps or self.info is not None or self.stopping:
+            return False
+        if self.stop_every and step % self.stop_every == 0 and self._operator_stop(step):
+            return True
+        if not self.every or step % self.every:
             return False
         if self.ask is None:
             import ray.train
@@ -74,6 +83,29 @@ class PreemptionCheck:
             print(f"[minimind-ray] drain notice at step {step} for nodes {info.preempted_node_ids} (ranks "
                   f"{info.preempted_ranks}, {left}): checkpointing step {step}", flush=True)
         return True
+
+    def _operator_stop(self, step: int) -> bool:
+        """Rank 0's answer of the progress actor (has the driver been interrupted?), the same on every rank."""
+        if self.stop_asked is None:
+            return False
+        stop = False
+        if self.rank == 0:
+            try:
+                stop = bool(self.stop_asked())
+            except Exception:  # the driver's actor away (the driver gone): Ray Train ends the group anyway
+                stop = False
+        if self.world > 1:
+            import torch.distributed as dist
+
+            box = [stop]
+            dist.broadcast_object_list(box, src=0)
+            stop = bool(box[0])
+        if stop:
+            self.stopping = True
+            if self.rank == 0:
+                print(f"[minimind-ray] the operator's stop at step {step}: checkpointing step {step}, then ending",
+                      flush=True)
+        return stop
 
     def deadline(self) -> float:
         """When the controller restarts the group (epoch seconds)."""

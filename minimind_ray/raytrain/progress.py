@@ -47,12 +47,22 @@ class ProgressSink:
 
     def __init__(self):
         self.items: Dict[str, list] = {}
+        self.stops: set = set()  # the runs whose operator asked them to stop (raytrain/interrupt.py)
 
     def open(self, run: str) -> None:
         self.items[run] = []
 
     def close(self, run: str) -> None:
         self.items.pop(run, None)
+        self.stops.discard(run)
+
+    def request_stop(self, run: str) -> None:
+        if run in self.items:
+            self.stops.add(run)
+
+    def stop_requested(self, run: str) -> bool:
+        """Asked by rank 0 where it asks Ray for a drain notice (raytrain/preemption.py)."""
+        return run in self.stops
 
     def push(self, run: str, m: Dict[str, Any]) -> None:
         if run in self.items:
@@ -83,15 +93,23 @@ SHORT = {"reward_exact_answer": "exact", "reward_margin": "margin", "reward_accu
 class ProgressPrinter(threading.Thread):
     """Driver-side view of training: a tqdm bar on a terminal, plain lines in a job log."""
 
-    def __init__(self, sink, run: str, name: str, headline: Tuple[str, ...] = (), rl: bool = False):
+    def __init__(self, sink, run: str, name: str, headline: Tuple[str, ...] = (), rl: bool = False,
+                 operator_stop=None):
         super().__init__(daemon=True)
         self.sink, self.run_token, self.name, self.stop = sink, run, name, threading.Event()
+        self.operator_stop, self.stop_sent = operator_stop, False  # raytrain/interrupt.py's StopRequest
         self.headline, self.rl = tuple(headline), rl
         self.tty = sys.stderr.isatty()
         self.bar = None
 
     def run(self):
         while not self.stop.wait(0.5):
+            if self.operator_stop is not None and self.operator_stop.asked and not self.stop_sent:
+                try:  # the workers read it at the next step they check (raytrain/preemption.py)
+                    self.sink.request_stop.remote(self.run_token)
+                    self.stop_sent = True
+                except Exception:
+                    pass
             self.drain()
 
     def drain(self):
@@ -109,7 +127,9 @@ class ProgressPrinter(threading.Thread):
         step, total = int(m["step"]), int(m.get("total_steps", 0) or 0)
         eta = eta_seconds(m)
         eta_s = "?" if math.isnan(eta) else time.strftime("%H:%M:%S", time.gmtime(eta))
-        ck = " [checkpoint]" if m.get("checkpoint") else ""
+        # the step's checkpoint is saved and on its way to storage; once there, the run can resume from it (a stop
+        # waits for every checkpoint announced: raytrain/interrupt.py)
+        ck = " [checkpoint uploading]" if m.get("checkpoint") else ""
         return f"[{self.name}] step {step}/{total} {self.describe(m, self.headline, self.rl)} ETA {eta_s}{ck}"
 
     @staticmethod

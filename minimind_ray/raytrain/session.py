@@ -3,18 +3,19 @@ process starts and sizes for the run; and the Ray Train settings of the run's en
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import sys
+import tempfile
+import traceback
 from typing import Optional, Tuple
 
 from minimind_ray.config import ConfigError, RunConfig
-from minimind_ray.console import after_ray_start, ray_init_options
+from minimind_ray.console import after_ray_start, ray_init_options, verbose
 from minimind_ray.fsio import is_uri
 from minimind_ray.raytrain.preemption import check_interval
 from minimind_ray.raytrain.runtime_env import side_cpus, worker_pythonpath
-
-PREPARE_OOM_RETRIES = 2  # a prepare task killed for memory more often than this fails the command (data/prepare.py)
 
 
 def in_ray_job() -> bool:
@@ -41,9 +42,8 @@ def connect_ray(cfg: RunConfig, dashboard: bool = True, num_cpus: Optional[int] 
 
     if ray.is_initialized():
         return ray
-    # Tasks this driver owns (the prepare job's) that Ray's memory monitor kills are retried without end
-    # by default ("infinite oom retries remaining"): the command would hang. Read when Ray starts here.
-    os.environ.setdefault("RAY_task_oom_retries", str(PREPARE_OOM_RETRIES))
+    # Ray's settings that the project needs (the dashboard's start timeouts, the prepare tasks' OOM retries) are in
+    # the environment already: Ray reads some at import, so minimind_ray/__init__.py sets them (ray_settings.py)
     address = cfg.cluster.address or os.environ.get("RAY_ADDRESS")
     env = {"env_vars": {"PYTHONPATH": worker_pythonpath(), "TOKENIZERS_PARALLELISM": "false"}}
     quiet = ray_init_options()  # Ray's own lines to its log files, unless --verbose (console.py)
@@ -60,17 +60,54 @@ def connect_ray(cfg: RunConfig, dashboard: bool = True, num_cpus: Optional[int] 
         # given to every actor (RAY_API_SERVER_ADDRESS): with other Rays on the machine the cleaner would
         # otherwise fail ("multiple active Ray instances") and a sweep's stopped trials keep their CPUs.
         port = _free_port() if dashboard else None
-        # the dashboard's modules get 120 s to come up instead of Ray's 30, and ray.init waits 200 s for the
-        # dashboard instead of 60: a busy machine (load 15-40 on 2 cores, measured) misses either and the whole
-        # local Ray fails to start
-        os.environ.setdefault("RAY_DASHBOARD_SUBPROCESS_MODULE_WAIT_READY_TIMEOUT", "120")
-        os.environ.setdefault("RAY_DASHBOARD_STARTUP_TIMEOUT_S", "200")
         if port:
             env["env_vars"]["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
-        after_ray_start(ray.init(num_cpus=max(os.cpu_count() or 1, need, num_cpus or 0), include_dashboard=dashboard,
-                                 dashboard_host="127.0.0.1", runtime_env=env, **({"dashboard_port": port} if port else {}),
-                                 **quiet))
+        with local_start(ray):
+            after_ray_start(ray.init(num_cpus=max(os.cpu_count() or 1, need, num_cpus or 0),
+                                     include_dashboard=dashboard, dashboard_host="127.0.0.1", runtime_env=env,
+                                     **({"dashboard_port": port} if port else {}), **quiet))
     return ray
+
+
+class RayStartFailed(OSError):
+    """A local Ray that did not start, in one line: what failed, the log to read (cli.py prints it, exit 2)."""
+
+
+@contextlib.contextmanager
+def local_start(ray):
+    """The start of a local Ray: its failure becomes :class:`RayStartFailed`, one line naming what failed and the log
+    to read, instead of Ray's traceback and the 20 lines of the dashboard's log it prints (issue 54: a busy machine).
+    Ray's lines about it stay in its log files unless --verbose; what Ray had started is stopped."""
+    services = logging.getLogger("ray._private.services")  # "Failed to start the dashboard" and its log's tail
+    level = services.level
+    if not verbose():
+        services.setLevel(logging.CRITICAL)
+    try:
+        yield
+    except Exception as e:
+        with contextlib.suppress(Exception):
+            ray.shutdown()
+        logs = ray_logs_dir()
+        dashboard = "dashboard" in f"{e} {''.join(traceback.format_tb(e.__traceback__))}"
+        what = (f"its dashboard did not come up within RAY_DASHBOARD_STARTUP_TIMEOUT_S="
+                f"{os.environ.get('RAY_DASHBOARD_STARTUP_TIMEOUT_S', '60')} s (a busy machine: export a larger value)"
+                if dashboard else f"{type(e).__name__}: {next((x for x in str(e).splitlines() if x.strip()), '')}")
+        raise RayStartFailed(f"the local Ray did not start: {what}; read {logs}/"
+                             f"{'dashboard.log' if dashboard else 'raylet.out and gcs_server.out'}; --verbose shows "
+                             f"Ray's own lines, --debug the traceback") from e
+    finally:
+        services.setLevel(level)
+
+
+def ray_logs_dir() -> str:
+    """The log folder of the newest local Ray session of this machine (Ray's default temp dir)."""
+    try:
+        from ray._common.utils import get_default_ray_temp_dir  # lazy: ray, only when a start failed
+
+        root = get_default_ray_temp_dir()
+    except Exception:  # another Ray version: its documented default
+        root = os.path.join(os.environ.get("RAY_TMPDIR") or tempfile.gettempdir(), "ray")
+    return os.path.join(root, "session_latest", "logs")
 
 
 @contextlib.contextmanager

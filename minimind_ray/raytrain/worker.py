@@ -75,7 +75,16 @@ class RayHooks(Hooks):
             # train.collective_timeout_s would then fail a healthy group as hung
             self.logger = RunLogger(spec.tracking_uri, run_id, timeout_s=cfg.tracking.timeout_s,
                                     system_metrics=cfg.tracking.system_metrics, wait_for_server=False)
-        self.preemption = PreemptionCheck(cfg, spec.run_dir, rank, state.total_steps)
+        self.preemption = PreemptionCheck(cfg, spec.run_dir, rank, state.total_steps, stop_asked=self._stop_asked,
+                                          world=state.world)
+
+    def _stop_asked(self) -> bool:
+        """Has the driver's operator asked this run to stop (raytrain/interrupt.py)? Rank 0 asks the progress actor."""
+        import ray
+
+        sink = self.spec.progress_sink
+        # a slow answer is no stop yet (the next check asks again): the other ranks wait in the broadcast meanwhile
+        return sink is not None and bool(ray.get(sink.stop_requested.remote(self.spec.progress_run), timeout=2))
 
     # -- checkpoint on preemption (raytrain/preemption.py): ask Ray every few steps, checkpoint, hold
     def preemption_notice(self, step):
@@ -84,6 +93,8 @@ class RayHooks(Hooks):
     def on_preempted(self, step):
         if self.logger is not None:  # the notice's checkpoint already waited for the queue; send what is left
             self.logger.flush(timeout_s=self.spec.cfg.tracking.timeout_s)
+        if self.preemption.stopping:  # the operator's stop: the loop ends, close() waits for the uploads
+            return
         self.preemption.hold(step)  # returns never: Ray Train restarts the group from this step's checkpoint
 
     def before_step(self, step):

@@ -97,3 +97,21 @@ def test_the_field_is_validated():
     with pytest.raises(ConfigError, match="checkpoint.preemption_check_interval"):
         load_config("pipelines/configs/tiny.yaml", ["checkpoint.preemption_check_interval=-1"])
     assert dataclasses.is_dataclass(load_config("pipelines/configs/tiny.yaml").checkpoint)
+
+
+def test_the_operators_stop_is_a_notice_at_the_next_step_checked_even_with_drain_checks_off():
+    """Ctrl-C on the driver (raytrain/interrupt.py) reaches rank 0 as ``stop_asked``: the check takes the notice's
+    path at the next step it checks (the log interval when drain checks are off), and does not hold after it."""
+    asked = []
+    stop = {"now": False}
+
+    def stop_asked():
+        asked.append(1)
+        return stop["now"]
+
+    check = PreemptionCheck(_cfg(every=0, log_interval=5), None, 0, total_steps=20,
+                            ask=lambda: pytest.fail("asked Ray with the drain check off"), stop_asked=stop_asked)
+    assert not any(check.due(s) for s in range(1, 10)) and len(asked) == 1  # step 5 only
+    stop["now"] = True
+    assert not check.due(14) and check.due(15) and check.stopping and check.info is None
+    assert not check.due(16) and len(asked) == 2  # one stop per attempt, no ask after it

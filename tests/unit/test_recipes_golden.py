@@ -56,7 +56,9 @@ NEW_SECTIONS = ("train.simpo.", "train.rollout.", "train.parallelism", "train.ac
                                                 "loss_type", "epsilon", "clip_high", "epsilon_high", "beta",
                                                 "kl_estimator", "kl_target", "kl_horizon", "advantage",
                                                 "scale_rewards", "loss_agg", "num_iterations", "mini_batches",
-                                                "mask_truncated")))
+                                                "mask_truncated")),
+                # issue 54: a tokenizer other than train.init_from's is refused unless this allows it (default: refuse)
+                "data.allow_tokenizer_change")
 # help lines that changed on purpose: the stage list names the new stage; train.grpo.rollout* moved to train.rollout;
 # data.format says what a verb implies when it is not given, data.train_path that one path needs no list (issue 38)
 CHANGED_HELP = {"cluster.max_failures", "train.faults",  # issue 47: what max_failures counts; the 'bug' kind
