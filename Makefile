@@ -35,12 +35,15 @@ $(TEST_STAMP): $(STAMP) requirements-test.txt
 # constrained by it, so the pins agree (uv keeps the files' other pins unless pyproject.toml rules them out; delete
 # the two files to move everything to its newest release). torch is held at the CPU wheel on this machine's disk
 # (/opt/wheels; PyPI's linux torch is the CUDA build and pulls the nvidia-* wheels); its local label (+cpu) is dropped
-# at the end so that the line also accepts a CUDA torch 2.13.0 installed first (README, "torch builds").
+# at the end so that the line also accepts a CUDA torch 2.13.0 installed first (README, "torch builds"). The test
+# set keeps extras on its lines (pip's hash-checking mode wants typepy[datetime] pinned as such); the run's set has
+# none, so that it also serves as pip constraints (the wheel test, a cluster image).
 UV ?= uv
 LOCK_OPTS = --quiet --generate-hashes --find-links /opt/wheels --python-version 3.11 \
-	--python-platform x86_64-manylinux_2_28 --no-strip-extras --custom-compile-command "make lock"
+	--python-platform x86_64-manylinux_2_28 --custom-compile-command "make lock"
 lock:
-	echo 'torch==2.13.0+cpu' | $(UV) pip compile pyproject.toml --extra test $(LOCK_OPTS) -c /dev/stdin -o requirements-test.txt
+	echo 'torch==2.13.0+cpu' | $(UV) pip compile pyproject.toml --extra test $(LOCK_OPTS) --no-strip-extras \
+	  -c /dev/stdin -o requirements-test.txt
 	$(UV) pip compile pyproject.toml $(LOCK_OPTS) -c requirements-test.txt -o requirements.txt
 	sed -i 's/^torch==\([0-9.]*\)+cpu /torch==\1 /' requirements.txt requirements-test.txt
 

@@ -2,15 +2,15 @@
 
 `make` installs the lock and then the project with --no-deps, so the suite alone would never notice a dependency the
 code imports but pyproject.toml forgets. Here the wheel goes into a venv of its own with pip resolving its declared
-dependencies (the lock, requirements.txt, only as constraints, so the versions are the tested ones), without the
+dependencies (the lock's pins, requirements.txt, only as constraints, so the versions are the tested ones), without the
 test extras; then `minimind-ray pretrain` runs the tiny recipe to its end on a Ray of its own, and a run that needs
 an extra the venv lacks (a reward model needs transformers, the hf extra) is refused in one line naming the extra.
-pip reuses its cache (no byte-compiling: the venv is thrown away), so the install costs copying, not downloading.
+uv (or pip) reuses its cache, so the install costs copying and byte-compiling, not downloading.
 """
 from __future__ import annotations
 
-import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -47,11 +47,20 @@ def wheel_venv(tmp_path_factory):
     made = run([sys.executable, "-m", "venv", venv], cwd=base)
     assert made.returncode == 0, made.stderr[-2000:]
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    # the lock's hashes put pip in hash-checking mode, where the wheel itself needs one too
-    request = base / "wheel.txt"
-    request.write_text(f"minimind-ray @ {wheel.as_uri()} --hash=sha256:{hashlib.sha256(wheel.read_bytes()).hexdigest()}\n")
-    installed = run([venv / "bin/python", "-m", "pip", "install", "-q", "--no-compile", "-c", REPO / "requirements.txt",
-                     "-r", request], cwd=base, env=env)
+    # the lock's pins without its hashes: with hashes pip's hash-checking mode refuses the wheel's own torch range
+    # against the lock's torch==2.13.0 when the file it finds is 2.13.0+cpu (what make installs checks the hashes)
+    pins = base / "pins.txt"
+    pins.write_text("".join(f"{m.group(0)}\n" for m in re.finditer(r"^[A-Za-z0-9_.-]+==\S+",
+                                                                  (REPO / "requirements.txt").read_text(), re.M)))
+    uv = Path(sys.executable).parent / "uv"  # make installs it (the Makefile); it resolves as pip does, faster
+    if uv.exists():  # the find-links pip is configured with (this machine's CPU torch), which uv does not read
+        links = run([sys.executable, "-m", "pip", "config", "get", "global.find-links"], cwd=base).stdout.split()
+        install = [uv, "pip", "install", "-q", "--compile-bytecode", "--python", venv / "bin/python",
+                   *[a for d in links for a in ("--find-links", d)]]
+    else:
+        install = [venv / "bin/python", "-m", "pip", "install", "-q"]
+    # byte-compiled as make does: every Ray process would otherwise compile Ray from source (PYTHONDONTWRITEBYTECODE)
+    installed = run([*install, "-c", pins, wheel], cwd=base, env=env)
     assert installed.returncode == 0, installed.stdout[-2000:] + installed.stderr[-3000:]
     env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"
     return venv, env
