@@ -31,14 +31,14 @@ $(TEST_STAMP): $(STAMP) requirements-test.txt
 	$(UV_INSTALL) -r requirements-test.txt
 	touch $(TEST_STAMP)
 
-# Regenerate both locks (uv from PyPI, `pip install uv`). One resolution: the test set first, then the run's set
+# Regenerate both locks (with the venv's uv, which make installs, or one on PATH). One resolution: the test set first, then the run's set
 # constrained by it, so the pins agree (uv keeps the files' other pins unless pyproject.toml rules them out; delete
 # the two files to move everything to its newest release). torch is held at the CPU wheel on this machine's disk
 # (/opt/wheels; PyPI's linux torch is the CUDA build and pulls the nvidia-* wheels); its local label (+cpu) is dropped
 # at the end so that the line also accepts a CUDA torch 2.13.0 installed first (README, "torch builds"). The test
 # set keeps extras on its lines (pip's hash-checking mode wants typepy[datetime] pinned as such); the run's set has
 # none, so that it also serves as pip constraints (the wheel test, a cluster image).
-UV ?= uv
+UV ?= $(if $(wildcard $(BIN)/uv),$(BIN)/uv,uv)
 LOCK_OPTS = --quiet --generate-hashes --find-links /opt/wheels --python-version 3.11 \
 	--python-platform x86_64-manylinux_2_28 --custom-compile-command "make lock"
 lock:
