@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import importlib.util
 import operator
 import os
 import re
@@ -57,6 +58,16 @@ def need(cond: bool, field_name: str, msg: str) -> None:
     if not cond:
         raise ConfigError(f"{field_name}: {msg}")
 
+
+
+def require_extra(module: str, extra: str, field_name: str, what: str) -> None:
+    """Refuse with one line naming the extra to install (pyproject.toml's optional-dependencies) unless ``module``
+    can be imported: ``<field>: <what> needs <module>: pip install 'minimind-ray[<extra>]'``."""
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a broken install of it counts as missing
+        found = False
+    need(found, field_name, f"{what} needs {module}, which is not installed here: pip install 'minimind-ray[{extra}]'")
 
 # field metadata key -> (test, how the message writes it); a field carries these through config._f
 BOUNDS = {"gt": (operator.gt, ">"), "ge": (operator.ge, ">="), "lt": (operator.lt, "<"), "le": (operator.le, "<=")}

@@ -100,14 +100,14 @@ def cli_stderr(capsys) -> str:
 
 
 # Under pytest-xdist (``make test``: ``-n 2 --dist loadfile --no-loadscope-reorder``) each test file is one
-# unit of work, except that the files which start a Ray of their own (a 3-node local cluster, or a sweep's local Ray)
-# form one unit: they run one after another in one process, never two cluster starts at once (two 3-node starts side
+# unit of work, except that the files which start a Ray of their own (a 3-node local cluster, a sweep's local Ray, the
+# wheel's run in a venv of its own) form one unit: they run one after another in one process, never two cluster starts at once (two 3-node starts side
 # by side, at load 28, timed out 3 tries in a row). Units go out heaviest first (seconds measured in a one-process run
 # on 2 cores), so that no long file is left to run alone at the end: xdist's own order (most tests first) put the
 # single-test heavy files last. (xdist_group marks would say the same, but xdist 3.8 sets ``item._nodeid``, which
 # pytest 9 no longer reads: the marks are ignored, hence a scheduler of our own.)
 OWN_RAY = ("integration/test_node_faults.py", "integration/test_local_cluster.py",
-           "integration/test_sweep.py")
+           "integration/test_sweep.py", "integration/test_wheel.py")
 HEAVIEST_FIRST = tuple(f"integration/test_{n}.py" for n in (
     "training", "grpo", "tracking_training", "object_storage", "pipeline", "serve", "recipes", "resume", "evals",
     "stages", "oom")) + (

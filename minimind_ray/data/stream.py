@@ -4,9 +4,9 @@ Why not Ray Data's ``streaming_split`` (what Ray Train's ``get_dataset_shard`` u
 It hands blocks to ranks dynamically, so the same sample lands on a different rank
 from run to run; ``equal=True`` silently drops rows (ray #63285); its shuffle buffers
 yield short batches (ray #66085); and its iterators cannot resume mid-epoch after a
-failure (ray #37633, #48224). Training needs the opposite: every sample exactly once
-per epoch, the same order on a rerun, and a resume that continues with the next
-unseen batch even on a different number of workers. So Ray Data does the heavy,
+failure (ray #37633, #48224). (Ray 2.60's split iterator differs from 2.58's only in a statistic.)
+Training needs the opposite: every sample exactly once per epoch, the same order on a rerun, and a resume that
+continues with the next unseen batch even on a different number of workers. So Ray Data does the heavy,
 parallel part once (tokenizing in prepare.py) and each worker reads the prepared
 Parquet here with plain pyarrow, following one global order:
 

@@ -1,7 +1,8 @@
 """A worker lost while Ray Train starts the worker group costs one restart, like a worker lost while training.
 
 Ray Train 2.58 breaks that promise in two ways (docs/reliability.md, "A worker lost while the group starts", whose
-script shows both against Ray alone):
+script shows both against Ray alone), and 2.60.0 still does (the script, run again on 2.60.0: the same hang and the
+same bare failure; ``WorkerGroup._start_impl`` is unchanged but for a new method):
 
 * ``WorkerGroup._start_impl`` builds the group's state (its placement group, workers, sync actor) and only then
   runs the ``after_worker_group_start`` callbacks (the torch backend's set-up) and hands each worker the train

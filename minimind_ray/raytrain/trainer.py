@@ -1,6 +1,7 @@
 """The TorchTrainer every run fits: Ray Train's own, less one actor per worker-group start.
 
-Ray Train 2.58 adds a ``DatasetsCallback`` to every trainer, datasets or not, and that callback starts a
+Ray Train 2.58 adds a ``DatasetsCallback`` to every trainer, datasets or not (2.60 still does: its
+``callbacks/datasets.py`` is 2.58's, line for line), and that callback starts a
 ``DatasetManager`` actor for every worker group (restarts included): a Ray worker process that imports Ray Data,
 about 2 CPU s, and on 2 cores about 1 s of a tiny run's 14 s (measured: ``docs/testing.md``, "Where the suite's
 time goes"). The workers here never call ``ray.train.get_dataset_shard``: each reads the prepared Parquet itself
@@ -13,7 +14,7 @@ stop at a step boundary on a checkpoint in storage.
 from __future__ import annotations
 
 from ray.train.torch import TorchTrainer
-from ray.train.v2._internal.callbacks import DatasetsCallback  # Ray 2.58's own name (requirements.txt pins Ray)
+from ray.train.v2._internal.callbacks import DatasetsCallback  # Ray's own name, 2.58 to 2.60 (pyproject pins the minor)
 
 
 class LeanTorchTrainer(TorchTrainer):

@@ -33,7 +33,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from minimind_ray.config_checks import ConfigError, config_field as _f, need
+from minimind_ray.config_checks import ConfigError, config_field as _f, need, require_extra
 from minimind_ray.failures import plugin_call
 from minimind_ray.plugins import callable_object
 
@@ -233,6 +233,7 @@ def validate_reward_term(r: RewardConfig, at: str) -> None:
     need(math.isfinite(r.weight), f"{at}.weight", "must be a finite number")
     if r.name == "reward_model":
         need(r.path is not None and os.path.isdir(r.path), f"{at}.path", f"not a directory: {r.path}")
+        require_extra("transformers", "hf", at, "a reward model")  # checked with the config, before Ray starts
     elif r.name not in BUILTIN_REWARDS:
         try:
             load_callable(r.name)

@@ -96,7 +96,12 @@ def error_code(e: BaseException) -> str:
 
 
 def short_message(e: BaseException) -> str:
-    """One line for a log or a summary; URIs in it lose their credentials (MLflow puts its URL in errors)."""
+    """One line for a log or a summary; URIs in it lose their credentials (MLflow puts its URL in errors). MLflow's
+    artifacts on s3:// without boto3 (the s3 extra; raised here, or by a server that stores them there) name the
+    extra to install."""
+    if getattr(e, "name", None) == "boto3" or "No module named 'boto3'" in str(e):
+        return ("MLflow's artifacts on s3:// need boto3, which is not installed: pip install 'minimind-ray[s3]' "
+                "(where the MLflow client, or the server that stores them, runs)")
     return redact(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")[:500]
 
 

@@ -329,3 +329,22 @@ def test_the_prepared_data_is_the_runs_dataset_input_once(mlflow_server, tmp_pat
     unreadable = start_run(_cfg(mlflow_server.uri), f"run-{_uid()}", str(tmp_path / "runs"), TAGS,
                            prepared_dir=str(tmp_path / "nothing-here"))
     assert _inputs(mlflow_server, unreadable) == []
+
+
+def test_artifacts_on_s3_without_boto3_name_the_extra(tmp_path, monkeypatch):
+    """boto3 is the s3 extra (pyproject.toml): an experiment whose artifacts live on s3:// cannot take the final model
+    without it, and the run's summary says so in one line naming the extra (MLflow's own error is an ImportError)."""
+    import sys
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = mlflow.MlflowClient(uri)
+    exp = client.create_experiment("bucket-artifacts", artifact_location="s3://no-such-bucket/mlflow")
+    run_id = client.create_run(exp).info.run_id
+    monkeypatch.setitem(sys.modules, "boto3", None)  # what import machinery reads as "not installed"
+    (tmp_path / "model.pth").write_bytes(b"\0" * 64)
+    out = log_final_artifacts(uri, run_id, pth_path=str(tmp_path / "model.pth"), safetensors_path=None,
+                              tokenizer_dir=None, manifest_path=None, registered_model=None)
+    assert out["errors"], out
+    assert all(e.endswith("MLflow's artifacts on s3:// need boto3, which is not installed: pip install "
+                          "'minimind-ray[s3]' (where the MLflow client, or the server that stores them, runs)")
+               for e in out["errors"]), out["errors"]

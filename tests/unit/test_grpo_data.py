@@ -4,6 +4,7 @@ strict run); the grpo config is checked before Ray starts, naming the field."""
 from __future__ import annotations
 
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -161,6 +162,16 @@ def test_bad_grpo_settings_fail_naming_the_field(grpo_cfg, override, message):
     with pytest.raises(ConfigError, match=message):
         grpo_cfg(override)
 
+
+
+def test_a_reward_model_without_transformers_names_the_extra(grpo_cfg, tmp_path, monkeypatch):
+    """transformers is the hf extra (pyproject.toml): without it a reward model is refused with the config, in one line
+    naming what to install, not an ImportError in a worker (the wheel test, tests/integration/test_wheel.py, does the
+    same in a venv that really lacks it)."""
+    monkeypatch.setitem(sys.modules, "transformers", None)  # what import machinery reads as "not installed"
+    with pytest.raises(ConfigError, match=r"^train.grpo.rewards\[0\]: a reward model needs transformers, which is "
+                                          r"not installed here: pip install 'minimind-ray\[hf\]'$"):
+        grpo_cfg(f"train.grpo.rewards=[{{name: reward_model, path: {tmp_path}}}]")
 
 def test_grpo_recipes_load(base_pth, tmp_path):
     cfg = load_config(str(REPO / "pipelines/configs/demo_grpo.yaml"), [f"train.init_from={base_pth}"])
