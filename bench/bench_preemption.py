@@ -26,7 +26,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import torch
@@ -96,8 +95,10 @@ def drain_on(args, tmp: Path, base: int, state: str, env: dict) -> None:
     while not any(x["step"] >= args.at for x in sample_log(samples)):
         assert p.poll() is None, (tmp / "drained.log").read_text()[-3000:]
         time.sleep(0.05)
-    with urllib.request.urlopen(f"http://127.0.0.1:{base + 1}/api/v0/nodes?limit=100") as f:
-        nodes = json.loads(f.read())["data"]["result"]["result"]
+    # Ray's CLI, not the dashboard's URL: since 2.60 a local cluster's API wants its token, which the CLI sends
+    nodes = json.loads(subprocess.run([env["RAY_BIN"], "list", "nodes", "--address", f"http://127.0.0.1:{base + 1}",
+                                       "--format", "json", "--limit", "100"], env=env, check=True, text=True,
+                                      capture_output=True).stdout)
     node = next(n["node_id"] for n in nodes if n.get("node_name") == "w2" and n.get("state") == "ALIVE")
     t_drain = time.time()
     subprocess.run([env["RAY_BIN"], "drain-node", "--address", f"127.0.0.1:{base}", "--node-id", node,

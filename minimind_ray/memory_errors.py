@@ -88,10 +88,10 @@ def read_oom(text: str) -> Optional[MemorySeen]:
     injected = INJECTED_MARK in text
     if MONITOR_MARK in text:
         seen = MemorySeen("host", "memory monitor", injected=injected)
-        m = _search(r"Memory on the node \([^)]*\) was ([\d.]+)GB / ([\d.]+)GB", text)
+        m = _search(r"Memory on the node \([^)]*\) was ([\d.]+)GB (?:used )?/ ([\d.]+)GB", text)  # 2.60: "used", "limit"
         if m:
             seen.used, seen.total = float(m.group(1)) * GIB, float(m.group(2)) * GIB
-        m = _search(r"threshold of (\d+)B \(([\d.]+)% of (\d+)B total\)", text)  # Ray >= 2.56
+        m = _search(r"threshold of (\d+)B \(([\d.]+)% of (\d+)B (?:total|limit)\)", text)  # Ray >= 2.56 (2.60: limit)
         if m:
             seen.limit, seen.total = float(m.group(1)), float(m.group(3))
         else:

@@ -174,7 +174,9 @@ class BucketLease(Lease):
             holder = None
         server_now = _server_time(got)
         idle = (server_now - got["LastModified"]).total_seconds() if server_now else 0.0
-        same_job = bool(holder and holder.get("ray_job") and holder.get("ray_job") == self.record["ray_job"])
+        # a restarted trial of the same Ray job is another process; the same process asking twice is a second writer
+        same_job = bool(holder and holder.get("ray_job") and holder.get("ray_job") == self.record["ray_job"]
+                        and (holder.get("host"), holder.get("pid")) != (self.record["host"], self.record["pid"]))
         if idle < self.stale_s and not _gone_from_this_host(holder) and not same_job:
             raise _refusal(self.run_dir, holder)
         try:

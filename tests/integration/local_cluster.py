@@ -80,6 +80,21 @@ def comm(pid: int) -> str:
         return ""
 
 
+def dashboard_json(url: str, timeout: float = 30):
+    """GET a Ray dashboard URL as JSON, with the cluster's token: since Ray 2.60 a local cluster starts with token
+    authentication (its token in RAY_AUTH_TOKEN, the file RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token), and the
+    dashboard's API answers 401 without it."""
+    import urllib.request  # lazy: only the tests that read the dashboard
+
+    token = os.environ.get("RAY_AUTH_TOKEN", "")
+    path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH", Path.home() / ".ray" / "auth_token"))
+    if not token and path.is_file():
+        token = path.read_text().strip()
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
 def ray_query(address: str, code: str, timeout: float = 90) -> dict:
     """Run ``code`` in a fresh driver connected to ``address``; it must print one JSON line last."""
     prog = ("import json, time, ray\n"

@@ -29,7 +29,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 import uuid
 from collections import defaultdict
 from datetime import datetime, timezone
@@ -42,8 +41,8 @@ import torch
 from minimind_ray.store.checkpoint import MODEL, checkpoints_in, open_checkpoint
 
 from .helpers import CKPT_EVERY, GLOBAL_BATCH, STEPS, assert_exactly_once, sample_record
-from .local_cluster import (RAY_BIN, REPO, _free_base, _sh, alive, cluster_state, comm, ray_query, session_pids,
-                            start_cluster)
+from .local_cluster import (RAY_BIN, REPO, _free_base, _sh, alive, cluster_state, comm, dashboard_json, ray_query,
+                            session_pids, start_cluster)
 
 pytestmark = pytest.mark.integration
 
@@ -146,8 +145,7 @@ class SpotNotice(BaseHTTPRequestHandler):
 
 
 def _node_id(dashboard: str, name: str) -> str:
-    with urllib.request.urlopen(f"{dashboard}/api/v0/nodes?limit=100", timeout=30) as r:
-        nodes = json.loads(r.read())["data"]["result"]["result"]
+    nodes = dashboard_json(f"{dashboard}/api/v0/nodes?limit=100")["data"]["result"]["result"]
     (node,) = [n for n in nodes if n.get("node_name") == name and n.get("state") == "ALIVE"]
     return node["node_id"]
 
@@ -475,8 +473,7 @@ def test_the_scripts_start_kill_restart_and_stop_exactly_what_they_started(two_w
     state, env, base = cluster.state, cluster.env, cluster.base
     address, dashboard = f"127.0.0.1:{base}", cluster.dashboard
     assert f"Ray address:    {address}" in cluster.started and dashboard in cluster.started, cluster.started
-    with urllib.request.urlopen(f"{dashboard}/api/version", timeout=10) as resp:
-        assert json.load(resp)["ray_version"]
+    assert dashboard_json(f"{dashboard}/api/version", timeout=10)["ray_version"]
     r = subprocess.run(["bash", "-c", 'source "$1/cluster.env" && echo "$RAY_ADDRESS $RAY_API_SERVER_ADDRESS '
                         '$MMRAY_BASE_PORT $MMRAY_STATE"', "-", state], capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.split() == [address, dashboard, str(base), state], (r.stdout, r.stderr)

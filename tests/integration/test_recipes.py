@@ -228,7 +228,7 @@ def test_minimind3_recipes_hold_minimind_defaults():
             p.ppo.cliprange_value, p.ppo.ppo_update_iters, p.ppo.early_stop_kl, p.ppo.max_gen_len, p.min_lr_ratio) == (
         5e-7, 0.2, 0.5, 0.02, 1.0, 0.95, 0.2, 2, 0.25, 1024, 0.1)
     a = OmegaConf.load(REPO / "pipelines" / "configs" / "agent_minimind3.yaml").train
-    assert (a.grpo.num_generations, a.grpo.max_gen_len, a.grpo.beta, a.grpo.loss_type, a.grpo.epsilon_high,
+    assert (a.agent.num_generations, a.agent.max_gen_len, a.agent.beta, a.agent.loss_type, a.agent.epsilon_high,
             a.agent.max_turns, a.agent.max_total_len, a.agent.reward_clip, a.min_lr_ratio) == (
         4, 768, 0.1, "cispo", 5.0, 3, 2500, 3.0, 0.1)
     dist = OmegaConf.load(REPO / "pipelines" / "configs" / "distill_minimind3.yaml").train.distill

@@ -155,6 +155,9 @@ RAY_OOM = (
     "threshold of 505530016B (2.0% of 25276502016B total)\nRay killed 1 worker(s) based on the killing policy\n"
     "Considered workers: [\nSelected to kill: (Task: job ID=01000000, lease ID=02000000, task name=Map(_run_task), "
     "required resources={CPU: 1}, pid=7555, actual memory used=0.06GB, worker ID=7c8483d3)\n]")
+# Ray 2.60's: "used" and "limit" where 2.58 said nothing and "total"
+RAY_OOM_2_60 = RAY_OOM.replace("was 7.10GB / 23.54GB", "was 7.10GB used / 23.54GB limit").replace(
+    "25276502016B total", "25276502016B limit")
 # torch's CUDA allocator message (c10/cuda/CUDACachingAllocator.cpp), as MiniMind's users report it.
 CUDA_OOM = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.15 GiB of which "
             "1.06 GiB is free. Including non-PyTorch memory, this process has 78.08 GiB memory in use. Of the "
@@ -168,6 +171,7 @@ def test_out_of_memory_messages_are_read_in_figures():
     assert seen.process == pytest.approx(0.06 * GiB)
     assert seen.describe() == ("Ray's memory monitor killed Map(_run_task) (0.1 GiB) when the node had 7.1 GiB of its "
                                "23.5 GiB in use (its kill threshold: 2%, RAY_memory_usage_threshold)")
+    assert read_oom(RAY_OOM_2_60).describe() == seen.describe()
     gpu = read_oom(CUDA_OOM)
     assert (gpu.where, gpu.requested, gpu.total, gpu.process) == ("gpu", 2 * GiB, 79.15 * GiB, 78.08 * GiB)
     assert read_oom("injected out-of-memory at step 3 (train.faults): " + CUDA_OOM).injected
