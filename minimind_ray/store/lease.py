@@ -28,6 +28,7 @@ import time
 from typing import List, Optional
 from urllib.parse import parse_qs, urlparse
 
+from minimind_ray.config_checks import require_extra
 from minimind_ray.fsio import is_uri, redact
 
 LEASE = ".writer.lease"
@@ -235,7 +236,8 @@ def hold(run_dir: str) -> Lease:
     """The lease of ``run_dir`` for this process: held, or :class:`RunInUse` naming who holds it."""
     if not is_uri(run_dir):
         return LocalLease(run_dir)
-    if run_dir.startswith("s3://"):
+    if run_dir.startswith("s3://"):  # pyarrow reads and writes the bucket; its lease's conditional write is boto3's
+        require_extra("boto3", "s3", "checkpoint.storage_path", f"a run in a bucket ({redact(run_dir)}: its writer lease)")
         return BucketLease(run_dir)
     return NoLease([f"no writer lease on {urlparse(run_dir).scheme}:// storage (a conditional write is needed): make "
                     f"sure no other command trains run {redact(run_dir)}"])

@@ -117,3 +117,17 @@ def test_a_bucket_lease_of_the_same_ray_job_is_taken_over_at_once(s3, monkeypatc
     assert len(lease.lines) == 1 and lease.lines[0].endswith("(a process of this same Ray job: a restarted sweep "
                                                              "trial)"), lease.lines
     lease.release()
+
+
+def test_a_bucket_run_without_boto3_is_refused_in_one_line_naming_the_extra(monkeypatch):
+    import importlib.util
+
+    from minimind_ray.config_checks import ConfigError
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "boto3" else find_spec(name, *a))
+    with pytest.raises(ConfigError) as e:
+        hold("s3://bucket/runs/pretrain-x?endpoint_override=127.0.0.1:9")
+    line = str(e.value)
+    assert "\n" not in line and line.startswith("checkpoint.storage_path: a run in a bucket"), line
+    assert line.endswith("pip install 'minimind-ray[s3]'"), line
