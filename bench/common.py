@@ -55,7 +55,9 @@ def local_cluster(worker_nodes: int, *start_args: str, **env_vars: str):
     """cluster/local/start.sh's cluster at a free base port: (base port, state dir, the environment of cluster/local's
     scripts and of its drivers), stopped on exit."""
     state = tempfile.mkdtemp(prefix="mmrb", dir="/tmp")  # short: Ray's socket paths live under it
+    # RAY_AUTH_MODE: a driver naming the cluster's address sends its token only in token mode (start.sh)
     env = dict(os.environ, RAY_BIN=str(Path(sys.executable).parent / "ray"), RAY_health_check_period_ms="500",
+               RAY_AUTH_MODE=os.environ.get("RAY_AUTH_MODE", "token"),
                RAY_health_check_timeout_ms="1000", RAY_health_check_failure_threshold="4",
                RAY_health_check_initial_delay_ms="1000", **env_vars)
     env.pop("RAY_ADDRESS", None)

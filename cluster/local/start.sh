@@ -106,6 +106,14 @@ export RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="$DRAIN"
 RAY_BIN_DIR="$(cd "$(dirname "$RAY_BIN")" && pwd)"
 export PATH="$RAY_BIN_DIR:$PATH"
 [[ -f "$RAY_BIN_DIR/activate" ]] && export VIRTUAL_ENV="$(dirname "$RAY_BIN_DIR")"
+# Token authentication, made explicit. Ray 2.60 starts a local cluster with token auth when a token exists
+# (~/.ray/auth_token), but a driver that names the cluster's address (RAY_ADDRESS, as cluster.env sets it) sends
+# the token only under RAY_AUTH_MODE=token: without it, "InvalidAuthToken". So the nodes run in token mode, with a
+# token made if there is none, and cluster.env exports the mode for the drivers. RAY_AUTH_MODE=disabled opts out.
+export RAY_AUTH_MODE="${RAY_AUTH_MODE:-token}"
+if [[ "$RAY_AUTH_MODE" == token && -z "${RAY_AUTH_TOKEN:-}${RAY_AUTH_TOKEN_PATH:-}" ]]; then
+  "$RAY_BIN" get-auth-token --generate >/dev/null || die "could not make Ray's auth token (ray get-auth-token --generate)"
+fi
 
 node_ports() {  # k -> NM OM AGENT AGENT_GRPC RTENV METRICS WLO WHI
   local k="$1" b=$((BASE + 10 + 10 * $1))
@@ -211,6 +219,7 @@ write_cluster_env() {
     echo "# written by cluster/local/start.sh; source it to talk to this cluster"
     printf 'export RAY_ADDRESS=%q\n' "$ADDR"
     printf 'export RAY_API_SERVER_ADDRESS=%q\n' "$DASH"
+    printf 'export RAY_AUTH_MODE=%q\n' "$RAY_AUTH_MODE"
     printf 'MMRAY_STATE=%q\n' "$STATE"
     printf 'MMRAY_BASE_PORT=%q\n' "$BASE"
     printf 'MMRAY_NUM_WORKER_NODES=%q\n' "$N"
@@ -242,6 +251,8 @@ read_cluster_env() {
         [[ "$val" == "$STATE" ]] || refuse "$f:$n: $key is $(shown "$val"), not this state dir $STATE";;
       RAY_ADDRESS)
         [[ "$val" =~ ^127\.0\.0\.1:[0-9]{1,5}$ ]] || refuse "$f:$n: $key must be 127.0.0.1:<port>, got $(shown "$val")";;
+      RAY_AUTH_MODE)
+        [[ "$val" =~ ^(token|disabled)$ ]] || refuse "$f:$n: $key must be token or disabled, got $(shown "$val")";;
       RAY_API_SERVER_ADDRESS)
         [[ "$val" =~ ^http://127\.0\.0\.1:[0-9]{1,5}$ ]] || refuse "$f:$n: $key must be http://127.0.0.1:<port>, got $(shown "$val")";;
       *) refuse "$f:$n: unknown field $key";;

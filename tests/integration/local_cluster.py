@@ -127,6 +127,8 @@ def cluster_state(**extra_env: str):
     happened, stop what start.sh started there and drop the state."""
     state = tempfile.mkdtemp(prefix="mmr", dir="/tmp")  # short: Ray's socket paths live under it
     env = dict(os.environ, RAY_BIN=str(RAY_BIN),
+               # the drivers name the cluster's address: they send its token only in token mode (start.sh)
+               RAY_AUTH_MODE=os.environ.get("RAY_AUTH_MODE", "token"),
                # GCS declares a silent raylet dead after period x threshold (defaults: ~15 s)
                RAY_health_check_initial_delay_ms="1000", RAY_health_check_period_ms="500",
                RAY_health_check_timeout_ms="1000", RAY_health_check_failure_threshold="4", **extra_env)

@@ -131,8 +131,9 @@ class Soak:
         self.work = Path(tempfile.mkdtemp(prefix="mmr-soak-")).resolve()
         self.state = tempfile.mkdtemp(prefix="mmrs", dir="/tmp")  # short: Ray's socket paths live under it
         self.token, self.base = self.work.name, _free_base(0)
+        # RAY_AUTH_MODE: the drivers name the cluster's address, so they send its token only in token mode (start.sh)
         self.env = dict(os.environ, RAY_BIN=RAY, TOKENIZERS_PARALLELISM="false", RAY_TRAIN_ENABLE_PRINT_PATCH="0",
-                        **{MARK: self.token})
+                        RAY_AUTH_MODE=os.environ.get("RAY_AUTH_MODE", "token"), **{MARK: self.token})
         self.env.pop("RAY_ADDRESS", None)
 
     def start_cluster(self):
