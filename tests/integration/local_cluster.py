@@ -100,7 +100,8 @@ def ray_query(address: str, code: str, timeout: float = 90) -> dict:
     prog = ("import json, time, ray\n"
             f"ray.init(address={address!r}, logging_level='ERROR', log_to_driver=False)\n" + code)
     r = subprocess.run([sys.executable, "-c", prog], capture_output=True, text=True, timeout=timeout,
-                       cwd=tempfile.gettempdir())
+                       cwd=tempfile.gettempdir(),  # start.sh's nodes run in token mode: send the token (cluster.env)
+                       env=dict(os.environ, RAY_AUTH_MODE=os.environ.get("RAY_AUTH_MODE", "token")))
     assert r.returncode == 0, f"driver failed:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
     return json.loads(r.stdout.strip().splitlines()[-1])
 
