@@ -17,7 +17,7 @@ from minimind_ray.rl.plan import Batch
 from minimind_ray.rl.rewards import RewardConfig, user_reward_names, validate_reward_term
 from minimind_ray.rl.tools import BUILTIN_TOOLS, load_tool_function
 from minimind_ray.stages.grpo import GRPOConfig, GRPOPlan, GroupPolicyConfig, adopt_old_keys, validate_group_policy
-from minimind_ray.stages.rl_stage import RL_RECORD
+from minimind_ray.stages.rl_stage import RL_RECORD, need_trained_policy
 from minimind_ray.stages.stage import MemoryTerms, Stage
 
 AGENT_REWARDS = ("tool_tags", "tool_calls", "reply_format", "gt_answer", "unfinished", "repetition", "reward_model")
@@ -71,8 +71,7 @@ def validate(cfg) -> None:
     """The agent stage's checks, naming the field: the group policy's (GRPO's, on train.agent), then its own."""
     a, d = cfg.train.agent, cfg.data
     validate_group_policy(cfg, a, "train.agent")
-    need(cfg.train.init_from is not None, "train.init_from", "the agent improves a trained policy: give its weights "
-                                                            "(e.g. a demo tool SFT run: train.init_from=runs/<run>)")
+    need_trained_policy(cfg, "the agent", "a demo tool SFT run: train.init_from=runs/<run>")
     need(a.max_total_len > d.max_seq_len, "train.agent.max_total_len",
          f"{a.max_total_len} leaves no room after a prompt of data.max_seq_len {d.max_seq_len}")
     need(a.max_total_len <= cfg.model.max_position_embeddings, "train.agent.max_total_len",

@@ -27,7 +27,8 @@ from minimind_ray.data.config import PROMPT_FORMATS
 from minimind_ray.rl.plan import Batch, GroupPlan, all_reduced
 from minimind_ray.rl.rewards import RewardConfig, reward_terms_field, user_reward_names, validate_reward_terms
 from minimind_ray.rl.rollout_config import RolloutConfig
-from minimind_ray.stages.rl_stage import RL_RECORD
+from minimind_ray.stages.rl_stage import (RL_RECORD, need_no_held_out, need_room_for_completions,
+                                          need_trained_policy)
 from minimind_ray.stages.stage import MemoryTerms, Stage
 
 
@@ -87,12 +88,9 @@ class GRPOConfig(GroupPolicyConfig):
 
 def validate_group_policy(cfg, g: GroupPolicyConfig, where: str) -> None:
     """The checks of a group policy's fields, ``where``: its section (train.grpo, train.agent), naming the field."""
-    d = cfg.data
     need(g.num_generations >= 2, f"{where}.num_generations", "must be >= 2 (advantages compare a group's completions)")
     need(g.max_gen_len >= 1, f"{where}.max_gen_len", "must be >= 1")
-    need(d.max_seq_len + g.max_gen_len <= cfg.model.max_position_embeddings, f"{where}.max_gen_len",
-          f"data.max_seq_len {d.max_seq_len} + max_gen_len {g.max_gen_len} exceed model.max_position_embeddings "
-          f"{cfg.model.max_position_embeddings}")
+    need_room_for_completions(cfg, where, g.max_gen_len)
     for name, ok, rule in (("temperature", g.temperature > 0, "> 0"), ("top_p", 0 < g.top_p <= 1, "in (0, 1]"),
                            ("top_k", g.top_k >= 0, ">= 0"), ("epsilon", 0 < g.epsilon < 1, "in (0, 1)"),
                            ("epsilon_high", g.epsilon_high > 0, "> 0"), ("beta", g.beta >= 0, ">= 0")):
@@ -104,15 +102,13 @@ def validate_group_policy(cfg, g: GroupPolicyConfig, where: str) -> None:
                                  ("loss_agg", g.loss_agg, ("seq-mean", "token-mean", "seq-sum-norm"))):
         need(value in allowed, f"{where}.{name}", f"{value!r} is not one of {allowed}")
     need(g.kl_target is None or g.beta > 0, f"{where}.kl_target", "the adaptive controller scales beta: beta > 0")
-    need(d.eval_fraction == 0, "data.eval_fraction", f"must be 0 for {cfg.train.stage} (there is no held-out loss of "
-                                                      f"sampled completions; measure rewards or accuracy instead)")
+    need_no_held_out(cfg)
 
 
 def validate(cfg) -> None:
     """The grpo stage's checks, naming the field."""
     validate_group_policy(cfg, cfg.train.grpo, "train.grpo")
-    need(cfg.train.init_from is not None, "train.init_from", "GRPO improves a trained policy: give its weights "
-                                                            "(e.g. a demo SFT run: train.init_from=runs/<demo-sft-run>)")
+    need_trained_policy(cfg, "GRPO")
     validate_reward_terms(cfg.train.grpo.rewards, "train.grpo.rewards")
 
 

@@ -25,7 +25,8 @@ from minimind_ray.config_checks import config_field as _f, need
 from minimind_ray.data.config import PROMPT_FORMATS
 from minimind_ray.rl.plan import Batch, RolloutPlan, all_reduced
 from minimind_ray.rl.rewards import RewardConfig, reward_terms_field, user_reward_names, validate_reward_terms
-from minimind_ray.stages.rl_stage import RL_RECORD
+from minimind_ray.stages.rl_stage import (RL_RECORD, need_no_held_out, need_room_for_completions,
+                                          need_trained_policy)
 from minimind_ray.stages.stage import MemoryTerms, Stage
 
 
@@ -64,15 +65,11 @@ class PPOConfig:
 
 def validate(cfg) -> None:
     """The ppo stage's checks (its stage record's validate), naming the field."""
-    p, d = cfg.train.ppo, cfg.data
-    need(d.max_seq_len + p.max_gen_len <= cfg.model.max_position_embeddings, "train.ppo.max_gen_len",
-         f"data.max_seq_len {d.max_seq_len} + max_gen_len {p.max_gen_len} exceed model.max_position_embeddings "
-         f"{cfg.model.max_position_embeddings}")
+    p = cfg.train.ppo
+    need_room_for_completions(cfg, "train.ppo", p.max_gen_len)
     need(p.kl_penalty in ("loss", "reward"), "train.ppo.kl_penalty", f"{p.kl_penalty!r} is not 'loss' or 'reward'")
-    need(d.eval_fraction == 0, "data.eval_fraction", "must be 0 for ppo (there is no held-out loss of sampled "
-                                                      "completions; measure rewards or accuracy instead)")
-    need(cfg.train.init_from is not None, "train.init_from", "PPO improves a trained policy: give its weights (e.g. "
-                                                            "a demo SFT run: train.init_from=runs/<demo-sft-run>)")
+    need_no_held_out(cfg)
+    need_trained_policy(cfg, "PPO")
     validate_reward_terms(p.rewards, "train.ppo.rewards")
 
 

@@ -29,7 +29,8 @@ from minimind_ray.config_checks import config_field as _f, need
 from minimind_ray.data.config import PROMPT_FORMATS
 from minimind_ray.rl.plan import Batch, GroupPlan, all_reduced
 from minimind_ray.rl.rewards import RewardConfig, reward_terms_field, user_reward_names, validate_reward_terms
-from minimind_ray.stages.rl_stage import RL_RECORD
+from minimind_ray.stages.rl_stage import (RL_RECORD, need_no_held_out, need_room_for_completions,
+                                          need_trained_policy)
 from minimind_ray.stages.stage import MemoryTerms, Stage
 
 
@@ -61,14 +62,10 @@ class RLOOConfig:
 
 def validate(cfg) -> None:
     """The rloo stage's checks, naming the field."""
-    r, d = cfg.train.rloo, cfg.data
-    need(d.max_seq_len + r.max_gen_len <= cfg.model.max_position_embeddings, "train.rloo.max_gen_len",
-         f"data.max_seq_len {d.max_seq_len} + max_gen_len {r.max_gen_len} exceed model.max_position_embeddings "
-         f"{cfg.model.max_position_embeddings}")
-    need(d.eval_fraction == 0, "data.eval_fraction", "must be 0 for rloo (there is no held-out loss of sampled "
-                                                      "completions; measure rewards or accuracy instead)")
-    need(cfg.train.init_from is not None, "train.init_from", "RLOO improves a trained policy: give its weights (e.g. "
-                                                            "a demo SFT run: train.init_from=runs/<demo-sft-run>)")
+    r = cfg.train.rloo
+    need_room_for_completions(cfg, "train.rloo", r.max_gen_len)
+    need_no_held_out(cfg)
+    need_trained_policy(cfg, "RLOO")
     validate_reward_terms(r.rewards, "train.rloo.rewards")
 
 
