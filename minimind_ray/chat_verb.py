@@ -8,8 +8,7 @@ from __future__ import annotations
 import argparse
 
 from minimind_ray.generate_verb import (add_rope_scaling_arguments, add_sampling_arguments, add_structured_arguments,
-                                        add_weights_arguments, device_of, json_schema_of, load_model, prefix_cache_of,
-                                        sampling_of, schema_constraints_of)
+                                        add_weights_arguments, load_for_replies, sampling_of)
 
 HELP = "interactive chat (empty line quits)"
 
@@ -24,10 +23,7 @@ def add_arguments(sp: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     from minimind_ray.generate import chat_loop  # lazy: torch, only when this runs
 
-    json_schema_of(args)  # a bad file before the model loads
-    dev = device_of(args)
-    prefix_cache = prefix_cache_of(args)  # a bad flag before the weights load
-    model, tok = load_model(args, dev)
+    dev, model, tok, prefix_cache, constraints = load_for_replies(args)
     chat_loop(model, tok, sampling_of(args), think=args.think, device=dev, prefix_cache=prefix_cache,
-              constraints=schema_constraints_of(args, model, tok))
+              constraints=constraints)
     return 0

@@ -150,14 +150,20 @@ def add_arguments(sp: argparse.ArgumentParser) -> None:
     add_rope_scaling_arguments(sp)
 
 
+def load_for_replies(args):
+    """``generate``'s and ``chat``'s set-up: (device, model, tokenizer, prefix cache, the --json-schema constraints),
+    a bad --json-schema file or --prefix-cache-mb refused before the weights load."""
+    json_schema_of(args)
+    dev = device_of(args)
+    prefix_cache = prefix_cache_of(args)
+    model, tok = load_model(args, dev)
+    return dev, model, tok, prefix_cache, schema_constraints_of(args, model, tok)
+
+
 def run(args) -> int:
     from minimind_ray.generate import generate_text  # lazy: torch, only when this runs
 
-    json_schema_of(args)  # a bad file before the model loads
-    dev = device_of(args)
-    prefix_cache = prefix_cache_of(args)  # a bad flag before the weights load
-    model, tok = load_model(args, dev)
-    constraints = schema_constraints_of(args, model, tok)
+    dev, model, tok, prefix_cache, constraints = load_for_replies(args)
     for prompt in args.prompt:
         if len(args.prompt) > 1:
             print(f"> {prompt}")
