@@ -2,6 +2,10 @@
 from __future__ import annotations
 
 import json
+import re
+import shutil
+import subprocess
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -11,6 +15,26 @@ from minimind_ray.config import load_config
 from minimind_ray.store.checkpoint import MODEL
 
 STEPS, CKPT_EVERY, GLOBAL_BATCH = 12, 4, 16
+REPO = Path(__file__).resolve().parents[2]
+
+
+def build_wheel(dest: Path, local_version: str = "") -> Path:
+    """The project's wheel, built from a copy of what a wheel holds (the build writes build/ and *.egg-info beside its
+    source). ``local_version``: a label added to the version (``0.1.0+label``), so that pip installs the wheel where
+    this checkout's editable install of the same version would otherwise count as already there."""
+    src = dest / "src"
+    src.mkdir(parents=True)
+    project = (REPO / "pyproject.toml").read_text()
+    if local_version:
+        project = re.sub(r'^version = "([^"]+)"', rf'version = "\1+{local_version}"', project, count=1, flags=re.M)
+    (src / "pyproject.toml").write_text(project)
+    for d in ("minimind_ray", "pipelines"):
+        shutil.copytree(REPO / d, src / d, ignore=shutil.ignore_patterns("__pycache__"))
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
+                            str(dest / "dist"), str(src)], cwd=dest, text=True, capture_output=True, timeout=600)
+    assert built.returncode == 0, built.stderr[-3000:]
+    (wheel,) = (dest / "dist").glob("minimind_ray-*.whl")
+    return wheel
 
 
 def new_shared(tmp_path_factory, name):

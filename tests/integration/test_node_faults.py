@@ -40,7 +40,7 @@ import torch
 
 from minimind_ray.store.checkpoint import MODEL, checkpoints_in, open_checkpoint
 
-from .helpers import CKPT_EVERY, GLOBAL_BATCH, STEPS, assert_exactly_once, sample_record
+from .helpers import CKPT_EVERY, GLOBAL_BATCH, STEPS, assert_exactly_once, build_wheel, sample_record
 from .local_cluster import (RAY_BIN, REPO, _free_base, _sh, alive, cluster_state, comm, dashboard_json, ray_query,
                             session_pids, start_cluster)
 
@@ -238,8 +238,9 @@ MARKS = {marks!r}
 
 
 def _note(kind):
+    import minimind_ray
     with open(os.path.join(MARKS, f"{{kind}}-{{os.getpid()}}.json"), "w") as f:
-        json.dump({{"file": __file__}}, f)
+        json.dump({{"file": __file__, "minimind_ray": minimind_ray.__file__}}, f)
 
 
 def ppo_bonus(prompts, completions, answers, **kwargs):
@@ -276,7 +277,11 @@ def test_user_plugins_reach_the_workers_of_every_rl_stage(two_worker_nodes, tmp_
     path to the workers when there is a working_dir. The workers import the modules only because the run ships them
     (the stage's record names them: stages/<stage>.py plugins; raytrain/runtime_env.py ships them as py_modules): each
     term ran on a training worker, and the tool was loaded by the agent's tool worker, from Ray's copy of the module.
-    Before, only GRPO's reward terms were shipped, and these runs failed on every worker ("No module named ...")."""
+    Before, only GRPO's reward terms were shipped, and these runs failed on every worker ("No module named ...").
+
+    The PPO job is also the package's way onto a stock cluster (issue 55, cluster/README.md "The package"): no working
+    dir, the project's wheel in the job's ``pip`` runtime env, and the wheel's console script as the entry point. Its
+    workers run the project from Ray's virtualenv of that job, not from this checkout."""
     from minimind_ray.config import load_config
     from minimind_ray.model.minimind import build_model
     from minimind_ray.store.pth import save_pth
@@ -304,16 +309,26 @@ def test_user_plugins_reach_the_workers_of_every_rl_stage(two_worker_nodes, tmp_
                   "{name: add, parameters: {type: object, properties: {a: {type: number}, b: {type: number}}}}}}]"],
     }
     mirror = {"env_vars": {"MINIMIND_RAY_TOKENIZER_MIRROR": os.environ["MINIMIND_RAY_TOKENIZER_MIRROR"]}}
+    # a version label of its own: this checkout's editable install (0.1.0), which Ray's virtualenv copies from the
+    # node's environment, would otherwise satisfy the wheel's requirement and stay
+    wheel = build_wheel(tmp_path / "wheel", local_version="job")
+    # its driver starts in a folder of its own: Ray puts a driver's current directory on its workers' sys.path
+    # (ray/_private/worker.py, without a working dir), and this cluster's nodes were started in this checkout, whose
+    # minimind_ray would come first there; a stock cluster's nodes do not run inside a checkout
+    how = {  # stage: (how the job is sent, the entry point after `env [-C dir] PYTHONPATH=...`)
+        "ppo": (["--runtime-env-json", json.dumps({**mirror, "pip": [str(wheel)]})], ["minimind-ray", "ppo"]),
+        "agent": (["--working-dir", str(REPO), "--runtime-env-json", json.dumps(mirror)],
+                  ["python", "-m", "pipelines.agent"])}
     jobs = {}  # both jobs at once, as two users would send them (one training worker each: the cluster holds both)
     for stage, extra in runs.items():
         log = tmp_path / f"{stage}.log"
+        submit, entry = how[stage]
+        chdir = ["-C", str(tmp_path)] if stage == "ppo" else []
         with open(log, "w") as out:
             jobs[stage] = (log, subprocess.Popen(
-                [str(RAY_BIN), "job", "submit", "--address", cluster.dashboard, "--working-dir", str(REPO),
-                 "--runtime-env-json", json.dumps(mirror), "--",
-                 "env", f"PYTHONPATH={plugins}", "python", "-m", f"pipelines.{stage}", f"name=plugins-{stage}",
-                 *tiny, *extra],
-                cwd=REPO, env=cluster.env, stdout=out, stderr=subprocess.STDOUT))
+                [str(RAY_BIN), "job", "submit", "--address", cluster.dashboard, *submit, "--",
+                 "env", *chdir, f"PYTHONPATH={plugins}", *entry, f"name=plugins-{stage}", *tiny, *extra],
+                cwd=tmp_path, env=cluster.env, stdout=out, stderr=subprocess.STDOUT))
     try:
         for stage, (log, job) in jobs.items():  # the job client follows the job's log to its end: its exit is the job's
             assert job.wait(timeout=600) == 0 and "succeeded" in log.read_text().lower(), log.read_text()[-5000:]
@@ -321,9 +336,12 @@ def test_user_plugins_reach_the_workers_of_every_rl_stage(two_worker_nodes, tmp_
         for _, job in jobs.values():
             if job.poll() is None:
                 job.kill()
-    seen = {p.name.split("-")[0]: json.loads(p.read_text())["file"] for p in marks.glob("*.json")}
-    assert set(seen) == {"ppo", "agent", "tool"}, sorted(p.name for p in marks.glob("*.json"))
-    assert not any(f.startswith(str(plugins)) for f in seen.values()), seen  # Ray's copy, not the user's folder
+    notes = {p.name.split("-")[0]: json.loads(p.read_text()) for p in marks.glob("*.json")}
+    assert set(notes) == {"ppo", "agent", "tool"}, sorted(p.name for p in marks.glob("*.json"))
+    assert not any(n["file"].startswith(str(plugins)) for n in notes.values()), notes  # Ray's copy, not the folder
+    # the wheel's job: the project from the job's virtualenv (Ray's runtime_resources), the other from the working dir
+    assert "/runtime_resources/pip/" in notes["ppo"]["minimind_ray"], notes["ppo"]
+    assert not notes["agent"]["minimind_ray"].startswith(str(REPO / "minimind_ray")), notes["agent"]
 
 
 @pytest.mark.timeout(900)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import sys
 import zipfile
@@ -19,8 +18,9 @@ from pathlib import Path
 
 import pytest
 
+from .helpers import REPO, build_wheel
+
 pytestmark = pytest.mark.integration
-REPO = Path(__file__).resolve().parents[2]
 
 
 def run(args, cwd, env=None, timeout=900):
@@ -30,15 +30,7 @@ def run(args, cwd, env=None, timeout=900):
 @pytest.fixture(scope="module")
 def wheel_venv(tmp_path_factory):
     base = tmp_path_factory.mktemp("wheel")
-    src = base / "src"  # a copy of what the wheel is built from: the build writes build/ and *.egg-info beside it
-    src.mkdir()
-    shutil.copy(REPO / "pyproject.toml", src)
-    for d in ("minimind_ray", "pipelines"):
-        shutil.copytree(REPO / d, src / d, ignore=shutil.ignore_patterns("__pycache__"))
-    built = run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", base / "dist",
-                 src], cwd=base)
-    assert built.returncode == 0, built.stderr[-3000:]
-    (wheel,) = (base / "dist").glob("minimind_ray-*.whl")
+    wheel = build_wheel(base)
     with zipfile.ZipFile(wheel) as z:  # what a non-editable install needs besides the code
         names = set(z.namelist())
     assert {"pipelines/configs/tiny.yaml", "minimind_ray/serve/static/index.html"} <= names, sorted(names)[:20]
