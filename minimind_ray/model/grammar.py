@@ -25,7 +25,8 @@ import torch
 JSON_STYLE = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
 ANY_OBJECT = {"type": "object"}
 NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}  # OpenAI: no parameters = none
-CALL_CLOSE = "\n</tool_call>"  # what follows a forced call's JSON
+CALL_OPEN = '<tool_call>\n{"name": "'  # what starts a call (serve/app.py puts it before a forced one)
+CALL_CLOSE = "\n</tool_call>"  # what follows a call's JSON
 
 
 class SchemaError(ValueError):
@@ -65,6 +66,28 @@ def tool_call_grammar(tools: Sequence[Tuple[str, Optional[dict], str]], named: b
     "`` (then a tool's name, ``", "arguments": ``, arguments valid against its parameters), or with ``named`` (one
     tool) ``<tool_call>\\n{"name": "<its name>", "arguments": `` (then its arguments); ``}`` and ``\\n</tool_call>``
     close it."""
+    rules, schemas = _call_rules(tools, named)
+    text = "start: " + " | ".join(f"call{i}" for i in range(len(rules))) + "\n" + "\n".join(rules) + "\n"
+    return Grammar(text, tuple(schemas))
+
+
+def reply_or_tool_calls_grammar(tools: Sequence[Tuple[str, Optional[dict], str]]) -> Grammar:
+    """A whole reply that is either free text without ``<tool_call>`` (an answer) or one or more calls of ``tools``
+    (as :func:`tool_call_grammar`), each a ``<tool_call>`` block on its own lines, MiniMind's format, and nothing
+    else: what an RL agent's turn may be when its tool calls are constrained (rl/constraints.py). Text before a call
+    is not allowed: llguidance's lexer takes the longest match and cannot end free text where a call begins."""
+    rules, schemas = _call_rules(tools, named=False)
+    text = ("start: ANSWER | calls\n"
+            "ANSWER: /(?s:.*)/ & ~/(?s:.*<tool_call>.*)/\n"
+            "calls: call (\"\\n\" call)*\n"
+            f"call: {json.dumps(CALL_OPEN)} (" + " | ".join(f"call{i}" for i in range(len(rules))) + ")\n"
+            + "\n".join(rules) + "\n")
+    return Grammar(text, tuple(schemas))
+
+
+def _call_rules(tools: Sequence[Tuple[str, Optional[dict], str]], named: bool) -> Tuple[List[str], List[tuple]]:
+    """One rule per tool (``call<i>``): what follows ``CALL_OPEN`` (or, ``named``, the name as well) to the call's
+    end; and the (schema, path) pairs."""
     rules, schemas = [], []
     for i, (name, params, where) in enumerate(tools):
         params = NO_ARGUMENTS if params is None else params
@@ -74,8 +97,15 @@ def tool_call_grammar(tools: Sequence[Tuple[str, Optional[dict], str]], named: b
                                            ensure_ascii=False) + " "
         rules.append(f"call{i}: {head}%json {json.dumps({**params, 'x-guidance': dict(JSON_STYLE)})} "
                      f"{json.dumps('}' + CALL_CLOSE)}")
-    text = "start: " + " | ".join(f"call{i}" for i in range(len(rules))) + "\n" + "\n".join(rules) + "\n"
-    return Grammar(text, tuple(schemas))
+    return rules, schemas
+
+
+def check_grammar(grammar: Grammar) -> None:
+    """``grammar`` compiles for llguidance (checked without a tokenizer: a config check before any model loads); a
+    SchemaError naming the unsupported keyword's path otherwise."""
+    error = llguidance.LLMatcher.validate_grammar(grammar.text)
+    if error:
+        raise _explain(error, grammar)
 
 
 class GrammarCompiler:
