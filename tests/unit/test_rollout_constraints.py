@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import jsonschema
@@ -21,6 +22,7 @@ from minimind_ray.rl.rollout import row_seeds, sample_completions
 from minimind_ray.rl.tools import parse_tool_calls
 from minimind_ray.stages.agent import ToolConfig
 from tests.conftest import minimind_tokenizer_dir
+from tests.unit.test_grpo import prepared  # noqa: F401 (the prepared prompts and base weights)
 from tests.unit.test_kv_cache import GOLDEN, make  # the decode golden tests' models, prompts and recorded tokens
 
 torch.set_num_threads(1)
@@ -223,3 +225,47 @@ def test_the_workers_get_the_schema_path_absolute(tmp_path, monkeypatch):
     assert absolute_weight_paths(train).rloo.json_schema == str(tmp_path / "s.json")
     plain = dataclasses.replace(train, stage="grpo")
     assert with_absolute_schema(plain, str.upper) is plain  # no schema: the same config
+
+
+ANSWER = {"type": "object", "properties": {"answer": {"type": "integer", "minimum": 0, "maximum": 99}},
+          "required": ["answer"], "additionalProperties": False}
+
+
+def test_a_grpo_step_with_a_schema_samples_only_valid_json_and_trains(prepared, tmp_path):
+    """The whole path without Ray: the plan asks its section for the grammar, the worker's sampler (built with the
+    run's tokenizer) masks every row of the step's merged batch; each completion that ends is valid, and two steps
+    train with finite metrics."""
+    from minimind_ray.engine.loop import Hooks, run
+    from minimind_ray.engine.state import TrainState
+    from minimind_ray.tokenizer import load_tokenizer
+    from tests.unit.test_grpo import grpo_config
+
+    class Metrics(Hooks):
+        def __init__(self):
+            self.by_step = {}
+
+        def on_metrics(self, step, metrics, per_step_loss, is_checkpoint):
+            self.by_step[step] = metrics
+
+    path, base = prepared
+    schema = tmp_path / "answer.json"
+    schema.write_text(json.dumps(ANSWER))
+    cfg = grpo_config(base, "train.grpo.max_gen_len=24", f"train.grpo.json_schema={schema}", "train.max_steps=2")
+    state = TrainState.build(cfg, path)
+    out = state.objective.prepare(state, state.stream.peek(), 1)
+    tok = load_tokenizer(str(minimind_tokenizer_dir("minimind2")))
+    ended = 0
+    for b in out:
+        R = b["completion_mask"].shape[1]
+        for row, m in zip(b["input_ids"][:, -R:], b["attention_mask"][:, -R:].bool()):
+            tokens = row[m].tolist()
+            if tokens and tokens[-1] == tok.eos_id:
+                jsonschema.validate(json.loads(tok.decode(tokens[:-1])), ANSWER)
+                ended += 1
+    assert ended >= 4
+    seen = Metrics()
+    run(state, seen)
+    state.stream.close()
+    assert sorted(seen.by_step) == [1, 2]
+    for key in ("loss", "reward", "kl", "clip_fraction", "completion_len"):
+        assert math.isfinite(seen.by_step[2][key]), key
