@@ -136,7 +136,8 @@ class RowsConstraint:
         from minimind_ray.model.grammar import new_bitmask  # lazy: llguidance, torch, when a run samples
         from minimind_ray.model.sampling import apply_token_bitmask  # lazy: torch, when a run samples
 
-        live = alive.nonzero().squeeze(1).tolist()
+        # a matcher that refused a token (never under its own mask: a bug) leaves its row free, not all -inf
+        live = [r for r in alive.nonzero().squeeze(1).tolist() if self.rows[r].failed is None]
         out = logits.clone()
         if not live:
             return out
