@@ -51,6 +51,22 @@ class Grammar:
             self.schemas else ""
 
 
+def read_schema_file(path: str) -> dict:
+    """The JSON Schema in the file at ``path``; a ValueError saying why not (unreadable, not JSON, not an object), which
+    the caller prefixes with the flag or field that named the file (``generate --json-schema``, an RL section's
+    ``json_schema``)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            schema = json.load(f)
+    except OSError as e:
+        raise ValueError(f"cannot read it ({e.strerror})") from None
+    except ValueError as e:
+        raise ValueError(f"not JSON ({e})") from None
+    if not isinstance(schema, dict):
+        raise ValueError("a JSON Schema is a JSON object")
+    return schema
+
+
 def schema_grammar(schema: Optional[dict], where: str = "") -> Grammar:
     """JSON valid against ``schema`` (None: any JSON object); the schema is checked against its metaschema first (an
     invalid one is a SchemaError at the bad keyword). ``where``: the schema's path in the caller's input."""

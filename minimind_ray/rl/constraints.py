@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from typing import Optional
 
@@ -38,16 +37,12 @@ def json_schema_field():
 def read_json_schema(path: str, where: str) -> dict:
     """The schema of ``where``'s file; a ConfigError naming the field and the file when it cannot be read or is not
     a JSON object."""
+    from minimind_ray.model.grammar import read_schema_file  # lazy: llguidance, torch
+
     try:
-        with open(os.path.expanduser(path), encoding="utf-8") as f:
-            schema = json.load(f)
-    except OSError as e:
-        raise ConfigError(f"{where}: {path}: cannot read it ({e.strerror})") from None
+        return read_schema_file(os.path.expanduser(path))
     except ValueError as e:
-        raise ConfigError(f"{where}: {path}: not JSON ({e})") from None
-    if not isinstance(schema, dict):
-        raise ConfigError(f"{where}: {path}: a JSON Schema is a JSON object")
-    return schema
+        raise ConfigError(f"{where}: {path}: {e}") from None
 
 
 def validate_json_schema(path: Optional[str], where: str) -> None:
