@@ -22,6 +22,7 @@ from minimind_ray.rl.rollout import row_seeds, sample_completions
 from minimind_ray.rl.tools import parse_tool_calls
 from minimind_ray.stages.agent import ToolConfig
 from tests.conftest import minimind_tokenizer_dir
+from tests.unit.test_agent import agent_prepared  # noqa: F401 (the agent_rl prompts and base weights)
 from tests.unit.test_grpo import prepared  # noqa: F401 (the prepared prompts and base weights)
 from tests.unit.test_kv_cache import GOLDEN, make  # the decode golden tests' models, prompts and recorded tokens
 
@@ -269,3 +270,19 @@ def test_a_grpo_step_with_a_schema_samples_only_valid_json_and_trains(prepared, 
     assert sorted(seen.by_step) == [1, 2]
     for key in ("loss", "reward", "kl", "clip_fraction", "completion_len"):
         assert math.isfinite(seen.by_step[2][key]), key
+
+
+def test_an_agent_step_with_constrained_tool_calls_runs_its_turns_under_the_grammar(agent_prepared):
+    """The agent's plan: constrain_tool_calls gives its sampler the compiler and every turn's params the tool-call
+    grammar of train.agent.tools; one step of turns runs, and no call it makes is broken."""
+    from minimind_ray.engine.state import TrainState
+    from tests.unit.test_agent import agent_config
+
+    path, base, _ = agent_prepared
+    cfg = agent_config(base, "train.global_batch_size=1", "train.agent.constrain_tool_calls=true")
+    state = TrainState.build(cfg, path)
+    b = state.objective.prepare(state, state.stream.next_step(), 1)[0]
+    state.stream.close()
+    plan = state.objective
+    assert plan.engine.grammars is not None and plan.params().grammar == tool_calls_grammar(cfg.train.agent.tools)
+    assert float(b["metric_bad_tool_calls"]) == 0.0 and float(b["metric_turns"]) >= 2.0
