@@ -30,18 +30,19 @@ from torch import Tensor
 from minimind_ray.failures import NotPlaced
 from minimind_ray.model.prefix_cache import PrefixCache
 from minimind_ray.model.sampling import SamplingParams
+from minimind_ray.rl.constraints import compiler_of
 from minimind_ray.rl.rollout import Rollout, RolloutEngine, merge_requests, sample_completions, split_rollout
 
 
 class RolloutActor:
     """One copy of the policy that generates on request (the Ray actor's class)."""
 
-    def __init__(self, model_cfg: dict, threads: int, prefix_cache_mb: float = 0.0, tokenizer: Optional[tuple] = None):
+    def __init__(self, model_cfg: dict, threads: int, prefix_cache_mb: float = 0.0,
+                 tokenizer: Optional[tuple] = None):
         """``tokenizer``: (its HF JSON, its EOS id) when the stage constrains its rollouts (rl/constraints.py):
         the grammars are compiled here for it."""
         from minimind_ray.model.config import ModelConfig  # lazy: omegaconf, yaml, only when this runs
         from minimind_ray.model.minimind import build_model  # lazy: torch, only when this runs
-        from minimind_ray.rl.constraints import compiler_of  # lazy: llguidance, only when this runs
 
         torch.set_num_threads(threads)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -122,8 +122,8 @@ class RowsConstraint:
     def __init__(self, compiler, grammar: str, rows: int):
         from minimind_ray.model.grammar import Grammar  # lazy: llguidance, torch, when a run samples
 
-        compiled = Grammar(grammar)
-        self.rows = [compiler.constraint(compiled) for _ in range(rows)]
+        wanted = Grammar(grammar)  # compiled once per text by the compiler, then one matcher copy per row
+        self.rows = [compiler.constraint(wanted) for _ in range(rows)]
 
     def masked(self, logits, alive):
         """A copy of ``logits`` (N, V) in which each live row allows only what its grammar allows next (a finished
