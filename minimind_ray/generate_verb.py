@@ -9,7 +9,6 @@ the CLI's parser imports no torch.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 HELP = "generate from prompts (streams to stdout)"
@@ -52,16 +51,12 @@ def json_schema_of(args):
     """The --json-schema file's schema (None without the flag); a ValueError naming the file when it is not JSON."""
     if not getattr(args, "json_schema", None):
         return None
+    from minimind_ray.model.grammar import read_schema_file  # lazy: llguidance, torch, only when this runs
+
     try:
-        with open(args.json_schema, encoding="utf-8") as f:
-            schema = json.load(f)
-    except OSError as e:
-        raise ValueError(f"--json-schema {args.json_schema}: cannot read it ({e.strerror})") from None
+        return read_schema_file(args.json_schema)
     except ValueError as e:
-        raise ValueError(f"--json-schema {args.json_schema}: not JSON ({e})") from None
-    if not isinstance(schema, dict):
-        raise ValueError(f"--json-schema {args.json_schema}: a JSON Schema is a JSON object")
-    return schema
+        raise ValueError(f"--json-schema {args.json_schema}: {e}") from None
 
 
 def schema_constraints_of(args, model, tok):

@@ -25,7 +25,8 @@ import torch
 JSON_STYLE = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
 ANY_OBJECT = {"type": "object"}
 NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}  # OpenAI: no parameters = none
-CALL_CLOSE = "\n</tool_call>"  # what follows a forced call's JSON
+CALL_OPEN = '<tool_call>\n{"name": "'  # what starts a call (serve/app.py puts it before a forced one)
+CALL_CLOSE = "\n</tool_call>"  # what follows a call's JSON
 
 
 class SchemaError(ValueError):
@@ -50,6 +51,22 @@ class Grammar:
             self.schemas else ""
 
 
+def read_schema_file(path: str) -> dict:
+    """The JSON Schema in the file at ``path``; a ValueError saying why not (unreadable, not JSON, not an object), which
+    the caller prefixes with the flag or field that named the file (``generate --json-schema``, an RL section's
+    ``json_schema``)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            schema = json.load(f)
+    except OSError as e:
+        raise ValueError(f"cannot read it ({e.strerror})") from None
+    except ValueError as e:
+        raise ValueError(f"not JSON ({e})") from None
+    if not isinstance(schema, dict):
+        raise ValueError("a JSON Schema is a JSON object")
+    return schema
+
+
 def schema_grammar(schema: Optional[dict], where: str = "") -> Grammar:
     """JSON valid against ``schema`` (None: any JSON object); the schema is checked against its metaschema first (an
     invalid one is a SchemaError at the bad keyword). ``where``: the schema's path in the caller's input."""
@@ -65,6 +82,28 @@ def tool_call_grammar(tools: Sequence[Tuple[str, Optional[dict], str]], named: b
     "`` (then a tool's name, ``", "arguments": ``, arguments valid against its parameters), or with ``named`` (one
     tool) ``<tool_call>\\n{"name": "<its name>", "arguments": `` (then its arguments); ``}`` and ``\\n</tool_call>``
     close it."""
+    rules, schemas = _call_rules(tools, named)
+    text = "start: " + " | ".join(f"call{i}" for i in range(len(rules))) + "\n" + "\n".join(rules) + "\n"
+    return Grammar(text, tuple(schemas))
+
+
+def reply_or_tool_calls_grammar(tools: Sequence[Tuple[str, Optional[dict], str]]) -> Grammar:
+    """A whole reply that is either free text without ``<tool_call>`` (an answer) or one or more calls of ``tools``
+    (as :func:`tool_call_grammar`), each a ``<tool_call>`` block on its own lines, MiniMind's format, and nothing
+    else: what an RL agent's turn may be when its tool calls are constrained (rl/constraints.py). Text before a call
+    is not allowed: llguidance's lexer takes the longest match and cannot end free text where a call begins."""
+    rules, schemas = _call_rules(tools, named=False)
+    text = ("start: ANSWER | calls\n"
+            "ANSWER: /(?s:.*)/ & ~/(?s:.*<tool_call>.*)/\n"
+            "calls: call (\"\\n\" call)*\n"
+            f"call: {json.dumps(CALL_OPEN)} (" + " | ".join(f"call{i}" for i in range(len(rules))) + ")\n"
+            + "\n".join(rules) + "\n")
+    return Grammar(text, tuple(schemas))
+
+
+def _call_rules(tools: Sequence[Tuple[str, Optional[dict], str]], named: bool) -> Tuple[List[str], List[tuple]]:
+    """One rule per tool (``call<i>``): what follows ``CALL_OPEN`` (or, ``named``, the name as well) to the call's
+    end; and the (schema, path) pairs."""
     rules, schemas = [], []
     for i, (name, params, where) in enumerate(tools):
         params = NO_ARGUMENTS if params is None else params
@@ -74,8 +113,15 @@ def tool_call_grammar(tools: Sequence[Tuple[str, Optional[dict], str]], named: b
                                            ensure_ascii=False) + " "
         rules.append(f"call{i}: {head}%json {json.dumps({**params, 'x-guidance': dict(JSON_STYLE)})} "
                      f"{json.dumps('}' + CALL_CLOSE)}")
-    text = "start: " + " | ".join(f"call{i}" for i in range(len(rules))) + "\n" + "\n".join(rules) + "\n"
-    return Grammar(text, tuple(schemas))
+    return rules, schemas
+
+
+def check_grammar(grammar: Grammar) -> None:
+    """``grammar`` compiles for llguidance (checked without a tokenizer: a config check before any model loads); a
+    SchemaError naming the unsupported keyword's path otherwise."""
+    error = llguidance.LLMatcher.validate_grammar(grammar.text)
+    if error:
+        raise _explain(error, grammar)
 
 
 class GrammarCompiler:

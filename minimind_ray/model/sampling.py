@@ -32,6 +32,9 @@ class SamplingParams:
     pad_id: int = 0  # what the batched samplers put after a row's EOS
     repetition_penalty: float = 1.0  # generate/chat only (MiniMind's); the batched samplers refuse another value
     seed: Optional[int] = None  # generate/chat: the draws' generator; the batched samplers take a seed per row
+    grammar: Optional[str] = None  # the RL rollouts' sampler (rl/rollout.py): llguidance grammar text each row
+    # follows (model/grammar.py; an RL section's json_schema, rl/constraints.py); generate/chat/serve take a
+    # RowConstraint per reply instead. None = free
 
 
 def filter_logits(logits: Tensor, top_k: int = 0, top_p: float = 1.0) -> Tensor:

@@ -41,6 +41,7 @@ from minimind_ray.raytrain.session import (connect_ray, gpus_and_backend, in_ray
                                            warn_relative_paths)
 from minimind_ray.raytrain.spec import WorkerSpec
 from minimind_ray.raytrain.validation import validation_config
+from minimind_ray.rl.constraints import with_absolute_schema
 from minimind_ray.stages import get_stage
 from minimind_ray.store.lease import hold as hold_lease
 from minimind_ray.tracking.artifacts import log_final_artifacts
@@ -275,11 +276,12 @@ def finish(spec: WorkerSpec, result, tokenizer, end_mlflow_run) -> RunResult:
 
 def absolute_weight_paths(t):
     """The TrainConfig with every local weights path made absolute (init_from, and each of the stage's parents: a
-    reference, a teacher): the workers run in another directory."""
+    reference, a teacher), and an RL section's json_schema file: the workers run in another directory."""
     def absolute(p):
         return p if p is None or is_uri(p) else str(Path(p).expanduser().resolve())
 
-    return get_stage(t.stage).with_parents(dataclasses.replace(t, init_from=absolute(t.init_from)), absolute)
+    t = get_stage(t.stage).with_parents(dataclasses.replace(t, init_from=absolute(t.init_from)), absolute)
+    return with_absolute_schema(t, absolute)
 
 
 def export_and_log(spec: WorkerSpec, result, tokenizer) -> RunResult:

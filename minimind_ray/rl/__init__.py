@@ -6,6 +6,8 @@ record); no file here bears an algorithm's name (docs/rl.md).
                     scoring, the next submission, the reference and the rewards); ``GroupPlan``: a group per prompt
 ``rollout.py``      the rollout interface and the in-worker batched KV-cache sampler; ``rollout_config.py``: the
                     ``train.rollout`` section; ``actors.py``: a pool of Ray actors
+``constraints.py``  constrained rollouts: an algorithm's ``json_schema`` (the agent's tool calls), one grammar matcher
+                    per row in the batched decode step (llguidance, model/grammar.py)
 ``completions.py``  a micro-batch's completions sampled and scored (dynamic sampling, truncation, reference log-probs)
 ``logprobs.py``     which completion tokens count, and the policy's log-probs of them
 ``advantages.py``   group advantages, the leave-one-out baseline, GAE and whitening

@@ -30,13 +30,17 @@ from torch import Tensor
 from minimind_ray.failures import NotPlaced
 from minimind_ray.model.prefix_cache import PrefixCache
 from minimind_ray.model.sampling import SamplingParams
+from minimind_ray.rl.constraints import compiler_of
 from minimind_ray.rl.rollout import Rollout, RolloutEngine, merge_requests, sample_completions, split_rollout
 
 
 class RolloutActor:
     """One copy of the policy that generates on request (the Ray actor's class)."""
 
-    def __init__(self, model_cfg: dict, threads: int, prefix_cache_mb: float = 0.0):
+    def __init__(self, model_cfg: dict, threads: int, prefix_cache_mb: float = 0.0,
+                 tokenizer: Optional[tuple] = None):
+        """``tokenizer``: (its HF JSON, its EOS id) when the stage constrains its rollouts (rl/constraints.py):
+        the grammars are compiled here for it."""
         from minimind_ray.model.config import ModelConfig  # lazy: omegaconf, yaml, only when this runs
         from minimind_ray.model.minimind import build_model  # lazy: torch, only when this runs
 
@@ -44,6 +48,7 @@ class RolloutActor:
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.model = build_model(ModelConfig(**model_cfg)).to(self.device).eval()
         self.prefix_cache = PrefixCache.of_mib(prefix_cache_mb)  # emptied by each load_state_dict (check_weights)
+        self.grammars = compiler_of(*tokenizer, self.model.cfg.vocab_size) if tokenizer else None
         self.weights: "OrderedDict[int, dict]" = OrderedDict()  # version -> state dict: the two loaded last
         self.loaded: Optional[int] = None
         self.cond = threading.Condition()
@@ -74,7 +79,8 @@ class RolloutActor:
                 self.model.load_state_dict(weights)
                 self.loaded = version
             roll = sample_completions(self.model, prompt_ids.to(self.device), prompt_mask.to(self.device), params,
-                                      seeds=seeds.to(self.device), prefix_cache=self.prefix_cache)
+                                      seeds=seeds.to(self.device), prefix_cache=self.prefix_cache,
+                                      grammars=self.grammars)
         return Rollout(*(t.cpu() for t in (roll.completion_ids, roll.completion_mask, roll.logprobs, roll.truncated)))
 
     def pid(self) -> int:
@@ -95,8 +101,10 @@ class RolloutActorsNotPlaced(NotPlaced):
 class ActorRollout(RolloutEngine):
     """The engine of ``rollout: actors`` on one training rank (see the module docstring)."""
 
-    def __init__(self, cfg, rank: int, world: int):
+    def __init__(self, cfg, rank: int, world: int, constrained_by=None):
         self.cfg, self.r, self.rank, self.world = cfg, cfg.train.rollout, rank, world
+        # the run's tokenizer for the actors' grammar compilers, when the stage constrains its rollouts
+        self.tokenizer = (constrained_by.to_json(), constrained_by.eos_id) if constrained_by else None
         self.version: Optional[int] = None
         self.copies: Dict[int, dict] = {}  # version -> this rank's CPU copy of the weights (for a recreated actor)
         self.refs: Dict[int, object] = {}  # version -> rank 0's ObjectRef (kept alive while in flight)
@@ -128,7 +136,8 @@ class ActorRollout(RolloutEngine):
         remote = ray.remote(RolloutActor).options(
             name=actor_name(self.cfg.name, index), get_if_exists=True, num_cpus=self.r.actor_cpus,
             num_gpus=self.r.actor_gpus, max_concurrency=4 * self.world + 4, max_restarts=0)
-        return remote.remote(dataclasses.asdict(self.cfg.model), max(1, int(self.r.actor_cpus)), self.r.prefix_cache_mb)
+        return remote.remote(dataclasses.asdict(self.cfg.model), max(1, int(self.r.actor_cpus)), self.r.prefix_cache_mb,
+                             self.tokenizer)
 
     def update_policy(self, model: torch.nn.Module, step: int) -> None:
         """Weights for requests of version ``step`` (the policy before step ``step``'s update)."""

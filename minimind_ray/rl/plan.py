@@ -17,6 +17,7 @@ What an algorithm supplies (the rest has defaults):
 
     section             its config section (train.<name>): max_gen_len, temperature, top_p, top_k, rewards, mini_batches
     kl_field            its section's KL weight: > 0, a frozen reference is kept (its log-probs as ``ref_logp``)
+    grammar()           what every completion follows (default: the section's ``json_schema`` file; None = free)
     requests()          each micro-batch's first rollout request (prompt rows, their mask, sampling params, row seeds)
     score()             one micro-batch's rollout -> what the loss trains on: rewards, log-probs, ``metric_<name>`` sums
     advantages()        the step's rolled-out micro-batches get their ``advantages`` (a global batch's all-reduce here)
@@ -46,18 +47,22 @@ def rows(batch: Batch, lo: int, hi: int, keep_metrics: bool) -> Batch:
     return out
 
 
-def build_rollout(cfg, state):
-    """The engine ``train.rollout.engine`` names: this worker's sampler, or a pool of Ray actors (rl/actors.py)."""
+def build_rollout(cfg, state, constrained_by=None):
+    """The engine ``train.rollout.engine`` names: this worker's sampler, or a pool of Ray actors (rl/actors.py).
+    ``constrained_by``: the run's tokenizer when the stage constrains its rollouts (rl/constraints.py): the engine
+    compiles the grammars for it."""
     engine = cfg.train.rollout.engine
     if engine == "worker":
         from minimind_ray.model.prefix_cache import PrefixCache  # lazy: torch, when a run trains
+        from minimind_ray.rl.constraints import grammar_compiler  # lazy: torch, when a run trains
         from minimind_ray.rl.rollout import TorchRollout  # lazy: torch, when a run trains
 
-        return TorchRollout(state.autocast, PrefixCache.of_mib(cfg.train.rollout.prefix_cache_mb))
+        return TorchRollout(state.autocast, PrefixCache.of_mib(cfg.train.rollout.prefix_cache_mb),
+                            grammar_compiler(constrained_by, cfg.model.vocab_size) if constrained_by else None)
     if engine == "actors":
         from minimind_ray.rl.actors import ActorRollout  # lazy: torch and Ray, when a run trains
 
-        return ActorRollout(cfg, state.rank, state.world)
+        return ActorRollout(cfg, state.rank, state.world, constrained_by)
     raise ValueError(f"train.rollout.engine: unknown rollout engine {engine!r}; one of ('worker', 'actors')")
 
 
@@ -80,6 +85,7 @@ class RolloutPlan:
     def __init__(self, cfg, section):
         self.cfg, self.section = cfg, section
         self.engine = self.tokenizer = self.reference = None
+        self.grammar_text = None  # what every completion follows (the section's constraint, rl/constraints.py)
         self.rewards: list = []
         self.pending: Dict[int, list] = {}  # step -> this rank's requests sent ahead, one per micro-batch
 
@@ -95,6 +101,14 @@ class RolloutPlan:
     @property
     def passes(self) -> int:
         return getattr(self.section, self.passes_field) if self.passes_field else 1
+
+    def grammar(self):
+        """The llguidance grammar text every completion follows, or None (free sampling, the default): the
+        section's ``json_schema`` file (rl/constraints.py), for every algorithm whose section has the field."""
+        from minimind_ray.rl.constraints import json_schema_grammar  # lazy: llguidance, when a run trains
+
+        path = getattr(self.section, "json_schema", None)
+        return json_schema_grammar(path, f"train.{self.cfg.train.stage}.json_schema")
 
     def build_rewards(self, device) -> list:
         from minimind_ray.rl.rewards import build_rewards  # lazy: a reward model's torch, when a run builds its state
@@ -162,8 +176,9 @@ class RolloutPlan:
         from minimind_ray.rl.completions import run_tokenizer  # lazy: torch, when a run trains
 
         if self.engine is None:
-            self.engine = build_rollout(self.cfg, state)
             self.tokenizer = run_tokenizer(self.cfg, state.dataset.manifest)
+            self.grammar_text = self.grammar()
+            self.engine = build_rollout(self.cfg, state, self.tokenizer if self.grammar_text else None)
 
     def params(self):
         """The sampling parameters of the algorithm's section."""
@@ -171,7 +186,7 @@ class RolloutPlan:
 
         s = self.section
         return SamplingParams(s.max_gen_len, s.temperature, s.top_p, s.top_k, self.tokenizer.eos_id,
-                              self.tokenizer.pad_id)
+                              self.tokenizer.pad_id, grammar=self.grammar_text)
 
     def overlaps(self, state, step: int) -> bool:
         """Whether step ``step + 1``'s rollouts are sent now, from the weights before this step's update: with

@@ -23,6 +23,7 @@ from torch import Tensor
 from minimind_ray.model.kv_cache import KVCache
 from minimind_ray.model.prefix_cache import PrefixCache
 from minimind_ray.model.sampling import SamplingParams, sample_tokens
+from minimind_ray.rl.constraints import RowsConstraint
 
 
 @dataclass
@@ -100,10 +101,11 @@ class TorchRollout(RolloutEngine):
     a function of the weights, its prompt and its seed, so a restarted run samples exactly what an
     uninterrupted one did, and a rollout actor what a worker would have."""
 
-    def __init__(self, autocast=None, prefix_cache: Optional[PrefixCache] = None):
+    def __init__(self, autocast=None, prefix_cache: Optional[PrefixCache] = None, grammars=None):
         self.model = None
         self.autocast = autocast
         self.prefix_cache = prefix_cache  # train.rollout.prefix_cache_mb: prompt prefixes shared within a step
+        self.grammars = grammars  # a GrammarCompiler for the run's tokenizer when the stage constrains its rollouts
 
     def update_policy(self, model: torch.nn.Module, step: int) -> None:
         self.model = model  # the training module itself: no copy, always the current weights
@@ -114,7 +116,7 @@ class TorchRollout(RolloutEngine):
     def generate(self, prompt_ids: Tensor, prompt_mask: Tensor, params: SamplingParams,
                  generator: Optional[torch.Generator] = None, seeds: Optional[Tensor] = None) -> Rollout:
         return sample_completions(self.model, prompt_ids, prompt_mask, params, self.autocast, generator, seeds,
-                                  self.prefix_cache)
+                                  self.prefix_cache, self.grammars)
 
     def generate_many(self, requests: List[Tuple[Tensor, Tensor, SamplingParams, Tensor]]) -> List[Rollout]:
         """All the requests' rows in one batch (:func:`merge_requests`): a decode step's forward reads the weights
@@ -155,12 +157,17 @@ def split_rollout(roll: Rollout, sizes: List[int]) -> List[Rollout]:
 @torch.no_grad()
 def sample_completions(model, prompt_ids: Tensor, prompt_mask: Tensor, params: SamplingParams, autocast=None,
                        generator: Optional[torch.Generator] = None, seeds: Optional[Tensor] = None,
-                       prefix_cache: Optional[PrefixCache] = None) -> Rollout:
+                       prefix_cache: Optional[PrefixCache] = None, grammars=None) -> Rollout:
     """TorchRollout's work, for any holder of a model (a training worker, a rollout actor); with
-    ``prefix_cache`` the prompts' prefixes held there are copied in instead of computed (:func:`_prefill`)."""
+    ``prefix_cache`` the prompts' prefixes held there are copied in instead of computed (:func:`_prefill`). With
+    ``params.grammar`` (a constrained rollout, rl/constraints.py) each row samples only what the grammar allows,
+    compiled by ``grammars`` (a GrammarCompiler for the prompts' tokenizer); its log-probs stay the model's own."""
     n, p_len = prompt_ids.shape
     if params.repetition_penalty != 1.0:
         raise ValueError(f"repetition_penalty={params.repetition_penalty}: the batched sampler has none (1.0)")
+    if params.grammar is not None and grammars is None:
+        raise ValueError("a constrained rollout (params.grammar) needs the sampler's grammar compiler")
+    rules = RowsConstraint(grammars, params.grammar, n) if params.grammar is not None else None
     budget = min(params.max_new_tokens, model.cfg.max_position_embeddings - p_len)
     if budget < 1:
         raise ValueError(f"prompts of {p_len} tokens leave no room under max_position_embeddings="
@@ -175,9 +182,12 @@ def sample_completions(model, prompt_ids: Tensor, prompt_mask: Tensor, params: S
             alive = torch.ones(n, dtype=torch.bool, device=prompt_ids.device)
             tokens, logps, masks = [], [], []
             for t in range(budget):
-                nxt = sample_tokens(logits, params.temperature, params.top_p, params.top_k, generator,
+                nxt = sample_tokens(logits if rules is None else rules.masked(logits, alive), params.temperature,
+                                    params.top_p, params.top_k, generator,
                                     None if seeds is None else counter_uniform(seeds, t))
-                logp = token_logprobs(logits, nxt)
+                logp = token_logprobs(logits, nxt)  # the unconstrained model's (docs/rl.md, "Constrained rollouts")
+                if rules is not None:
+                    rules.advance(nxt, alive)
                 nxt = torch.where(alive, nxt, torch.full_like(nxt, params.pad_id))
                 tokens.append(nxt)
                 logps.append(torch.where(alive, logp, torch.zeros_like(logp)))

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from minimind_ray.config_checks import ConfigError, config_field as _f, need
+from minimind_ray.rl.constraints import validate_tool_calls
 from minimind_ray.rl.plan import Batch
 from minimind_ray.rl.rewards import RewardConfig, user_reward_names, validate_reward_term
 from minimind_ray.rl.tools import BUILTIN_TOOLS, load_tool_function
@@ -53,6 +54,9 @@ class AgentConfig(GroupPolicyConfig):
                                                       "its own list (its system message's tools), whose names must be "
                                                       "here to run"})
     max_tool_response_chars: int = _f(2048, "a tool's response is cut to this many characters (MiniMind's)", ge=16)
+    constrain_tool_calls: bool = _f(False, "each turn is sampled under llguidance's mask to be an answer without "
+                                           "<tool_call>, or calls of the tools above with arguments valid against "
+                                           "their schemas (docs/rl.md, 'Constrained rollouts'); false = free sampling")
     reward_clip: Optional[float] = _f(3.0, "the total reward is clipped to [-reward_clip, reward_clip] (MiniMind: 3); "
                                            "None = no clip", gt=0)
     rewards: List[RewardConfig] = field(default_factory=lambda: [RewardConfig(n) for n in AGENT_REWARDS[:-1]],
@@ -89,6 +93,8 @@ def validate(cfg) -> None:
             except ValueError as e:
                 raise ConfigError(f"{where}.function: {e}") from None
             need(bool(t.schema), f"{where}.schema", "a tool of your own needs its OpenAI function schema")
+    if a.constrain_tool_calls:
+        validate_tool_calls(a.tools, "train.agent.constrain_tool_calls")
     need(bool(a.rewards), "train.agent.rewards", "no reward terms")
     for i, r in enumerate(a.rewards):
         where = f"train.agent.rewards[{i}]"
@@ -137,6 +143,12 @@ class AgentPlan(GRPOPlan):
     def __init__(self, cfg, section):  # section: an AgentConfig (train.agent)
         super().__init__(cfg, section)
         self.a, self.toolbox = section, None
+
+    def grammar(self):
+        """With constrain_tool_calls: an answer, or calls of train.agent.tools with valid arguments."""
+        from minimind_ray.rl.constraints import tool_calls_grammar  # lazy: llguidance, when a run trains
+
+        return tool_calls_grammar(self.a.tools) if self.a.constrain_tool_calls else None
 
     def build_rewards(self, device) -> list:
         from minimind_ray.rl.trajectory_rewards import build_agent_rewards  # lazy: torch, when a run builds its state

@@ -24,6 +24,7 @@ from typing import Dict, List, Optional
 
 from minimind_ray.config_checks import config_field as _f, need
 from minimind_ray.data.config import PROMPT_FORMATS
+from minimind_ray.rl.constraints import json_schema_field, validate_json_schema
 from minimind_ray.rl.plan import Batch, GroupPlan, all_reduced
 from minimind_ray.rl.rewards import RewardConfig, reward_terms_field, user_reward_names, validate_reward_terms
 from minimind_ray.rl.rollout_config import RolloutConfig
@@ -75,6 +76,7 @@ class GRPOConfig(GroupPolicyConfig):
     dynamic_sampling: int = _f(0, "DAPO's dynamic sampling: groups whose rewards are all equal are sampled again, up "
                                   "to this many rounds; those still equal are dropped from the loss (0 = off)", ge=0)
     mask_truncated: bool = _f(False, "completions that reach max_gen_len without an EOS carry no loss (TRL)")
+    json_schema: Optional[str] = json_schema_field()
     # the rollout engine's keys before train.rollout: still read, into train.rollout (adopt_old_keys)
     rollout: str = _f("torch", "old name of train.rollout.engine ('torch' = worker, 'actors')")
     rollout_actors: int = _f(1, "old name of train.rollout.actors", ge=1)
@@ -110,6 +112,7 @@ def validate(cfg) -> None:
     validate_group_policy(cfg, cfg.train.grpo, "train.grpo")
     need_trained_policy(cfg, "GRPO")
     validate_reward_terms(cfg.train.grpo.rewards, "train.grpo.rewards")
+    validate_json_schema(cfg.train.grpo.json_schema, "train.grpo.json_schema")
 
 
 # train.grpo's keys from before train.rollout -> (the new key, how an old value reads in it)

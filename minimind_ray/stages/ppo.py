@@ -23,6 +23,7 @@ from typing import Dict, List, Optional
 
 from minimind_ray.config_checks import config_field as _f, need
 from minimind_ray.data.config import PROMPT_FORMATS
+from minimind_ray.rl.constraints import json_schema_field, validate_json_schema
 from minimind_ray.rl.plan import Batch, RolloutPlan, all_reduced
 from minimind_ray.rl.rewards import RewardConfig, reward_terms_field, user_reward_names, validate_reward_terms
 from minimind_ray.stages.rl_stage import (RL_RECORD, need_no_held_out, need_room_for_completions,
@@ -58,6 +59,7 @@ class PPOConfig:
     early_stop_kl: Optional[float] = _f(0.25, "an update whose approximate KL to the rollout policy (mean of "
                                               "(log p - log p_old)^2 / 2 over its tokens) exceeds this is dropped, "
                                               "with every later update of the step; None = never", gt=0)
+    json_schema: Optional[str] = json_schema_field()
     rewards: List[RewardConfig] = reward_terms_field(
         "reward terms (docs/rl.md: a rule's name, 'module:function' or reward_model); the sum is the "
                 "reward of a completion's last token. Default: MiniMind's rules; its recipe adds its reward model")
@@ -71,6 +73,7 @@ def validate(cfg) -> None:
     need_no_held_out(cfg)
     need_trained_policy(cfg, "PPO")
     validate_reward_terms(p.rewards, "train.ppo.rewards")
+    validate_json_schema(p.json_schema, "train.ppo.json_schema")
 
 
 # --------------------------------------------------------------------------- the plan and the record

@@ -27,6 +27,7 @@ from typing import List, Optional, Tuple
 
 from minimind_ray.config_checks import config_field as _f, need
 from minimind_ray.data.config import PROMPT_FORMATS
+from minimind_ray.rl.constraints import json_schema_field, validate_json_schema
 from minimind_ray.rl.plan import Batch, GroupPlan, all_reduced
 from minimind_ray.rl.rewards import RewardConfig, reward_terms_field, user_reward_names, validate_reward_terms
 from minimind_ray.stages.rl_stage import (RL_RECORD, need_no_held_out, need_room_for_completions,
@@ -55,6 +56,7 @@ class RLOOConfig:
                                 "and the clip acts", ge=1)
     mini_batches: int = _f(1, "optimizer updates per pass: the rollouts split into this many mini-batches", ge=1)
     mask_truncated: bool = _f(False, "completions that reach max_gen_len without an EOS carry no loss (TRL)")
+    json_schema: Optional[str] = json_schema_field()
     rewards: List[RewardConfig] = reward_terms_field(
         "reward terms (docs/rl.md: a rule's name, 'module:function' or reward_model); default: MiniMind's "
                 "rule rewards")
@@ -67,6 +69,7 @@ def validate(cfg) -> None:
     need_no_held_out(cfg)
     need_trained_policy(cfg, "RLOO")
     validate_reward_terms(r.rewards, "train.rloo.rewards")
+    validate_json_schema(r.json_schema, "train.rloo.json_schema")
 
 
 # --------------------------------------------------------------------------- the math (tensors in, tensors out)

@@ -1,7 +1,8 @@
 """Rollouts on a pool of Ray actors (issue 21, part 3; rl/actors.py), driven by the engine on the session's real Ray
 without Ray Train (one rank: the pool's logic is the same at any world size, and a Train run of it with 2 workers is
-in test_grpo.py): the pool samples exactly what the in-worker sampler samples, a killed actor is made again and its
-request retried with the same result, and overlapped generation (one step off-policy) restores bit for bit."""
+in test_grpo.py): the pool samples exactly what the in-worker sampler samples, under a constraint too (the actors
+given the tokenizer's JSON: rl/constraints.py), a killed actor is made again and its request retried with the same
+result, and overlapped generation (one step off-policy) restores bit for bit."""
 from __future__ import annotations
 
 import pytest
@@ -43,7 +44,17 @@ def in_worker(prepared):
     return train(grpo_config(base, "name=t-in-worker"), path)
 
 
-def test_the_pool_samples_what_the_worker_samples_and_survives_a_killed_actor(ray_session, prepared, in_worker):
+def constrained(tmp_path, *extra):
+    """train.grpo.json_schema: every completion JSON (an object of one small integer) or cut at max_gen_len."""
+    import json
+
+    schema = tmp_path / "answer.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"answer": {"type": "integer", "maximum": 99}},
+                                  "required": ["answer"], "additionalProperties": False}))
+    return (f"train.grpo.json_schema={schema}", "train.grpo.max_gen_len=12", *extra)
+
+
+def test_the_pool_samples_what_the_worker_samples_and_survives_a_killed_actor(ray_session, prepared, tmp_path):
     import ray
 
     from minimind_ray.engine.loop import Hooks
@@ -63,7 +74,8 @@ def test_the_pool_samples_what_the_worker_samples_and_survives_a_killed_actor(ra
             self.reward[step] = metrics["reward"]
 
     path, base = prepared
-    state, seen = train(grpo_config(base, "name=t-actors", *ACTORS), path, KillAtStep3())
+    in_worker = train(grpo_config(base, *constrained(tmp_path, "name=t-in-worker-constrained")), path)
+    state, seen = train(grpo_config(base, *constrained(tmp_path, "name=t-actors", *ACTORS)), path, KillAtStep3())
     assert seen.reward == in_worker[1].reward
     assert same_weights(state, in_worker[0])
     assert state.objective.engine.recreated >= 1

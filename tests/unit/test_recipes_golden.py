@@ -58,7 +58,9 @@ NEW_SECTIONS = ("train.simpo.", "train.rollout.", "train.parallelism", "train.ac
                                                 "scale_rewards", "loss_agg", "num_iterations", "mini_batches",
                                                 "mask_truncated")),
                 # issue 54: a tokenizer other than train.init_from's is refused unless this allows it (default: refuse)
-                "data.allow_tokenizer_change")
+                "data.allow_tokenizer_change",
+                # issue 57: constrained rollouts, off by default (train.rloo.json_schema is in its new section)
+                "train.grpo.json_schema", "train.ppo.json_schema", "train.agent.constrain_tool_calls")
 # help lines that changed on purpose: the stage list names the new stage; train.grpo.rollout* moved to train.rollout;
 # data.format says what a verb implies when it is not given, data.train_path that one path needs no list (issue 38)
 CHANGED_HELP = {"cluster.max_failures", "train.faults",  # issue 47: what max_failures counts; the 'bug' kind
