@@ -111,9 +111,10 @@ class TrainState:
 
     @classmethod
     def build(cls, cfg, prepared_dir: str, rank: int = 0, world: int = 1,
-              device: Optional[torch.device] = None) -> "TrainState":
+              device: Optional[torch.device] = None, stage=None) -> "TrainState":
         """A fresh state at step 0. The order matters for exact restarts: the model init is seeded
-        on its own; dropout and sampling then draw from ``seed + rank``."""
+        on its own; dropout and sampling then draw from ``seed + rank``. ``stage``: the run's stage record as the
+        driver resolved it (a worker's WorkerSpec.stage); None: the one ``cfg.train.stage`` names."""
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         from minimind_ray.data.stream import PreparedDataset, TrainStream  # lazy: numpy, pyarrow, only when this runs
@@ -125,7 +126,7 @@ class TrainState:
         model = build_model(cfg.model, seed=t.seed)  # the same init on every rank (build_model forks the RNG)
         torch.manual_seed(t.seed + rank)  # dropout and sampling differ per rank
         random.seed(t.seed + rank)
-        objective = build_objective(cfg)
+        objective = stage.objective(cfg) if stage is not None else build_objective(cfg)
         if t.init_from:  # also on restore: DPO's reference is a copy of the *initial* weights
             with reading(f"train.init_from={t.init_from}"):
                 load_model_weights(model, t.init_from, strict=True)
