@@ -111,8 +111,8 @@ class TrainState:
     stage: Any = None  # the run's stage record (stages/stage.py:Stage)
 
     def adapters(self) -> Optional[Dict[str, Any]]:
-        """The LoRA adapters the run's stage puts on the model (its record's ``adapters``), as a checkpoint records them;
-        None: none."""
+        """The LoRA adapters the run's stage puts on the model (its record's ``adapters``), as a checkpoint records
+        them; None: none."""
         record = self.stage if self.stage is not None else get_stage(self.cfg.train.stage)
         lora = record.adapters(self.cfg)
         return dataclasses.asdict(lora) if lora is not None else None

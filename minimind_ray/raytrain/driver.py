@@ -61,15 +61,15 @@ class RunResult:
     latest: Optional[str] = None  # <storage>/<stage>-latest, linked to this run (store/checkpoint.py:mark_latest)
 
 
-def run(run: Union[RunSpec, RunConfig], *, tags: Optional[Dict[str, str]] = None, callbacks=(),
+def run(run_spec: Union[RunSpec, RunConfig], *, tags: Optional[Dict[str, str]] = None, callbacks=(),
         report_every_eval: bool = False) -> RunResult:
     """Train one stage end to end; resumes when a run of this name exists in storage.
-    ``run``: the run resolved once (config.py:resolve_run), read and never rebuilt; a RunConfig (a library caller's
-    own) is resolved here, once. Nothing of it is modified: what the driver decides goes into its own copy
+    ``run_spec``: the run resolved once (config.py:resolve_run), read and never rebuilt; a RunConfig (a library
+    caller's own) is resolved here, once. Nothing of it is modified: what the driver decides goes into its own copy
     (WorkerSpec.cfg). A sweep or pipeline passes its MLflow ``tags`` (the parent run), Ray Train ``callbacks`` (Tune's
     report) and ``report_every_eval`` (each eval step's score reported, for ASHA); every run is tagged with its
     lineage."""
-    run = run if isinstance(run, RunSpec) else resolve(run)
+    run = run_spec if isinstance(run_spec, RunSpec) else resolve(run_spec)
     checked = check_before_ray(run, local_ray=starts_own_ray(run.cfg))
     storage = storage_root(run.cfg)
     name, plan = decide_run(run.cfg, storage)  # a finished run, or a choice for the user, is said before Ray starts

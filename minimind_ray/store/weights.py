@@ -254,10 +254,10 @@ def load_weights(source: str, preset: Optional[str] = None) -> LoadedWeights:
 
 
 def recorded_adapters(lw: LoadedWeights) -> Optional[Dict[str, Any]]:
-    """The settings of the LoRA adapters the weights' run put on its model, as its checkpoint recorded them: meta.json's
-    ``adapters`` (what its stage's record said, stages/stage.py:Stage.adapters); in a checkpoint written before meta.json
-    held them, its stage's own section (``train.<stage>``: the one stage that put adapters on a model keeps them
-    there). None: not a checkpoint."""
+    """The settings of the LoRA adapters the weights' run put on its model, as its checkpoint recorded them:
+    meta.json's ``adapters`` (what its stage's record said, stages/stage.py:Stage.adapters); in a checkpoint written
+    before meta.json held them, its stage's own section (``train.<stage>``: the one stage that put adapters on a model
+    keeps them there). None: not a checkpoint."""
     if lw.meta is not None and lw.meta.adapters is not None:
         return lw.meta.adapters
     train = (lw.run_config or {}).get("train", {})

@@ -130,7 +130,8 @@ def test_adapted_model_pickles_and_deep_copies():
         torch.testing.assert_close(copy.deepcopy(m)(x).logits, ours, atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("meta_records_them", [True, False], ids=["meta.json's adapters", "written before: its section"])
+@pytest.mark.parametrize("meta_records_them", [True, False],
+                         ids=["meta.json's adapters", "written before: its section"])
 def test_a_lora_checkpoint_loads_with_the_adapters_its_stage_put_on_the_model(tmp_path, meta_records_them):
     """A LoRA run's checkpoint loads (export, generate, serve, a next stage's init_from) with the adapters its stage's
     record says it put on the model (alpha, targets), recorded in meta.json; a checkpoint written before meta.json held

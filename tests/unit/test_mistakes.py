@@ -142,8 +142,8 @@ def test_init_from_gives_the_architecture_when_no_model_field_is_written_and_the
     m = adopted.cfg.model
     assert (m.hidden_size, m.num_hidden_layers, m.num_attention_heads, m.vocab_size) == (32, 2, 2, 320)
     assert cfg.model.hidden_size == 512  # the user's config is not modified
-    assert adopted.lines == (f"model: tiny (hidden 32, 2 layers, 2 heads, vocab 320), from train.init_from={ckpt} (a checkpoint "
-                     f"at step 4); no model.* was given, so not the default minimind2-small",)
+    assert adopted.lines == (f"model: tiny (hidden 32, 2 layers, 2 heads, vocab 320), from train.init_from={ckpt} "
+                             f"(a checkpoint at step 4); no model.* was given, so not the default minimind2-small",)
     again = resolve(_cfg(f"train.init_from={ckpt}")).cfg
     assert run_identity(again) == run_identity(adopted.cfg)  # the same command finds the same run
     # a model field that shapes nothing is the user's and stays; the architecture is still the weights'
