@@ -108,13 +108,12 @@ class TrainState:
     rng: RNGState = field(default_factory=RNGState)
     parts: Dict[str, TrainedPart] = field(default_factory=dict)  # models trained beside the policy (PPO's critic)
     sharded: bool = False  # FSDP: weights, gradients and AdamW sharded over the ranks; checkpoints sharded (DCP)
-    stage: Any = None  # the run's stage record (stages/stage.py:Stage)
+    stage: Any = None  # the run's stage record (stages/stage.py:Stage), set by build
 
     def adapters(self) -> Optional[Dict[str, Any]]:
         """The LoRA adapters the run's stage puts on the model (its record's ``adapters``), as a checkpoint records
         them; None: none."""
-        record = self.stage if self.stage is not None else get_stage(self.cfg.train.stage)
-        lora = record.adapters(self.cfg)
+        lora = self.stage.adapters(self.cfg)
         return dataclasses.asdict(lora) if lora is not None else None
 
     @classmethod
