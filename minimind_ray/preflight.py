@@ -1,13 +1,12 @@
-"""Everything a run's config and files can decide, decided before Ray starts (docs/reliability.md, "Mistakes and
-faults"): the first of the driver's steps (raytrain/driver.py:run). Each refusal is one line naming the field or file.
+"""Everything a run's files can decide, decided before Ray starts (docs/reliability.md, "Mistakes and faults"):
+the first of the driver's steps (raytrain/driver.py:run), on the run resolved once (config.py:resolve: its config
+validated, ``train.init_from``'s architecture taken or refused, its stage's record), which it reads and never rebuilds.
+Each refusal is one line naming the field or file.
 
 * **The run's storage**, when it is a bucket: reachable (store/reach.py), or one line naming
   ``checkpoint.storage_path`` and the endpoint.
-* **The weights it starts from** (``train.init_from``): read cheaply (store/inspect.py): its kind, a complete
-  checkpoint, its architecture. With no ``model.*`` written by the user, the run takes that architecture (LitGPT reads
-  a checkpoint's own config the same way) and says so; with one written that differs, the run is refused, naming both.
-  The other weights a stage starts from (a DPO reference; a distillation teacher, whose architecture is its own) must be
-  whole too, and the reference of the same architecture.
+* **The other weights a stage starts from** (a DPO reference; a distillation teacher, whose architecture is its own):
+  whole (store/inspect.py), and the reference of the run's architecture.
 * **The tokenizer**: fetched or found here, not in the workers, and its vocabulary checked against the model's, and
   against the one ``train.init_from`` trained with: another vocabulary is refused unless
   ``data.allow_tokenizer_change=true`` (a refused run never becomes ``<stage>-latest``).
@@ -24,7 +23,6 @@ MiniMind's tokenizer, which the run needs anyway.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
@@ -34,17 +32,13 @@ import psutil
 import pyarrow.fs as pafs
 
 from minimind_ray.cluster_config import worker_threads
-from minimind_ray.config import RunConfig, validate
+from minimind_ray.config import RunConfig, RunSpec, weights_info
 from minimind_ray.config_checks import ConfigError
 from minimind_ray.data.formats import FORMATS, BadRecord, check_record, parse_line
 from minimind_ray.data.sources import OverlongLine, iter_records, resolve_sources
 from minimind_ray.engine.memory import GiB, estimate
 from minimind_ray.fsio import filesystem, join, redact
-from minimind_ray.model.config import ModelConfig
-from minimind_ray.stages import get_stage
-from minimind_ray.store.checkpoint import CheckpointError
 from minimind_ray.store.inspect import WeightsInfo, architecture, differences, inspect_weights
-from minimind_ray.store.pth import WeightsError
 from minimind_ray.store.reach import check_storage
 from minimind_ray.store.weights import resolve_checkpoint
 from minimind_ray.tokenizer import load_tokenizer, resolve_tokenizer
@@ -56,79 +50,37 @@ CPU_OVERSUBSCRIPTION = 2  # training workers' threads per core a local Ray may h
 
 @dataclass
 class Checked:
-    """What the check decided: the config the run uses (its architecture taken from train.init_from when the user
-    wrote none), the resolved tokenizer, and the lines to say at the start."""
+    """What the check decided: the resolved tokenizer, and the lines to say at the start."""
 
-    cfg: RunConfig
     tokenizer: Any
     lines: List[str] = field(default_factory=list)
 
 
-def check_before_ray(cfg: RunConfig, local_ray: bool) -> Checked:
-    """The checks of the module's docstring, in order; raises ConfigError (or the tokenizer's fetch error)."""
+def check_before_ray(run: RunSpec, local_ray: bool) -> Checked:
+    """The checks of the module's docstring, in order, on the resolved run; raises ConfigError (or the tokenizer's
+    fetch error)."""
+    cfg = run.cfg
     check_storage(cfg.checkpoint.storage_path)  # a store that is down would read as an empty one (store/reach.py)
-    cfg, lines = adopt_architecture(cfg)
-    check_parents(cfg)
+    check_parents(run)
     tokenizer = resolve_tokenizer(cfg.data.tokenizer, cfg.data.cache_dir, cfg.model.generation)
-    lines += check_vocabulary(cfg, tokenizer)
+    lines = check_vocabulary(run, tokenizer)
     if local_ray and cfg.cluster.check_local_fit:
         check_local_fit(cfg)
     look_at_data(cfg)
-    return Checked(cfg, tokenizer, lines)
+    return Checked(tokenizer, lines)
 
 
 # --------------------------------------------------------------------------- weights
 
 
-def weights_info(source: str, field_name: str) -> WeightsInfo:
-    """:func:`inspect_weights`, its refusal naming the config field."""
-    try:
-        return inspect_weights(source)
-    except (OSError, CheckpointError, WeightsError) as e:
-        raise ConfigError(f"{field_name}: {' '.join(str(e).split())}") from None
-
-
-def _written_model_fields(cfg: RunConfig) -> List[str]:
-    return sorted(k for k in cfg.written if k.startswith("model."))
-
-
-def adopt_architecture(cfg: RunConfig):
-    """(the run's config, lines to say). ``train.init_from``'s architecture when the user wrote no ``model.*`` field
-    that shapes it; a refusal naming both when one written differs from it."""
-    t = cfg.train
-    if not t.init_from:
-        return cfg, []
-    info = weights_info(t.init_from, "train.init_from")
-    written = _written_model_fields(cfg)
-    given = {k[len("model."):] for k in written}
-    shaping = given - {"dropout", "max_position_embeddings", "inference_rope_scaling", "aux_loss_alpha", "seq_aux"}
-    if not shaping:  # the architecture is the weights', the user's other model.* fields stay
-        theirs = {f.name: getattr(info.model, f.name) for f in dataclasses.fields(ModelConfig) if f.name not in given}
-        adopted = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **theirs))
-        adopted.written = cfg.written  # type: ignore[misc]
-        validate(adopted)  # data.max_seq_len against its RoPE table, the stage's rules
-        same = not differences(cfg.model, info.model, info.recorded)
-        line = (f"model: {architecture(adopted.model)}, from train.init_from={t.init_from} ({info.what()})"
-                + ("" if same else f"; no model.* was given, so not the default {cfg.model.preset}"))
-        return adopted, [redact(line)]
-    diff = differences(cfg.model, info.model, info.recorded)
-    if diff:
-        fields = ", ".join(f"{k} {a} vs {b}" for k, (a, b) in list(diff.items())[:4])
-        raise ConfigError(
-            f"train.init_from: {redact(t.init_from)} is {info.describe()}; this run asks "
-            f"{architecture(cfg.model)} ({fields}): drop {', '.join(written)} to train the weights' own "
-            f"architecture, or make them equal")
-    return cfg, []
-
-
-def check_parents(cfg: RunConfig) -> None:
-    """The other weights the stage starts from (stages' ``parents``): whole, and of the run's architecture unless the
-    stage says the parent has its own (a distillation teacher)."""
-    stage = get_stage(cfg.train.stage)
+def check_parents(run: RunSpec) -> None:
+    """The other weights the stage starts from (its record's ``parents``): whole, and of the run's architecture unless
+    the stage says the parent has its own (a distillation teacher)."""
+    cfg, stage = run.cfg, run.stage
     for parent, source in stage.parents(cfg).items():
         if not source:
             continue
-        where = f"train.{cfg.train.stage} {parent}"
+        where = f"train.{stage.name} {parent}"
         info = weights_info(source, where)
         if parent in stage.own_architecture:
             continue
@@ -142,15 +94,16 @@ def check_parents(cfg: RunConfig) -> None:
 # --------------------------------------------------------------------------- tokenizer
 
 
-def check_vocabulary(cfg: RunConfig, tokenizer) -> List[str]:
+def check_vocabulary(run: RunSpec, tokenizer) -> List[str]:
     """The tokenizer's ids fit the embedding; a tokenizer whose vocabulary differs from the one ``train.init_from``
     trained with is refused (its ids mean other tokens: issue 54), unless ``data.allow_tokenizer_change`` (a vocabulary
     extension). One that differs in its chat template or special-token names only is said, not refused: a new template
     is a deliberate change. Returns the lines to say."""
+    cfg, written_model = run.cfg, any(k.startswith("model.") for k in run.written)
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ConfigError(f"data.tokenizer: {cfg.data.tokenizer!r} has {tokenizer.vocab_size} tokens, more than the "
                           f"model's vocab_size {cfg.model.vocab_size}"
-                          + (" (train.init_from's)" if cfg.train.init_from and not _written_model_fields(cfg) else ""))
+                          + (" (train.init_from's)" if cfg.train.init_from and not written_model else ""))
     if not cfg.train.init_from:
         return []
     recorded = _recorded_tokenizer(cfg.train.init_from)

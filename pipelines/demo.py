@@ -8,7 +8,7 @@ import argparse
 import sys
 import time
 
-from minimind_ray.config import load_config
+from minimind_ray.config import resolve_run
 from minimind_ray.console import set_verbose
 from minimind_ray.generate import generate_text
 from minimind_ray.model.sampling import SamplingParams
@@ -36,13 +36,13 @@ def main(argv=None) -> int:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     t0 = time.time()
 
-    pre_cfg = load_config("pipelines/configs/demo_pretrain.yaml", [f"name=demo-pretrain-{stamp}", *extra])
-    pre = run(pre_cfg)
+    pre = run(resolve_run("pipelines/configs/demo_pretrain.yaml", [f"name=demo-pretrain-{stamp}", *extra]))
     print_run_summary(pre)
 
-    sft_cfg = load_config("pipelines/configs/demo_sft.yaml",
+    sft_run = resolve_run("pipelines/configs/demo_sft.yaml",
                           [f"name=demo-sft-{stamp}", f"train.init_from={pre.checkpoint_dir}", *extra])
-    sft = run(sft_cfg)
+    sft_cfg = sft_run.cfg
+    sft = run(sft_run)
     print_run_summary(sft)
 
     model, lw = build_inference_model(sft.checkpoint_dir)

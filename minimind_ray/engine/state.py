@@ -27,7 +27,7 @@ from minimind_ray.engine.parallel import (checkpoint_blocks, load_sharded_state,
 from minimind_ray.engine.step import autocast_for, bf16_compute, lr_lambda
 from minimind_ray.failures import reading
 from minimind_ray.model.minimind import build_model
-from minimind_ray.stages import build_objective
+from minimind_ray.stages import get_stage
 from minimind_ray.stages.objective import Objective
 
 
@@ -108,12 +108,20 @@ class TrainState:
     rng: RNGState = field(default_factory=RNGState)
     parts: Dict[str, TrainedPart] = field(default_factory=dict)  # models trained beside the policy (PPO's critic)
     sharded: bool = False  # FSDP: weights, gradients and AdamW sharded over the ranks; checkpoints sharded (DCP)
+    stage: Any = None  # the run's stage record (stages/stage.py:Stage), set by build
+
+    def adapters(self) -> Optional[Dict[str, Any]]:
+        """The LoRA adapters the run's stage puts on the model (its record's ``adapters``), as a checkpoint records
+        them; None: none."""
+        lora = self.stage.adapters(self.cfg)
+        return dataclasses.asdict(lora) if lora is not None else None
 
     @classmethod
     def build(cls, cfg, prepared_dir: str, rank: int = 0, world: int = 1,
-              device: Optional[torch.device] = None) -> "TrainState":
+              device: Optional[torch.device] = None, stage=None) -> "TrainState":
         """A fresh state at step 0. The order matters for exact restarts: the model init is seeded
-        on its own; dropout and sampling then draw from ``seed + rank``."""
+        on its own; dropout and sampling then draw from ``seed + rank``. ``stage``: the run's stage record as the
+        driver resolved it (a worker's WorkerSpec.stage); None: the one ``cfg.train.stage`` names."""
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         from minimind_ray.data.stream import PreparedDataset, TrainStream  # lazy: numpy, pyarrow, only when this runs
@@ -125,7 +133,8 @@ class TrainState:
         model = build_model(cfg.model, seed=t.seed)  # the same init on every rank (build_model forks the RNG)
         torch.manual_seed(t.seed + rank)  # dropout and sampling differ per rank
         random.seed(t.seed + rank)
-        objective = build_objective(cfg)
+        stage = stage if stage is not None else get_stage(cfg.train.stage)
+        objective = stage.objective(cfg)
         if t.init_from:  # also on restore: DPO's reference is a copy of the *initial* weights
             with reading(f"train.init_from={t.init_from}"):
                 load_model_weights(model, t.init_from, strict=True)
@@ -165,7 +174,7 @@ class TrainState:
         return cls(cfg=cfg, rank=rank, world=world, device=device, model=model, ddp_model=ddp_model,
                    forward_model=forward_model, objective=objective, params=params, optimizer=optimizer,
                    scheduler=scheduler, dataset=dataset, stream=stream, total_steps=total_steps,
-                   autocast=autocast, comm=comm, parts=parts, sharded=sharded)
+                   autocast=autocast, comm=comm, parts=parts, sharded=sharded, stage=stage)
 
     # ---- Stateful
 
@@ -225,7 +234,7 @@ class TrainState:
                                   data_state=self.stream.state_dict(), world_size=self.world,
                                   mlflow_run_id=mlflow_run_id, stage=self.cfg.train.stage,
                                   total_steps=self.total_steps, config=dataclasses.asdict(self.cfg), prepared_dir=prepared_dir,
-                                  reported=dict(reported or {}))
+                                  reported=dict(reported or {}), adapters=self.adapters())
             train_state = {"scheduler": self.scheduler.state_dict(), "objective": self.objective.state_dict()}
             if not self.sharded:  # under FSDP AdamW's moments are in the shards
                 train_state = {"optimizer": self.optimizer.state_dict(), **train_state}

@@ -7,9 +7,10 @@ pipeline's word, "stage" the training one's.
     for each step, in order:
         finished before (recorded in <storage>/<name>/pipeline.json with the same settings)  -> skipped
         prepare             the Ray Data job of its recipe's data; a child run with the manifest and its hash
-        pretrain/sft/...    raytrain/driver.py:run(recipe + overrides, name=<pipeline>-<step>, resume=auto,
-                            train.init_from = the previous training step's last checkpoint): a child run, tagged
-                            with its data's manifest hash and the run it started from
+        pretrain/sft/...    raytrain/driver.py:run(the step's run resolved once, config.py:resolve_run: recipe +
+                            overrides, name=<pipeline>-<step>, resume=auto, train.init_from = the previous training
+                            step's last checkpoint): a child run, tagged with its data's manifest hash and the run it
+                            started from
         eval                evals/run.py:evaluate_task on a step's checkpoint: a child run with eval/<task>/*, the
                             scores also logged on the evaluated run
         register            the step's model in the MLflow registry, the version tagged with its lineage
@@ -25,10 +26,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from minimind_ray.config import ConfigError, RunConfig, load_config, refuse_other_stages_field
+from minimind_ray.config import ConfigError, RunConfig, RunSpec, load_config, refuse_other_stages_field, resolve
 from minimind_ray.fsio import filesystem, is_uri, join, redact, write_text_atomic
 from minimind_ray.pipeline.config import PipelineConfig, StepConfig, is_training, kind_of, step_digest
-from minimind_ray.preflight import adopt_architecture
 from minimind_ray.raytrain.driver import run
 from minimind_ray.raytrain.resume import RunFinished, storage_root
 from minimind_ray.raytrain.session import connect_ray
@@ -61,12 +61,14 @@ class _Context:
         self.parent: Optional[str] = None
         self.results: Dict[str, Dict[str, Any]] = {}
         self.last_trained: Optional[str] = None
+        self.resolved: Dict[str, RunSpec] = {}  # a training step's run, resolved when the step before it ended
 
-    def recipe(self, step: StepConfig, extra: List[str], stage: Optional[str] = None) -> RunConfig:
+    def recipe(self, step: StepConfig, extra: List[str], stage: Optional[str] = None, check: bool = True) -> RunConfig:
         """The step's recipe with the pipeline's overrides, the pipeline's experiment, then the step's own; ``stage``:
-        a training step's."""
+        a training step's; ``check=False``: composed, for config.py:resolve to validate."""
         exp = [f"tracking.experiment={self.experiment}"]
-        return load_config(step.recipe, [*self.pipe.overrides, *exp, *extra, *step.overrides, *self.cli], stage=stage)
+        return load_config(step.recipe, [*self.pipe.overrides, *exp, *extra, *step.overrides, *self.cli], check=check,
+                           stage=stage)
 
     def model(self, step: StepConfig) -> Dict[str, Any]:
         return self.results[self.last_trained if step.model == "previous" else step.model]
@@ -170,9 +172,9 @@ def _run_step(ctx: _Context, step: StepConfig) -> Dict[str, Any]:
     return {"prepare": _prepare, "eval": _eval, "register": _register, "serve": _serve}[kind](ctx, step)
 
 
-def _train_config(ctx: _Context, step: StepConfig):
-    """(the training step's RunConfig, the weights it starts from): its recipe, named for the pipeline, from the
-    step its init_from names (``previous``: the last training step's result)."""
+def _train_run(ctx: _Context, step: StepConfig):
+    """(the training step's run, resolved once: config.py:resolve; the weights it starts from): its recipe, named for
+    the pipeline, from the step its init_from names (``previous``: the last training step's result)."""
     extra = [f"name={ctx.pipe.name}-{step.name}", "resume=auto"]
     source = None
     if step.init_from == "previous":
@@ -181,19 +183,21 @@ def _train_config(ctx: _Context, step: StepConfig):
         source = ctx.results[step.init_from]["checkpoint_dir"] if step.init_from in ctx.results else step.init_from
     if source:
         extra.append(f"train.init_from={source}")
-    return ctx.recipe(step, extra, stage=kind_of(step)), source
+    if step.name not in ctx.resolved:
+        ctx.resolved[step.name] = resolve(ctx.recipe(step, extra, stage=kind_of(step), check=False))
+    return ctx.resolved[step.name], source
 
 
 def check_the_next_training_step(ctx: _Context, done: StepConfig) -> None:
-    """When a training step ends, the next training step that starts from it is checked against its weights
-    (preflight.py: the architecture its recipe asks for), before the steps between them run."""
+    """When a training step ends, the next training step that starts from it is resolved (config.py:resolve: the
+    architecture its recipe asks for checked against its weights), before the steps between them run; it runs as
+    resolved here."""
     later = ctx.pipe.steps[ctx.pipe.steps.index(done) + 1:]
     nxt = next((s for s in later if is_training(s)), None)
     if nxt is None or nxt.init_from not in ("previous", done.name):
         return
-    cfg, _ = _train_config(ctx, nxt)
     try:
-        adopt_architecture(cfg)
+        _train_run(ctx, nxt)
     except ConfigError as e:
         raise ConfigError(f"step {nxt.name} (starts from step {done.name}): {e}") from None
 
@@ -201,9 +205,10 @@ def check_the_next_training_step(ctx: _Context, done: StepConfig) -> None:
 def _train(ctx: _Context, step: StepConfig) -> Dict[str, Any]:
     from minimind_ray.store.checkpoint import newest_complete  # lazy: torch, only when this runs
 
-    cfg, source = _train_config(ctx, step)
+    spec, source = _train_run(ctx, step)
+    cfg = spec.cfg
     try:
-        res = run(cfg, tags=ctx.tags(step))
+        res = run(spec, tags=ctx.tags(step))
     except RunFinished:  # trained to its end before, but killed before the pipeline wrote that down
 
         run_dir = join(storage_root(cfg), cfg.name)

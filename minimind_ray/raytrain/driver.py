@@ -1,8 +1,9 @@
 """Driver side of a training run: one run end to end, as a list of steps (docs/architecture.md, "The path of one
-run"). ``run(cfg)`` is what every pipeline, sweep and CLI verb calls::
+run"). ``run(spec)`` is what every pipeline, sweep and CLI verb calls, with the run resolved once
+(config.py:resolve_run); it reads the resolved run and never rebuilds or validates it again::
 
-    check_before_ray   what config and files decide (preflight.py): the architecture of train.init_from, the
-                       tokenizer, what a local Ray can hold, a look at the data; a mistake is said before Ray starts
+    check_before_ray   what the run's files decide (preflight.py): the stage's other weights, the tokenizer, what a
+                       local Ray can hold, a look at the data; a mistake is said before Ray starts
     decide_run         a new run, a resumed one, one trained further, or one already finished (resume.py)
     hold_lease         one writer per run: the run's lease, or a refusal naming its holder (store/lease.py)
     set_aside_refused_checkpoints   a checkpoint that no longer verifies, out of Ray's count (store/retention.py)
@@ -21,10 +22,10 @@ import json
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple, Union
 
 from minimind_ray.cluster_config import worker_threads
-from minimind_ray.config import RunConfig
+from minimind_ray.config import RunConfig, RunSpec, resolve
 from minimind_ray.fsio import filesystem, is_uri, join, redact
 from minimind_ray.preflight import check_before_ray
 from minimind_ray.raytrain.failed import explain as explain_failure
@@ -42,7 +43,7 @@ from minimind_ray.raytrain.session import (connect_ray, gpus_and_backend, in_ray
 from minimind_ray.raytrain.spec import WorkerSpec
 from minimind_ray.raytrain.validation import validation_config
 from minimind_ray.rl.constraints import with_absolute_schema
-from minimind_ray.stages import get_stage
+from minimind_ray.stages import Stage
 from minimind_ray.store.lease import hold as hold_lease
 from minimind_ray.tracking.artifacts import log_final_artifacts
 from minimind_ray.tracking.runs import finish_run, resolve_tracking_uri, start_run
@@ -60,47 +61,49 @@ class RunResult:
     latest: Optional[str] = None  # <storage>/<stage>-latest, linked to this run (store/checkpoint.py:mark_latest)
 
 
-def run(cfg: RunConfig, *, tags: Optional[Dict[str, str]] = None, callbacks=(), report_every_eval: bool = False
-        ) -> RunResult:
+def run(run_spec: Union[RunSpec, RunConfig], *, tags: Optional[Dict[str, str]] = None, callbacks=(),
+        report_every_eval: bool = False) -> RunResult:
     """Train one stage end to end; resumes when a run of this name exists in storage.
-    ``cfg`` is not modified: what the driver decides goes into the run's own copy (WorkerSpec.cfg).
-    A sweep or pipeline passes its MLflow ``tags`` (the parent run), Ray Train ``callbacks`` (Tune's report) and
-    ``report_every_eval`` (each eval step's score reported, for ASHA); every run is tagged with its lineage."""
-    checked = check_before_ray(cfg, local_ray=starts_own_ray(cfg))
-    cfg = checked.cfg  # the user's, with train.init_from's architecture when they gave none
-    storage = storage_root(cfg)
-    name, plan = decide_run(cfg, storage)  # a finished run, or a choice for the user, is said before Ray starts too
+    ``run_spec``: the run resolved once (config.py:resolve_run), read and never rebuilt; a RunConfig (a library
+    caller's own) is resolved here, once. Nothing of it is modified: what the driver decides goes into its own copy
+    (WorkerSpec.cfg). A sweep or pipeline passes its MLflow ``tags`` (the parent run), Ray Train ``callbacks`` (Tune's
+    report) and ``report_every_eval`` (each eval step's score reported, for ASHA); every run is tagged with its
+    lineage."""
+    run = run_spec if isinstance(run_spec, RunSpec) else resolve(run_spec)
+    checked = check_before_ray(run, local_ray=starts_own_ray(run.cfg))
+    storage = storage_root(run.cfg)
+    name, plan = decide_run(run.cfg, storage)  # a finished run, or a choice for the user, is said before Ray starts
     run_dir = f"{storage.rstrip('/')}/{name}"
     lease = hold_lease(run_dir)  # one writer per run: a second command on it is refused here, before Ray
     try:
-        for line in (plan, *checked.lines, *lease.lines):
+        for line in (plan, *run.lines, *checked.lines, *lease.lines):
             print(redact(f"[minimind-ray] {line}"), flush=True)
-        return train_held_run(cfg, checked, name, run_dir, storage, tags, callbacks, report_every_eval)
+        return train_held_run(run, checked, name, run_dir, storage, tags, callbacks, report_every_eval)
     finally:
         lease.release()
 
 
-def train_held_run(cfg: RunConfig, checked, name: str, run_dir: str, storage: str, tags, callbacks,
+def train_held_run(run: RunSpec, checked, name: str, run_dir: str, storage: str, tags, callbacks,
                    report_every_eval: bool) -> RunResult:
-    """:func:`run`'s steps once this process holds the run's lease (store/lease.py)."""
+    """:func:`run`'s steps once this process holds the run's lease (store/lease.py). From :func:`connect` on, the
+    run's own copy of the config (``cfg``: its name, GPUs or not, absolute weights paths) is the only one read."""
     set_aside_refused_checkpoints(run_dir)
-    run_cfg, use_gpu, backend = connect(cfg, name)
+    cfg, use_gpu, backend = connect(run, name)
     prepared_dir = prepare_data(cfg, checked.tokenizer)
-    uri, run_id = open_tracking(run_cfg, run_dir, prepared_dir, {
+    uri, run_id = open_tracking(cfg, run_dir, prepared_dir, {
         "world_size": str(cfg.cluster.num_workers), "device_type": "cuda" if use_gpu else "cpu", "backend": backend,
-        **lineage_tags(run_cfg, prepared_dir), **(tags or {})})
+        **lineage_tags(cfg, run.stage, prepared_dir), **(tags or {})})
     progress_run = uuid.uuid4().hex  # this run's key in the process's ProgressSink
     sink = progress_sink(progress_run)
     wiring = fault_wiring(cfg, run_dir, backend, sink, progress_run)
-    spec = WorkerSpec(cfg=run_cfg, run_dir=run_dir, prepared_dir=prepared_dir, use_gpu=use_gpu, tracking_uri=uri,
-                      mlflow_run_id=run_id, progress_sink=sink, progress_run=progress_run,
-                      report_every_eval=report_every_eval, launch_fault=wiring.launch)
-    make_trainer = build_trainer(spec, wiring, storage, [*wiring.callbacks, *callbacks])
+    spec = WorkerSpec(cfg=cfg, stage=run.stage, storage=storage, run_dir=run_dir, prepared_dir=prepared_dir,
+                      use_gpu=use_gpu, tracking_uri=uri, mlflow_run_id=run_id, progress_sink=sink,
+                      progress_run=progress_run, report_every_eval=report_every_eval, launch_fault=wiring.launch)
+    make_trainer = build_trainer(spec, wiring, [*wiring.callbacks, *callbacks])
     end_mlflow_run = functools.partial(finish_run, uri, run_id, timeout_s=cfg.tracking.timeout_s) if run_id else None
-    stage = get_stage(cfg.train.stage)  # the console shows its headline metrics
     stop = StopRequest()  # Ctrl-C / SIGTERM while it trains: a clean stop (raytrain/interrupt.py)
-    result = fit(spec, make_trainer, ProgressPrinter(sink, progress_run, name, stage.headline, stage.rl,
-                                                     operator_stop=stop), end_mlflow_run, stop)
+    printer = ProgressPrinter(sink, progress_run, name, spec.stage.headline, spec.stage.rl, operator_stop=stop)
+    result = fit(spec, make_trainer, printer, end_mlflow_run, stop)
     if stop.asked:
         end_on_stop(spec, result, stop, end_mlflow_run)
     return finish(spec, result, checked.tokenizer, end_mlflow_run)
@@ -136,16 +139,17 @@ def set_aside_refused_checkpoints(run_dir: str) -> None:
         print(redact(f"[minimind-ray] {line}"), flush=True)
 
 
-def connect(cfg: RunConfig, name: str) -> Tuple[RunConfig, bool, str]:
+def connect(run: RunSpec, name: str) -> Tuple[RunConfig, bool, str]:
     """Connect to Ray; (the run's own config: its name, GPUs or not, weight paths made absolute; GPUs or not; the
     torch.distributed backend), once the worker group and what runs beside it are known to fit."""
-    connect_ray(cfg)
+    cfg = run.cfg
+    connect_ray(cfg, stage=run.stage)
     if in_ray_job():
         warn_relative_paths(cfg)
     use_gpu, backend = gpus_and_backend(cfg)
     run_cfg = dataclasses.replace(cfg, name=name, cluster=dataclasses.replace(cfg.cluster, use_gpu=use_gpu),
-                                  train=absolute_weight_paths(cfg.train))
-    check_resources(run_cfg, use_gpu)  # before any data work: a request that cannot fit fails in seconds
+                                  train=absolute_weight_paths(cfg.train, run.stage))
+    check_resources(run_cfg, run.stage, use_gpu)  # before any data work: a request that cannot fit fails in seconds
     warn_if_short(run_cfg, use_gpu)  # one worker's peak memory by the estimate, against what a worker has
     return run_cfg, use_gpu, backend
 
@@ -176,7 +180,7 @@ def open_tracking(run_cfg: RunConfig, run_dir: str, prepared_dir: str, tags: Dic
         return uri, None
 
 
-def build_trainer(spec: WorkerSpec, wiring, storage: str, callbacks: list):
+def build_trainer(spec: WorkerSpec, wiring, callbacks: list):
     """``make_trainer(failures_left)``: a LeanTorchTrainer of this run (restarts.fit makes one per attempt)."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig as RayRunConfig, ScalingConfig
     from ray.train.v2.api.config import LoggingConfig
@@ -184,9 +188,9 @@ def build_trainer(spec: WorkerSpec, wiring, storage: str, callbacks: list):
     from minimind_ray.raytrain.trainer import LeanTorchTrainer  # lazy: ray.train
     from minimind_ray.raytrain.worker import train_loop_per_worker  # lazy: torch, only when this runs
 
-    cfg, run_cfg = spec.cfg, spec.cfg
+    cfg = spec.cfg
     threads = worker_threads(cfg)
-    plugin_modules = shipped_modules(cfg)  # the user's own modules: the workers' and the validation task's
+    plugin_modules = shipped_modules(cfg, spec.stage)  # the user's own modules: the workers' and the validation task's
     cl = cfg.cluster
     num_workers = (cl.min_workers, cl.num_workers) if cl.min_workers else cl.num_workers
     validation = validation_config(cfg.eval, run_dir=spec.run_dir,
@@ -201,10 +205,10 @@ def build_trainer(spec: WorkerSpec, wiring, storage: str, callbacks: list):
         validation_config=validation,
         torch_config=wiring.torch_config,
         scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=spec.use_gpu,
-                                     resources_per_worker=worker_resources(run_cfg, spec.use_gpu),
+                                     resources_per_worker=worker_resources(cfg, spec.use_gpu),
                                      **({"elastic_resize_monitor_interval_s": 10.0} if cl.min_workers else {})),
         run_config=RayRunConfig(
-            name=cfg.name, storage_path=storage,
+            name=cfg.name, storage_path=spec.storage,
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.num_to_keep,
                                                checkpoint_score_attribute=cfg.checkpoint.score_metric,
                                                checkpoint_score_order=cfg.checkpoint.score_order),
@@ -265,7 +269,7 @@ def finish(spec: WorkerSpec, result, tokenizer, end_mlflow_run) -> RunResult:
     if end_mlflow_run:
         end_mlflow_run("FINISHED")
     if out.checkpoint_dir:  # the next stage starts from <storage>/<stage>-latest
-        out.latest = mark_latest(spec.run_dir, spec.cfg.train.stage)
+        out.latest = mark_latest(spec.run_dir, spec.stage.name)
     summary = out.metrics.get("tracking_summary")
     if summary:
         s = json.loads(summary) if isinstance(summary, str) else summary
@@ -274,13 +278,14 @@ def finish(spec: WorkerSpec, result, tokenizer, end_mlflow_run) -> RunResult:
     return out
 
 
-def absolute_weight_paths(t):
-    """The TrainConfig with every local weights path made absolute (init_from, and each of the stage's parents: a
-    reference, a teacher), and an RL section's json_schema file: the workers run in another directory."""
+def absolute_weight_paths(t, stage: Stage):
+    """The TrainConfig ``t`` with every local weights path made absolute (init_from, and each of the parents of
+    ``stage``, its record: a reference, a teacher), and an RL section's json_schema file: the workers run in another
+    directory."""
     def absolute(p):
         return p if p is None or is_uri(p) else str(Path(p).expanduser().resolve())
 
-    t = get_stage(t.stage).with_parents(dataclasses.replace(t, init_from=absolute(t.init_from)), absolute)
+    t = stage.with_parents(dataclasses.replace(t, init_from=absolute(t.init_from)), absolute)
     return with_absolute_schema(t, absolute)
 
 
@@ -328,7 +333,7 @@ def export_and_log(spec: WorkerSpec, result, tokenizer) -> RunResult:
                 spec.tracking_uri, run_id, pth_path=out.exports.get("pth"),
                 safetensors_path=out.exports.get("safetensors"), tokenizer_dir=tokenizer.path,
                 manifest_path=None if is_uri(spec.prepared_dir) else str(Path(spec.prepared_dir) / "manifest.json"),
-                registered_model=cfg.tracking.registered_model or f"minimind-{cfg.train.stage}", extra=extra)
+                registered_model=cfg.tracking.registered_model or f"minimind-{spec.stage.name}", extra=extra)
             out.metrics["model_version"] = final.get("model_version")
             if final.get("errors"):
                 print(redact(f"[{name}] tracking: not everything was logged: {final['errors']}"), flush=True)

@@ -9,7 +9,7 @@ from typing import Dict, Optional
 
 from minimind_ray.data.manifest import DataError, skipped_records
 from minimind_ray.fsio import filesystem, is_uri, join, redact
-from minimind_ray.stages import get_stage
+from minimind_ray.stages import Stage
 
 TAG_MANIFEST = "minimind.data.manifest_sha256"
 TAG_DATA = "minimind.data.prepared_dir"
@@ -58,11 +58,12 @@ def skipped(prepared_dir: str) -> Optional[str]:
         return None
 
 
-def lineage_tags(cfg, prepared_dir: str) -> Dict[str, str]:
-    """The tags of one training run: its data and what its weights came from (only what is known)."""
+def lineage_tags(cfg, stage: Stage, prepared_dir: str) -> Dict[str, str]:
+    """The tags of one training run (``stage``: its record): its data and what its weights came from (only what is
+    known)."""
     t = cfg.train
     tags = {TAG_DATA: redact(prepared_dir), TAG_MANIFEST: manifest_sha256(prepared_dir), TAG_SKIPPED: skipped(prepared_dir),
             TAG_INIT_FROM: redact(t.init_from) if t.init_from else None, TAG_INIT_FROM_RUN: source_run_id(t.init_from)}
-    for parent, weights in get_stage(t.stage).parents(cfg).items():  # the teacher, a reference given by path
+    for parent, weights in stage.parents(cfg).items():  # the teacher, a reference given by path
         tags[f"minimind.{t.stage}.{parent}.run_id"] = source_run_id(weights)
     return {k: v for k, v in tags.items() if v}

@@ -7,7 +7,7 @@ from typing import Dict
 
 from minimind_ray.config import ConfigError, RunConfig
 from minimind_ray.raytrain.runtime_env import beside_workers
-from minimind_ray.stages import get_stage
+from minimind_ray.stages import Stage
 
 
 class ClusterTooSmall(ConfigError):
@@ -23,18 +23,19 @@ def worker_resources(cfg: RunConfig, use_gpu: bool) -> Dict[str, float]:
     return res
 
 
-def check_resources(cfg: RunConfig, use_gpu: bool) -> None:
+def check_resources(cfg: RunConfig, stage: Stage, use_gpu: bool) -> None:
     """Wait up to cluster.resource_timeout_s for the worker group and what runs beside it (the evaluation task, an RL
     stage's rollout actors) to fit, then fail with what is missing.
 
     Ray Train V2 would otherwise wait for resources forever, and a rollout actor Ray cannot place waits forever
-    too; this turns a request the cluster cannot hold (4 GPU workers on a CPU cluster) into an error in seconds."""
+    too; this turns a request the cluster cannot hold (4 GPU workers on a CPU cluster) into an error in seconds.
+    ``stage``: the run's record (what it places beside the workers)."""
     import ray
 
     need_workers = cfg.cluster.min_workers or cfg.cluster.num_workers
     per = worker_resources(cfg, use_gpu)
     need = {k: v * need_workers for k, v in per.items()}
-    for k, v in beside_workers(cfg).items():
+    for k, v in beside_workers(cfg, stage).items():
         need[k] = need.get(k, 0.0) + v
     deadline = time.monotonic() + cfg.cluster.resource_timeout_s
     while True:
@@ -46,7 +47,6 @@ def check_resources(cfg: RunConfig, use_gpu: bool) -> None:
             detail = ", ".join(f"{k}: need {n:g}, cluster has {h:g}" for k, (n, h) in short.items())
             waited = f"waited {cfg.cluster.resource_timeout_s:g}s (cluster.resource_timeout_s)"
             workers_fit = all(total.get(k, 0.0) >= v * need_workers for k, v in per.items())
-            stage = get_stage(cfg.train.stage)
             if workers_fit and stage.beside(cfg):  # its record says what it places beside them and what to change
                 field, lacks, change = stage.beside_shortfall(cfg)
                 raise ClusterTooSmall(f"{field}: the cluster holds the {need_workers} worker(s) of {per} but not "

@@ -19,24 +19,24 @@ from typing import Dict, List
 
 from minimind_ray.evals.registry import plugin_names as eval_plugin_names
 from minimind_ray.plugins import module_paths
-from minimind_ray.stages import get_stage
+from minimind_ray.stages import Stage
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-def plugin_names(cfg) -> List[str]:
-    """The ``module:function`` / ``module:Class`` names a run's config holds: its stage's (reward terms, tools) and its
-    evaluation tasks' own kinds (evals/registry.py)."""
-    return get_stage(cfg.train.stage).plugins(cfg) + eval_plugin_names(cfg.eval)
+def plugin_names(cfg, stage: Stage) -> List[str]:
+    """The ``module:function`` / ``module:Class`` names a run's config holds: its stage's (``stage``: its record;
+    reward terms, tools) and its evaluation tasks' own kinds (evals/registry.py)."""
+    return stage.plugins(cfg) + eval_plugin_names(cfg.eval)
 
 
-def user_modules(cfg) -> List[str]:
+def user_modules(cfg, stage: Stage) -> List[str]:
     """Local paths to ship as ``py_modules``: each plug-in's top-level package directory or module file that lies
     outside this project and outside the interpreter's installed packages (plugins.py:module_paths)."""
-    return module_paths(plugin_names(cfg))
+    return module_paths(plugin_names(cfg, stage))
 
 
-def shipped_modules(cfg) -> List[str]:
+def shipped_modules(cfg, stage: Stage) -> List[str]:
     """:func:`user_modules` uploaded to the cluster: the ``gcs://`` URIs of their packages, for the runtime envs of the
     workers and of the validation task. Ray turns local paths into such URIs only for a job's own runtime env (what
     ``ray.init`` is given), not for a task's or an actor's, and a submitted job's driver cannot extend its job's: so
@@ -45,7 +45,7 @@ def shipped_modules(cfg) -> List[str]:
 
     from ray._private.runtime_env.py_modules import upload_py_modules_if_needed
 
-    paths = user_modules(cfg)
+    paths = user_modules(cfg, stage)
     if not paths:
         return []
     with tempfile.TemporaryDirectory(prefix="mmr-plugins-") as scratch:  # where Ray zips them before the upload
@@ -59,15 +59,16 @@ def worker_pythonpath() -> str:
     return os.pathsep.join(dict.fromkeys([str(REPO_ROOT)] + [str(Path(p).resolve()) for p in extra]))
 
 
-def beside_workers(cfg) -> Dict[str, float]:
-    """What a run places beside its workers: the evaluation task of eval.tasks, and its stage's (rollout actors)."""
-    out = {k: v for k, v in get_stage(cfg.train.stage).beside(cfg).items() if v}
+def beside_workers(cfg, stage: Stage) -> Dict[str, float]:
+    """What a run places beside its workers: the evaluation task of eval.tasks, and its stage's (``stage``: its record;
+    rollout actors)."""
+    out = {k: v for k, v in stage.beside(cfg).items() if v}
     if cfg.eval.tasks:
         for k, v in (("CPU", cfg.eval.num_cpus), ("GPU", cfg.eval.num_gpus)):
             out[k] = out.get(k, 0.0) + v
     return {k: v for k, v in out.items() if v}
 
 
-def side_cpus(cfg) -> float:
+def side_cpus(cfg, stage: Stage) -> float:
     """CPUs a run reserves beside its workers (beside_workers)."""
-    return beside_workers(cfg).get("CPU", 0.0)
+    return beside_workers(cfg, stage).get("CPU", 0.0)

@@ -16,6 +16,7 @@ from minimind_ray.console import after_ray_start, ray_init_options, verbose
 from minimind_ray.fsio import is_uri
 from minimind_ray.raytrain.preemption import check_interval
 from minimind_ray.raytrain.runtime_env import side_cpus, worker_pythonpath
+from minimind_ray.stages import Stage, get_stage
 
 
 def in_ray_job() -> bool:
@@ -34,10 +35,12 @@ def warn_relative_paths(cfg: RunConfig) -> None:
               f"({os.getcwd()}); pass absolute paths or URIs to keep the results", flush=True)
 
 
-def connect_ray(cfg: RunConfig, dashboard: bool = True, num_cpus: Optional[int] = None):
+def connect_ray(cfg: RunConfig, dashboard: bool = True, num_cpus: Optional[int] = None,
+                stage: Optional[Stage] = None):
     """Join cluster.address / RAY_ADDRESS, or start a local Ray sized for this run (with its dashboard
     unless ``dashboard=False``: ``prepare`` needs none, and it starts in half the time), or with ``num_cpus``
-    logical CPUs if more (a sweep's trials at once)."""
+    logical CPUs if more (a sweep's trials at once). ``stage``: a resolved run's record (the driver's); a config
+    that is not a run's (prepare's, a sweep's base) is sized by its train.stage's."""
     import ray
 
     if ray.is_initialized():
@@ -54,7 +57,8 @@ def connect_ray(cfg: RunConfig, dashboard: bool = True, num_cpus: Optional[int] 
     else:
         # Logical CPUs: the workers plus room for Ray Data (it starves when workers take every CPU).
         # (and what runs beside the workers: the evaluation task of eval.tasks, GRPO's rollout actors)
-        need = math.ceil(cfg.cluster.num_workers * cfg.cluster.cpus_per_worker + side_cpus(cfg)) + 1
+        beside = side_cpus(cfg, stage or get_stage(cfg.train.stage))
+        need = math.ceil(cfg.cluster.num_workers * cfg.cluster.cpus_per_worker + beside) + 1
         # The dashboard (127.0.0.1 only) also serves the state API that Ray Train's placement-group
         # cleaner polls; without it the cleaner logs a warning every few seconds. Its port is chosen here and
         # given to every actor (RAY_API_SERVER_ADDRESS): with other Rays on the machine the cleaner would

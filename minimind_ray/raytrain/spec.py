@@ -5,16 +5,20 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from minimind_ray.config import RunConfig
+from minimind_ray.stages import Stage
 
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    """Everything a worker needs, resolved once by the driver; the user's config is never edited.
+    """Everything a worker needs, built once by the driver from the run resolved once (config.py:RunSpec) and what
+    the driver decided; the user's config is never edited.
 
-    ``cfg`` is the driver's own copy with what the driver decided filled in (the run name, whether
-    workers use GPUs), so a checkpoint's ``meta.json`` and the MLflow params say what really ran."""
+    ``cfg`` is the driver's own copy with what the driver decided filled in (the run name, whether workers use GPUs,
+    every weights path absolute), so a checkpoint's ``meta.json`` and the MLflow params say what really ran."""
 
     cfg: RunConfig
+    stage: Stage  # the run's stage record, as resolved (it travels as its name: stages/__init__.py)
+    storage: str  # checkpoint.storage_path, absolute (raytrain/resume.py:storage_root)
     run_dir: str  # <storage>/<name>: where this run's checkpoints are (local path or URI)
     prepared_dir: str  # the prepared data to train on
     use_gpu: bool

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from minimind_ray.config import ConfigError, RunConfig, load_config, to_yaml
+from minimind_ray.config import ConfigError, RunConfig, RunSpec, load_config, resolve_run, to_yaml
 from minimind_ray.console import verbose
 from minimind_ray.fsio import filesystem, is_uri, join, redact, write_text_atomic
 from minimind_ray.raytrain import driver
@@ -54,22 +54,25 @@ class SweepResult:
     wall_s: float = 0.0
 
 
-def base_config(sweep: SweepConfig) -> RunConfig:
-    cfg = load_config(sweep.recipe, list(sweep.overrides))
-    check_against_recipe(sweep, cfg)
-    return cfg
+def base_config(sweep: SweepConfig) -> RunSpec:
+    """The sweep's recipe with its overrides, resolved once (config.py:resolve_run): every trial is this run with the
+    trial's values (each trial resolves its own)."""
+    base = resolve_run(sweep.recipe, list(sweep.overrides))
+    check_against_recipe(sweep, base.cfg)
+    return base
 
 
-def trial_resources(sweep: SweepConfig, base: RunConfig) -> Dict[str, float]:
+def trial_resources(sweep: SweepConfig, run: RunSpec) -> Dict[str, float]:
     """What one trial holds at once: its own process (and the side tasks it may own: the evaluation task, GRPO's
     rollout actors) plus its TorchTrainer's workers (at the largest worker count the space can draw)."""
+    base, beside = run.cfg, side_cpus(run.cfg, run.stage)
     def largest(key, default):
         spec = sweep.space.get(key)
         return max(next(iter(spec.values()))) if spec else default
 
     workers = largest("cluster.num_workers", base.cluster.num_workers)
     per_worker = largest("cluster.cpus_per_worker", base.cluster.cpus_per_worker)
-    need = {"trial": sweep.trial_cpus + side_cpus(base), "CPU": sweep.trial_cpus + side_cpus(base) + workers * per_worker}
+    need = {"trial": sweep.trial_cpus + beside, "CPU": sweep.trial_cpus + beside + workers * per_worker}
     if base.cluster.use_gpu:
         need["GPU"] = float(workers)
     return need
@@ -119,13 +122,13 @@ def _trial(params: Dict[str, Any], ctx: Dict[str, Any]) -> None:
 
     trial_id = tune.get_context().get_trial_id()
     name = f"{ctx['sweep']}-{trial_id}"
-    cfg = load_config(ctx["recipe"], [*ctx["overrides"], *trial_overrides(params), f"name={name}", "resume=auto"])
+    run = resolve_run(ctx["recipe"], [*ctx["overrides"], *trial_overrides(params), f"name={name}", "resume=auto"])
     record = join(join(ctx["storage"], name), TRIAL_RECORD)
     key, metric = ctx["metric_key"], ctx["metric"]
     tags = child_tags(ctx["parent_id"], "sweep", **{TAG_SWEEP: ctx["sweep"], TAG_TRIAL: trial_id,
                                                       TAG_PARAMS: json.dumps(params, sort_keys=True, default=str)})
     try:
-        res = driver.run(cfg, tags=tags, callbacks=[_score_report(key)] if key else [], report_every_eval=bool(key))
+        res = driver.run(run, tags=tags, callbacks=[_score_report(key)] if key else [], report_every_eval=bool(key))
     except RunFinished:  # trained to its end by an earlier attempt that Tune did not record: not trained again
         final = _read_json(record)
         if final is None:
@@ -190,12 +193,13 @@ def run_sweep(sweep: SweepConfig, text: str = "") -> SweepResult:
     from minimind_ray.tokenizer import resolve_tokenizer  # lazy: tokenizers, only when this runs
 
     t0 = time.monotonic()
-    base = base_config(sweep)
+    base_run = base_config(sweep)
+    base = base_run.cfg
     storage = storage_root(base)
     _same_sweep(storage, sweep, text)
-    need = trial_resources(sweep, base)
+    need = trial_resources(sweep, base_run)
     # a local Ray started here gets room for max_concurrent_trials trials (logical CPUs, like connect_ray's own sizing)
-    ray = connect_ray(base, num_cpus=math.ceil(need["CPU"] * (sweep.max_concurrent_trials or 1)))
+    ray = connect_ray(base, num_cpus=math.ceil(need["CPU"] * (sweep.max_concurrent_trials or 1)), stage=base_run.stage)
     os.environ["RAY_CHDIR_TO_TRIAL_DIR"] = "0"  # trials keep the driver's cwd (Tune passes this on to them)
     # the data once, here: Ray Data inside a trial would run in the trial's placement group (its few CPUs)
     tok = resolve_tokenizer(base.data.tokenizer, base.data.cache_dir, base.model.generation)

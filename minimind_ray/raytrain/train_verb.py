@@ -1,5 +1,6 @@
 """The training verbs, one per stage of the registry (``minimind-ray pretrain``, ``sft``, ...): a YAML recipe and
-dotted overrides in, one run of :func:`minimind_ray.raytrain.driver.run`, and the summary of where its results are.
+dotted overrides in, resolved once into the run (:func:`minimind_ray.config.resolve_run`, the verb's stage given as a
+value), one run of :func:`minimind_ray.raytrain.driver.run`, and the summary of where its results are.
 
     minimind-ray pretrain --config pipelines/configs/tiny.yaml cluster.num_workers=2 train.max_steps=50
 
@@ -9,7 +10,7 @@ stage's help line.
 from __future__ import annotations
 
 import argparse
-from typing import Optional
+from typing import List, Optional
 
 
 def fields_epilog(stage: Optional[str] = None) -> str:
@@ -24,7 +25,8 @@ def fields_epilog(stage: Optional[str] = None) -> str:
 
 
 def add_config_arguments(sp: argparse.ArgumentParser) -> None:
-    """A recipe and its dotted overrides: the training verbs' and ``prepare``'s (read by :func:`load_run_config`)."""
+    """A recipe and its dotted overrides: the training verbs' and ``prepare``'s (read by :func:`resolve_command`,
+    :func:`load_run_config`)."""
     sp.add_argument("--config", help="YAML recipe (pipelines/configs/*.yaml)")
     sp.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=3e-4")
 
@@ -40,24 +42,34 @@ def add_arguments(sp: argparse.ArgumentParser, stage: Optional[str] = None) -> N
                          "finished one further when train.max_steps grew, and is a no-op otherwise")
 
 
+def command_overrides(args) -> List[str]:
+    """The command line's dotted overrides, with ``--fresh`` as resume=never."""
+    return [*args.overrides, *(["resume=never"] if getattr(args, "fresh", False) else [])]
+
+
 def load_run_config(args, stage: Optional[str] = None):
-    """The run's config from ``--config`` and the overrides; ``stage`` (a training verb's name) sets train.stage
-    and ``--fresh`` resume=never, both before the user's overrides are checked."""
+    """The config of ``--config`` and the overrides, validated (``prepare``'s); ``stage`` (a training verb's name) sets
+    train.stage and ``--fresh`` resume=never, both before the user's overrides are checked."""
     from minimind_ray.config import load_config  # lazy: pyarrow, only when this runs
 
-    overrides = list(args.overrides)
-    if getattr(args, "fresh", False):
-        overrides.append("resume=never")
-    return load_config(args.config, overrides, stage=stage)
+    return load_config(args.config, command_overrides(args), stage=stage)
+
+
+def resolve_command(args):
+    """A training verb's run, resolved once (config.py:resolve_run): the recipe, the verb's stage as a value (never a
+    ``train.stage=`` string), the overrides and ``--fresh``."""
+    from minimind_ray.config import resolve_run  # lazy: pyarrow, only when this runs
+
+    return resolve_run(args.config, command_overrides(args), stage=args.verb)
 
 
 def run(args) -> int:
     from minimind_ray.raytrain.driver import run as run_training  # lazy: pyarrow, torch, Ray, only when this runs
     from minimind_ray.raytrain.resume import RunFinished  # lazy: pyarrow, only when this runs
 
-    cfg = load_run_config(args, args.verb)
+    spec = resolve_command(args)
     try:
-        res = run_training(cfg)
+        res = run_training(spec)
     except RunFinished as done:  # the same command again: a no-op that says where the results are
         print(done.line(), flush=True)
         return 0

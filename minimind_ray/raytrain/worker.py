@@ -25,7 +25,6 @@ from minimind_ray.raytrain.faults import FaultInjector, SampleLog
 from minimind_ray.raytrain.oom import quiet_out_of_memory_tracebacks
 from minimind_ray.raytrain.preemption import PreemptionCheck
 from minimind_ray.raytrain.spec import WorkerSpec
-from minimind_ray.stages import get_stage
 from minimind_ray.store.checkpoint import StoredCheckpoint, choose_restore, newest_complete, open_checkpoint
 from minimind_ray.store.config import validation_due
 from minimind_ray.tracking.logger import RunLogger
@@ -114,7 +113,7 @@ class RayHooks(Hooks):
         if self.spec.progress_sink is not None:  # fire-and-forget: the driver's console view
             self.spec.progress_sink.push.remote(self.spec.progress_run, {**metrics, "checkpoint": is_checkpoint})
         if self.logger is not None:  # grouped names (tracking/names.py): train/, eval/, rl/, perf/, sys/
-            group = get_stage(self.spec.cfg.train.stage).metric_group
+            group = self.spec.stage.metric_group
             for s, loss in per_step_loss:
                 self.logger.log_metrics({metric_name("loss", group): loss}, step=s)
             self.logger.log_metrics({metric_name(k, group): v for k, v in metrics.items() if k not in ("loss", "step")},
@@ -271,7 +270,7 @@ def remove_staging(run_dir: Optional[str] = None) -> None:
 
 
 def _train(spec: WorkerSpec, rank: int, world: int, device: torch.device, faults: FaultInjector) -> None:
-    state = TrainState.build(spec.cfg, spec.prepared_dir, rank, world, device)
+    state = TrainState.build(spec.cfg, spec.prepared_dir, rank, world, device, stage=spec.stage)
     run_id = spec.mlflow_run_id
     stored, registered = restore_point(spec, rank, world)
     meta = None

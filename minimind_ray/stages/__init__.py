@@ -10,6 +10,7 @@ Nothing outside this room compares stage names: it asks the record. Adding a sta
 """
 from __future__ import annotations
 
+import copyreg
 import dataclasses
 import importlib
 from typing import Dict, Optional, Tuple
@@ -51,6 +52,11 @@ def get_stage(name: str) -> Stage:
     if name not in STAGES:
         raise KeyError(f"unknown stage {name!r}; one of {STAGE_NAMES}")
     return STAGES[name]
+
+
+# a record pickles as its name and unpickles as the registry's record (Ray ships a run's record to every worker in its
+# WorkerSpec): one record per stage in every process, and no stage's callables pickled by value
+copyreg.pickle(Stage, lambda stage: (get_stage, (stage.name,)))
 
 
 def build_objective(cfg):

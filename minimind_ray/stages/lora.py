@@ -27,11 +27,15 @@ def adapter_parameters(cfg, policy) -> int:
     return policy.num_hidden_layers * sum(r * (shapes[n][0] + shapes[n][1]) for n in chosen)
 
 
+def adapters(cfg) -> LoRAConfig:
+    return cfg.train.lora
+
+
 def memory(cfg, policy, count) -> MemoryTerms:
     return MemoryTerms(trained_params=adapter_parameters(cfg, policy))
 
 
 STAGE = Stage("lora", "LoRA adapters on a frozen base", formats=("sft", "pretrain"), objective=objective,
-              export_prefix="full_sft", section=LoRAConfig, memory=memory, cross_entropy=True,
+              export_prefix="full_sft", section=LoRAConfig, memory=memory, adapters=adapters, cross_entropy=True,
               fsdp_refusal="its adapters are a few MB that DDP already holds on every worker; a sharded frozen "
                            "base with adapters is not built")

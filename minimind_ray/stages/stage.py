@@ -46,6 +46,10 @@ def no_old_keys(cfg) -> List[str]:
     return []
 
 
+def no_adapters(cfg) -> None:
+    return None
+
+
 @dataclass(frozen=True)
 class Section:
     """A ``train.<name>`` section that several stages read (the RL stages' ``train.rollout``), as their records name
@@ -94,6 +98,9 @@ class Stage:
     # the cluster holds the workers but not what this stage places beside them (``beside``): (the field to name, what
     # the cluster lacks, the sentence saying what to change), for raytrain/resources.py's refusal
     beside_shortfall: Callable[[Any], Tuple[str, str, str]] = no_shortfall
+    # the LoRA adapters it puts on the model (cfg -> a model/config.py LoRAConfig, or None): its checkpoints record
+    # them (meta.json's ``adapters``), so whatever loads their weights attaches the same adapters (store/weights.py)
+    adapters: Callable[[Any], Any] = no_adapters
     metric_group: str = "train"  # its interval metrics' MLflow group: train/<key>, or rl/<key>
     headline: Tuple[str, ...] = ()  # interval metrics the console shows beside the loss
     rl: bool = False  # samples completions from the policy (train.rollout applies)

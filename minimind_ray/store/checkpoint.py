@@ -66,6 +66,7 @@ class CheckpointMeta:
     config: Dict[str, Any]  # the run's config as a plain dict (minimind_ray.config.to_dict)
     prepared_dir: str  # the prepared data it trained on
     mlflow_run_id: Optional[str] = None
+    adapters: Optional[Dict[str, Any]] = None  # the LoRA adapters its stage put on the model (Stage.adapters), or None
     # what the run reported to Ray Train with this checkpoint (step, loss, ...): a group that restores the last step
     # from a checkpoint Ray never registered reports it again (raytrain/worker.py)
     reported: Dict[str, Any] = field(default_factory=dict)
@@ -73,6 +74,8 @@ class CheckpointMeta:
 
     def to_json(self) -> Dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
+        if d["adapters"] is None:  # a run without adapters writes meta.json as before they were recorded
+            del d["adapters"]
         return {**d, **self.extra}
 
     @classmethod

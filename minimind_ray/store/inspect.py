@@ -4,9 +4,9 @@
 checkpoint, an HF export folder, a ``.pth``, a ``.safetensors``; a local path or a URI) without loading the tensors
 where the source records its architecture: a checkpoint's ``meta.json``, an HF ``config.json``, a safetensors
 header (its metadata, or its tensors' shapes). A bare ``.pth`` records nothing: its shapes are read (memory-mapped
-when local) and matched to a preset, as loading it would. The driver asks this before Ray starts
-(``preflight.py``): an ``init_from`` of another architecture, or one with no complete checkpoint, is then refused in a
-second instead of failing every worker.
+when local) and matched to a preset, as loading it would. It is asked before Ray starts (``train.init_from`` when the
+run is resolved, config.py:resolve; a stage's other weights in preflight.py): an ``init_from`` of another architecture,
+or one with no complete checkpoint, is then refused in a second instead of failing every worker.
 """
 from __future__ import annotations
 

@@ -253,13 +253,25 @@ def load_weights(source: str, preset: Optional[str] = None) -> LoadedWeights:
     return lw
 
 
+def recorded_adapters(lw: LoadedWeights) -> Optional[Dict[str, Any]]:
+    """The settings of the LoRA adapters the weights' run put on its model, as its checkpoint recorded them:
+    meta.json's ``adapters`` (what its stage's record said, stages/stage.py:Stage.adapters); in a checkpoint written
+    before meta.json held them, its stage's own section (``train.<stage>``: the one stage that put adapters on a model
+    keeps them there). None: not a checkpoint."""
+    if lw.meta is not None and lw.meta.adapters is not None:
+        return lw.meta.adapters
+    train = (lw.run_config or {}).get("train", {})
+    return train.get(train.get("stage"))
+
+
 def apply_weights(model, lw: LoadedWeights, merge_lora: bool = True):
     """Load ``lw`` into a model built from its config. LoRA adapters in the weights are attached
-    (with the run's LoRA config, or the rank read off the tensors), then folded in unless ``merge_lora`` is False."""
+    (with the settings their run recorded, or the rank read off the tensors), then folded in unless ``merge_lora`` is
+    False."""
     sd = {k: v.float() for k, v in lw.state_dict.items()}
     has_lora = holds_lora(sd)
     if has_lora:
-        recorded = (lw.run_config or {}).get("train", {}).get("lora")  # the adapters' settings, as the run recorded
+        recorded = recorded_adapters(lw)
         lcfg = LoRAConfig(**recorded) if recorded else LoRAConfig(rank=adapter_rank(sd, lw.source or "weights"))
         apply_lora(model, lcfg)
     try:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from minimind_ray.config import load_config
+from minimind_ray.config import load_config, resolve_run
 from minimind_ray.store.checkpoint import MODEL
 
 STEPS, CKPT_EVERY, GLOBAL_BATCH = 12, 4, 16
@@ -59,12 +59,11 @@ def run_tiny(shared, name, *overrides, steps=STEPS, ckpt_every=CKPT_EVERY):
     from minimind_ray.raytrain.driver import run
 
     base = shared["base"]
-    cfg = load_config("pipelines/configs/tiny.yaml", [
+    return run(resolve_run("pipelines/configs/tiny.yaml", [
         f"name={name}", f"train.max_steps={steps}", f"checkpoint.interval={ckpt_every}", "train.log_interval=2",
         f"train.global_batch_size={GLOBAL_BATCH}", "train.micro_batch_size=4", f"data.cache_dir={shared['cache']}",
         f"checkpoint.storage_path={base / 'runs'}", f"tracking.uri={shared['mlflow']}",
-        f"train.sample_log_dir={base / 'samples' / name}", "train.collective_timeout_s=60", *overrides])
-    return run(cfg)
+        f"train.sample_log_dir={base / 'samples' / name}", "train.collective_timeout_s=60", *overrides]))
 
 
 def final_weights(res):

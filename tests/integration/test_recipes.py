@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from minimind_ray.config import from_dict
-from minimind_ray.config import ConfigError, load_config
+from minimind_ray.config import ConfigError, load_config, resolve_run
 from minimind_ray.model.minimind import build_model
 from minimind_ray.model.presets import preset_values
 from minimind_ray.config import ModelConfig
@@ -74,10 +74,10 @@ def _run(workdir: Path, recipe: str, monkeypatch, *extra):
     from minimind_ray.raytrain.driver import run
 
     monkeypatch.chdir(workdir)  # the recipe's relative data/ and out/ paths are the user's
-    cfg = load_config(str(REPO / "pipelines" / "configs" / f"{recipe}.yaml"),
-                      CPU + [f"checkpoint.storage_path={workdir / 'runs'}", f"data.cache_dir={workdir / 'cache'}",
-                             *extra])
-    res = run(cfg)
+    spec = resolve_run(str(REPO / "pipelines" / "configs" / f"{recipe}.yaml"),
+                       CPU + [f"checkpoint.storage_path={workdir / 'runs'}", f"data.cache_dir={workdir / 'cache'}",
+                              *extra])
+    res = run(spec)
     ck = open_checkpoint(res.checkpoint_dir)
     assert ck.step == 2, recipe
     return res, ck

@@ -18,6 +18,7 @@ import torch
 
 from minimind_ray.config import load_config
 from minimind_ray.model.minimind import build_model
+from minimind_ray.store.checkpoint import open_checkpoint
 
 from .helpers import final_weights, loss_history, new_shared_with_base_weights, run_tiny, sample_record
 from .test_training import LOSS_ATOL_ACROSS_WORLD_SIZES, WEIGHT_ATOL_ACROSS_WORLD_SIZES
@@ -61,6 +62,8 @@ def test_lora_changes_only_adapters_on_two_workers(ray_session, shared):
     lora_keys = [k for k in w if ".lora." in k]
     assert lora_keys and all(k.endswith(("lora.A.weight", "lora.B.weight")) for k in lora_keys)
     assert any(w[k].abs().sum() > 0 for k in lora_keys if k.endswith("lora.B.weight")), "adapters did not train"
+    # its checkpoints record the adapters the stage's record says it put on the model (store/weights.py reads them)
+    assert open_checkpoint(res.checkpoint_dir).meta().adapters == {"rank": 4, "alpha": None, "targets": ["square"]}
     # the exported artifact is the LoRA weights alone, in MiniMind's layout
     lora_file = Path(res.exports["lora"])
     exported = torch.load(lora_file, weights_only=True)

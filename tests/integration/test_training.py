@@ -149,20 +149,21 @@ def test_a_request_the_cluster_cannot_hold_fails_fast(ray_session, shared):
 def test_rollout_actors_the_cluster_cannot_place_fail_fast_naming_the_field(ray_session, tmp_path):
     """Workers that fit with rollout actors beside them that do not (the session's Ray has 4 CPUs: 2 workers, 3
     actors of 1 CPU) is an error naming train.rollout.actors, not an actor left pending forever."""
-    from minimind_ray.config import load_config
+    from minimind_ray.config import load_config, resolve_run
     from minimind_ray.model.minimind import build_model
     from minimind_ray.raytrain.resources import ClusterTooSmall, check_resources
     from minimind_ray.store.pth import save_pth
 
     base = tmp_path / "base.pth"
     save_pth(build_model(load_config(None, ["data.train_path=[demo]", "model.preset=tiny"]).model, seed=0), str(base))
-    grpo = lambda *extra: load_config(None, [  # noqa: E731
+    grpo = lambda *extra: resolve_run(None, [  # noqa: E731
         "data.train_path=[demo]", "model.preset=tiny", "train.stage=grpo", "data.format=prompt",
         f"train.init_from={base}", "cluster.num_workers=2", "cluster.resource_timeout_s=0.5", "train.grpo.rollout=actors",
         *extra])
-    check_resources(grpo("train.grpo.rollout_actors=2"), use_gpu=False)  # 2 + 2 CPUs: fits
+    fits, too_many = grpo("train.grpo.rollout_actors=2"), grpo("train.grpo.rollout_actors=3")
+    check_resources(fits.cfg, fits.stage, use_gpu=False)  # 2 + 2 CPUs: fits
     with pytest.raises(ClusterTooSmall, match=r"^train\.rollout\.actors: .* 3 rollout actor\(s\)"):
-        check_resources(grpo("train.grpo.rollout_actors=3"), use_gpu=False)
+        check_resources(too_many.cfg, too_many.stage, use_gpu=False)
 
 
 def test_an_error_that_recurs_the_same_way_ends_the_run_after_two_attempts(ray_session, shared):

@@ -128,3 +128,35 @@ def test_adapted_model_pickles_and_deep_copies():
         assert (ours - base(x).logits).abs().max() > 1e-3  # the adapters move the output
         torch.testing.assert_close(clone.eval()(x).logits, ours, atol=0, rtol=0)
         torch.testing.assert_close(copy.deepcopy(m)(x).logits, ours, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("meta_records_them", [True, False],
+                         ids=["meta.json's adapters", "written before: its section"])
+def test_a_lora_checkpoint_loads_with_the_adapters_its_stage_put_on_the_model(tmp_path, meta_records_them):
+    """A LoRA run's checkpoint loads (export, generate, serve, a next stage's init_from) with the adapters its stage's
+    record says it put on the model (alpha, targets), recorded in meta.json; a checkpoint written before meta.json held
+    them, with its stage's own section. Read off the tensors alone they would be rank 4 on every square projection at
+    scale 1: the v_proj adapters would not load, and alpha 8 would be lost."""
+    import dataclasses
+
+    from minimind_ray.config import RunConfig, to_dict
+    from minimind_ray.engine.state import RNGState
+    from minimind_ray.stages import STAGES
+    from minimind_ray.store import checkpoint as ck
+    from minimind_ray.store.weights import build_inference_model
+
+    lora = LoRAConfig(rank=4, alpha=8.0, targets=["v_proj"])
+    cfg = RunConfig(model=ModelConfig(**preset_values("tiny")))
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, stage="lora", lora=lora))
+    assert STAGES["lora"].adapters(cfg) == lora and STAGES["sft"].adapters(cfg) is None  # the record says so
+    m, _ = lora_model(targets=["v_proj"], alpha=8.0)
+    perturb_adapters(m)
+    d = tmp_path / "run" / "checkpoint_000000"
+    ck.write_rank_files(d, 0, RNGState().state_dict())
+    ck.write_shared_files(d, model_state=m.state_dict(), train_state={}, meta=ck.CheckpointMeta(
+        step=1, epoch=0, data_state={}, world_size=1, stage="lora", total_steps=1, config=to_dict(cfg),
+        prepared_dir="/nowhere", adapters=dataclasses.asdict(lora) if meta_records_them else None))
+    loaded, _ = build_inference_model(str(d))
+    x = torch.randint(0, 6400, (1, 8))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x).logits, merge_lora(copy.deepcopy(m))(x).logits)

@@ -2,9 +2,10 @@
 
 * failures.py: how the Train controller classes one failed attempt from every rank's error (a fault, the user's
   mistake, an error), and the policy that ends a run on a mistake or on an error that recurs;
-* preflight.py: what config and files decide before Ray starts: train.init_from's architecture adopted when the user
-  wrote none and refused, naming both, when one written differs; an init_from with no complete checkpoint; a reference
-  of another architecture; a worker group a local Ray cannot hold; a data file none of whose first records fits.
+* config.py:resolve, the run resolved once: train.init_from's architecture adopted when the user wrote none and
+  refused, naming both, when one written differs; an init_from with no complete checkpoint;
+* preflight.py: what files decide before Ray starts: a reference of another architecture; a worker group a local Ray
+  cannot hold; a data file none of whose first records fits.
 """
 from __future__ import annotations
 
@@ -16,13 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from minimind_ray.config import ConfigError, load_config, run_identity
+from minimind_ray.config import ConfigError, load_config, resolve, resolve_run, run_identity
 from minimind_ray.failures import (ERROR, FAULT, MISTAKE, STEP_ATTR, FailurePolicy, Mistake, RunStopped, classify,
                                    normalise, plugin_call, reading)
 from minimind_ray.model.minimind import build_model
 from minimind_ray.model.presets import preset_values
 from minimind_ray.model.config import ModelConfig
-from minimind_ray.preflight import LOOK_RECORDS, adopt_architecture, check_local_fit, check_parents, look_at_data
+from minimind_ray.preflight import LOOK_RECORDS, check_local_fit, check_parents, look_at_data
 from minimind_ray.store.pth import save_pth
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "checkpoint_v1"
@@ -127,31 +128,33 @@ def test_a_worker_exception_keeps_its_step_when_pickled():
 # --------------------------------------------------------------------------- before Ray: the weights
 
 
-def _cfg(*overrides, tmp_path=None):
+def _cfg(*overrides):
+    """An sft config as the command line composes it, not yet resolved (config.py:resolve validates it)."""
     base = ["data.train_path=[demo]", "train.stage=sft", f"data.tokenizer={FIXTURE / 'tokenizer'}"]
-    return load_config(None, [*base, *overrides])
+    return load_config(None, [*base, *overrides], check=False)
 
 
 def test_init_from_gives_the_architecture_when_no_model_field_is_written_and_the_identity_is_stable():
     ckpt = str(FIXTURE / "checkpoint_step4")
     cfg = _cfg(f"train.init_from={ckpt}")
     assert cfg.model.hidden_size == 512  # the default preset, until the check reads the weights
-    adopted, lines = adopt_architecture(cfg)
-    m = adopted.model
+    adopted = resolve(cfg)
+    m = adopted.cfg.model
     assert (m.hidden_size, m.num_hidden_layers, m.num_attention_heads, m.vocab_size) == (32, 2, 2, 320)
-    assert lines == [f"model: tiny (hidden 32, 2 layers, 2 heads, vocab 320), from train.init_from={ckpt} (a checkpoint "
-                     f"at step 4); no model.* was given, so not the default minimind2-small"]
-    again, _ = adopt_architecture(_cfg(f"train.init_from={ckpt}"))
-    assert run_identity(again) == run_identity(adopted)  # the same command finds the same run
+    assert cfg.model.hidden_size == 512  # the user's config is not modified
+    assert adopted.lines == (f"model: tiny (hidden 32, 2 layers, 2 heads, vocab 320), from train.init_from={ckpt} "
+                             f"(a checkpoint at step 4); no model.* was given, so not the default minimind2-small",)
+    again = resolve(_cfg(f"train.init_from={ckpt}")).cfg
+    assert run_identity(again) == run_identity(adopted.cfg)  # the same command finds the same run
     # a model field that shapes nothing is the user's and stays; the architecture is still the weights'
-    kept, _ = adopt_architecture(_cfg(f"train.init_from={ckpt}", "model.dropout=0.1"))
+    kept = resolve(_cfg(f"train.init_from={ckpt}", "model.dropout=0.1")).cfg
     assert kept.model.dropout == 0.1 and kept.model.hidden_size == 32
 
 
 def test_a_written_architecture_that_differs_from_init_from_is_refused_naming_both(tmp_path):
     ckpt = str(FIXTURE / "checkpoint_step4")
     with pytest.raises(ConfigError) as e:
-        adopt_architecture(_cfg(f"train.init_from={ckpt}", "model.preset=tiny"))
+        resolve(_cfg(f"train.init_from={ckpt}", "model.preset=tiny"))
     msg = str(e.value)
     assert msg.startswith(f"train.init_from: {ckpt} is tiny (hidden 32, 2 layers, 2 heads, vocab 320), a checkpoint "
                           f"at step 4; this run asks tiny (hidden 64, 2 layers, 4 heads, vocab 6400) (hidden_size 64 "
@@ -161,37 +164,37 @@ def test_a_written_architecture_that_differs_from_init_from_is_refused_naming_bo
     pth = tmp_path / "tiny.pth"
     save_pth(build_model(ModelConfig(**preset_values("tiny")), seed=0), str(pth))
     cfg = _cfg(f"train.init_from={pth}", "model.preset=tiny")
-    assert adopt_architecture(cfg)[0] is cfg
+    assert resolve(cfg).cfg is cfg
 
 
 def test_an_init_from_without_weights_or_with_adapters_only_is_refused_naming_it(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match=r"^train.init_from: .*empty: no complete checkpoint_\* directory"):
-        adopt_architecture(_cfg(f"train.init_from={tmp_path / 'empty'}"))
+        resolve(_cfg(f"train.init_from={tmp_path / 'empty'}"))
     torch.save({"model.layers.0.self_attn.q_proj.lora.A.weight": torch.zeros(4, 64)}, tmp_path / "lora.pth")
     with pytest.raises(ConfigError, match=r"holds LoRA adapters only .* merge them first"):
-        adopt_architecture(_cfg(f"train.init_from={tmp_path / 'lora.pth'}"))
+        resolve(_cfg(f"train.init_from={tmp_path / 'lora.pth'}"))
     # a checkpoint cut short: a file of COMPLETE.json's list missing
     cut = tmp_path / "run" / "checkpoint_000000"
     shutil.copytree(FIXTURE / "checkpoint_step4", cut)
     (cut / "train_state.pt").unlink()
     with pytest.raises(ConfigError, match=r"^train.init_from: .*no complete checkpoint_\* directory"):
-        adopt_architecture(_cfg(f"train.init_from={tmp_path / 'run'}"))
+        resolve(_cfg(f"train.init_from={tmp_path / 'run'}"))
 
 
 def test_a_reference_of_another_architecture_is_refused_and_a_teacher_needs_only_be_whole(tmp_path):
     pth = tmp_path / "tiny.pth"
     save_pth(build_model(ModelConfig(**preset_values("tiny")), seed=0), str(pth))
     ckpt = str(FIXTURE / "checkpoint_step4")
-    dpo = load_config(None, ["data.train_path=[demo]", "train.stage=dpo", "model.preset=tiny",
+    dpo = resolve_run(None, ["data.train_path=[demo]", "train.stage=dpo", "model.preset=tiny",
                              f"train.dpo.reference={ckpt}"])
     with pytest.raises(ConfigError, match=r"^train.dpo reference: .* the run's model is tiny \(hidden 64"):
         check_parents(dpo)
-    distill = load_config(None, ["data.train_path=[demo]", "train.stage=distill", "model.preset=tiny",
+    distill = resolve_run(None, ["data.train_path=[demo]", "train.stage=distill", "model.preset=tiny",
                                  f"train.distill.teacher_weights={ckpt}"])
     check_parents(distill)  # a teacher of its own architecture (train.distill.teacher_preset) is the user's choice
     (tmp_path / "nothing").mkdir()
-    gone = load_config(None, ["data.train_path=[demo]", "train.stage=distill", "model.preset=tiny",
+    gone = resolve_run(None, ["data.train_path=[demo]", "train.stage=distill", "model.preset=tiny",
                               f"train.distill.teacher_weights={tmp_path / 'nothing'}"])
     with pytest.raises(ConfigError, match=r"^train.distill teacher: .*nothing: no complete checkpoint"):
         check_parents(gone)

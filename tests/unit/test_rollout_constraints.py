@@ -219,11 +219,12 @@ def test_an_agents_tool_schema_that_cannot_be_constrained_to_is_refused_naming_i
 def test_the_workers_get_the_schema_path_absolute(tmp_path, monkeypatch):
     """The workers run in another directory: a relative json_schema is made absolute in the driver's copy."""
     from minimind_ray.raytrain.driver import absolute_weight_paths
+    from minimind_ray.stages import STAGES
 
     monkeypatch.chdir(tmp_path)
     train = RunConfig().train
     train = dataclasses.replace(train, stage="rloo", rloo=dataclasses.replace(train.rloo, json_schema="s.json"))
-    assert absolute_weight_paths(train).rloo.json_schema == str(tmp_path / "s.json")
+    assert absolute_weight_paths(train, STAGES["rloo"]).rloo.json_schema == str(tmp_path / "s.json")
     plain = dataclasses.replace(train, stage="grpo")
     assert with_absolute_schema(plain, str.upper) is plain  # no schema: the same config
 

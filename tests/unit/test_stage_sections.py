@@ -33,11 +33,11 @@ def test_every_parent_path_reaches_the_workers_absolute(stage, tmp_path, monkeyp
     fields = {f: "weights/parent.pth" for _, f in stage.parent_fields}
     train = dataclasses.replace(RunConfig().train, stage=stage.name, init_from="weights/init.pth",
                                 **{stage.name: dataclasses.replace(section, **fields)})
-    out = absolute_weight_paths(train)
+    out = absolute_weight_paths(train, stage)
     cfg = RunConfig(train=out)
     assert out.init_from == str(tmp_path / "weights" / "init.pth")
     assert stage.parents(cfg) == {p: str(tmp_path / "weights" / "parent.pth") for p, _ in stage.parent_fields}
-    assert absolute_weight_paths(dataclasses.replace(train, init_from="s3://bucket/w.pth")).init_from == \
+    assert absolute_weight_paths(dataclasses.replace(train, init_from="s3://bucket/w.pth"), stage).init_from == \
         "s3://bucket/w.pth"  # a URI is left as it is
 
 

@@ -21,7 +21,7 @@ def _sweep(tmp_path, text):
 def test_the_shipped_sweeps_load_against_their_recipes():
     for path in ("pipelines/configs/sweep_tiny.yaml", "pipelines/configs/sweep_demo.yaml"):
         s = load_sweep(path)
-        base = base_config(s)
+        base = base_config(s).cfg
         assert base.train.max_steps and base.data.eval_fraction > 0 and base.train.eval_interval > 0
     s = load_sweep("pipelines/configs/sweep_tiny.yaml", ["num_samples=2", "checkpoint.storage_path=/tmp/x"])
     assert s.num_samples == 2 and s.overrides[-1] == "checkpoint.storage_path=/tmp/x"  # a recipe key goes to overrides

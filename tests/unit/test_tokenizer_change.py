@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import tokenizers
 
-from minimind_ray.config import ConfigError, load_config
-from minimind_ray.preflight import adopt_architecture, check_vocabulary
+from minimind_ray.config import ConfigError, resolve_run
+from minimind_ray.preflight import check_vocabulary
 from minimind_ray.tokenizer import Tokenizer, load_tokenizer
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "checkpoint_v1"
@@ -37,9 +37,9 @@ def _trained_with(tmp_path: Path, tokenizer: Tokenizer, record_vocabulary: bool)
 
 
 def _cfg(ckpt: Path, *overrides):
-    cfg = load_config(None, ["data.train_path=[demo]", "train.stage=sft", f"data.tokenizer={FIXTURE / 'tokenizer'}",
-                             f"train.init_from={ckpt}", *overrides])
-    return adopt_architecture(cfg)[0]
+    """The sft run from ``ckpt``, resolved (config.py:resolve_run: its architecture taken from the checkpoint)."""
+    return resolve_run(None, ["data.train_path=[demo]", "train.stage=sft", f"data.tokenizer={FIXTURE / 'tokenizer'}",
+                              f"train.init_from={ckpt}", *overrides])
 
 
 def _variant(base: Tokenizer, extra_token: bool = False, template: str = "") -> Tokenizer:
