@@ -237,7 +237,8 @@ def start_run(cfg, run_name: str, storage_dir: str, tags: dict, prepared_dir: Op
     A Ray Train V2 run resumes when it is started again with the same name and storage path,
     so the same pair identifies its MLflow run (tags ``minimind.run_name``/``minimind.storage``).
     A reopened run goes back to RUNNING and keeps its params: MLflow params are immutable, so
-    a resume never re-logs them; if the config changed, the new one is stored beside the old
+    a resume never re-logs them (it logs only those missing, and config/config.yaml if missing: a driver
+    killed right after creating the run left it findable without them); if the config changed, the new one is stored beside the old
     as ``config/config.resume-<n>.yaml`` and the changed keys are logged as a warning.
 
     ``tags`` (world size, device type, ...) are (re)set either way, since a resume may run on
@@ -267,6 +268,12 @@ def start_run(cfg, run_name: str, storage_dir: str, tags: dict, prepared_dir: Op
             resumes = int(run.data.tags.get(TAG_RESUMES, "0")) + 1
             client.update_run(run_id, status="RUNNING")
             all_tags[TAG_RESUMES] = str(resumes)
+            # a driver killed between create_run and its params left a findable run without them: log what is missing
+            missing = [Param(k, v) for k, v in params.items() if k not in run.data.params]
+            for i in range(0, len(missing), _MAX_PARAMS_PER_BATCH):
+                client.log_batch(run_id, params=missing[i:i + _MAX_PARAMS_PER_BATCH])
+            if not any(f.path == "config/config.yaml" for f in client.list_artifacts(run_id, "config")):
+                client.log_text(run_id, config_yaml, "config/config.yaml")
             changed = sorted(k for k, v in params.items() if run.data.params.get(k, v) != v)
             if changed:
                 log.warning("MLflow run %s resumed with a changed config (params keep their first values; "

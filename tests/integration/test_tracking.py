@@ -91,6 +91,17 @@ def test_driver_resume_reopens_the_same_run(mlflow_server, tmp_path):
     assert params["train.lr"] == "0.0001" and params["tracking.experiment"] == cfg.tracking.experiment
     assert {"config/config.yaml", "config/config.resume-1.yaml"} <= set(_artifacts(mlflow_server, first, "config"))
 
+    # a driver killed between creating the run and logging its params (CI saw it in a sweep trial): the resume
+    # finds the run by its tags and logs the params and the config it lacks
+    from mlflow import MlflowClient
+    client = MlflowClient(mlflow_server.uri)
+    cut_name = f"run-{_uid()}"
+    cut = client.create_run(exp["experiment_id"], run_name=cut_name,
+                            tags={"minimind.run_name": cut_name, "minimind.storage": storage}).info.run_id
+    assert start_run(cfg, cut_name, storage, TAGS) == cut
+    assert client.get_run(cut).data.params["train.lr"] == "0.0003"
+    assert "config/config.yaml" in set(_artifacts(mlflow_server, cut, "config"))
+
 
 def test_worker_restart_logs_each_step_once(mlflow_server, tmp_path):
     run_id = start_run(_cfg(mlflow_server.uri), f"run-{_uid()}", str(tmp_path), TAGS)
