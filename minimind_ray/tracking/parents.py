@@ -14,7 +14,7 @@ from typing import Dict, List, Optional
 from minimind_ray.fsio import redact, redact_obj
 from minimind_ray.tracking import artifacts
 from minimind_ray.tracking.runs import (TAG_RESUMES, TAG_RUN_NAME, TAG_STORAGE, experiment_id_of, finish_run, log_tags,
-                                        mlflow_client, short_http, short_message)
+                                        log_what_is_missing, mlflow_client, short_http, short_message)
 
 log = logging.getLogger(__name__)
 
@@ -39,14 +39,16 @@ def start_parent(uri: str, experiment: str, kind: str, name: str, storage: str, 
                                                            f"tags.`{TAG_KIND}` = '{kind}'",
                                    order_by=["attributes.start_time ASC"], max_results=100)
         run = next((r for r in found if r.data.tags.get(TAG_STORAGE) == storage), None)
+        params = {k: str(v)[:6000] for k, v in redact_obj(params).items()}
         if run is not None:
             run_id = run.info.run_id
             client.update_run(run_id, status="RUNNING")
             log_tags(client, run_id, {TAG_RESUMES: str(int(run.data.tags.get(TAG_RESUMES, "0")) + 1), **(tags or {})})
+            log_what_is_missing(client, run, params, redact(config_text), f"config/{kind}.yaml")
             return run_id
         run_id = client.create_run(exp_id, run_name=name).info.run_id
         log_tags(client, run_id, {TAG_RUN_NAME: name, TAG_STORAGE: storage, TAG_KIND: kind, **(tags or {})})
-        items = [Param(k, str(v)[:6000]) for k, v in redact_obj(params).items()]
+        items = [Param(k, v) for k, v in params.items()]
         for i in range(0, len(items), 100):
             client.log_batch(run_id, params=items[i:i + 100])
         client.log_text(run_id, redact(config_text), f"config/{kind}.yaml")

@@ -268,12 +268,7 @@ def start_run(cfg, run_name: str, storage_dir: str, tags: dict, prepared_dir: Op
             resumes = int(run.data.tags.get(TAG_RESUMES, "0")) + 1
             client.update_run(run_id, status="RUNNING")
             all_tags[TAG_RESUMES] = str(resumes)
-            # a driver killed between create_run and its params left a findable run without them: log what is missing
-            missing = [Param(k, v) for k, v in params.items() if k not in run.data.params]
-            for i in range(0, len(missing), _MAX_PARAMS_PER_BATCH):
-                client.log_batch(run_id, params=missing[i:i + _MAX_PARAMS_PER_BATCH])
-            if not any(f.path == "config/config.yaml" for f in client.list_artifacts(run_id, "config")):
-                client.log_text(run_id, config_yaml, "config/config.yaml")
+            log_what_is_missing(client, run, params, config_yaml, "config/config.yaml")
             changed = sorted(k for k, v in params.items() if run.data.params.get(k, v) != v)
             if changed:
                 log.warning("MLflow run %s resumed with a changed config (params keep their first values; "
@@ -296,6 +291,21 @@ def start_run(cfg, run_name: str, storage_dir: str, tags: dict, prepared_dir: Op
         log_prepared_data(client, run, prepared_dir)
         log.info("created MLflow run %s (%s) in experiment %r at %s", run_id, run_name, experiment, redact(uri))
         return run_id
+
+
+def log_what_is_missing(client, run, params: Dict[str, str], text: str, text_path: str) -> None:
+    """Log the params and the text artifact that a reopened ``run`` lacks.
+
+    A driver killed between ``create_run`` and its params (a sweep trial's, in CI) left a run that its tags find
+    but without them; the params it has keep their first values (MLflow's are immutable)."""
+    from mlflow.entities import Param
+
+    missing = [Param(k, v) for k, v in params.items() if k not in run.data.params]
+    for i in range(0, len(missing), _MAX_PARAMS_PER_BATCH):
+        client.log_batch(run.info.run_id, params=missing[i:i + _MAX_PARAMS_PER_BATCH])
+    folder = text_path.rpartition("/")[0]
+    if not any(f.path == text_path for f in client.list_artifacts(run.info.run_id, folder)):
+        client.log_text(run.info.run_id, text, text_path)
 
 
 def log_tags(client, run_id: str, tags: Dict[str, str]) -> None:

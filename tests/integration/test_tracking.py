@@ -101,6 +101,14 @@ def test_driver_resume_reopens_the_same_run(mlflow_server, tmp_path):
     assert start_run(cfg, cut_name, storage, TAGS) == cut
     assert client.get_run(cut).data.params["train.lr"] == "0.0003"
     assert "config/config.yaml" in set(_artifacts(mlflow_server, cut, "config"))
+    # the same for a sweep's or pipeline's parent run
+    from minimind_ray.tracking.parents import start_parent
+    parent = client.create_run(exp["experiment_id"], run_name=cut_name, tags={
+        "minimind.run_name": cut_name, "minimind.storage": storage, "minimind.kind": "sweep"}).info.run_id
+    assert start_parent(mlflow_server.uri, cfg.tracking.experiment, "sweep", cut_name, storage,
+                        {"metric": "loss"}, "metric: loss\n") == parent
+    assert client.get_run(parent).data.params == {"metric": "loss"}
+    assert "config/sweep.yaml" in set(_artifacts(mlflow_server, parent, "config"))
 
 
 def test_worker_restart_logs_each_step_once(mlflow_server, tmp_path):
