@@ -25,7 +25,7 @@ import torch
 JSON_STYLE = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
 ANY_OBJECT = {"type": "object"}
 NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}  # OpenAI: no parameters = none
-CALL_OPEN = '<tool_call>\n{"name": "'  # what starts a call (serve/app.py puts it before a forced one)
+CALL_OPEN = '<tool_call>\n{"name": "'  # what starts a call (serve/app.py:_forced_prefix puts it before a forced one)
 CALL_CLOSE = "\n</tool_call>"  # what follows a call's JSON
 
 

@@ -28,6 +28,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from ray import serve
 
+from minimind_ray.model.grammar import CALL_OPEN
 from minimind_ray.serve.engine import Engine, GenRequest
 from minimind_ray.serve.inflight import InFlight
 from minimind_ray.serve.metrics import ServeMetrics
@@ -59,9 +60,9 @@ def _forced_prefix(mode: str) -> str:
     """The start of the reply a ``tool_choice`` of required or a named function puts in the prompt; the rest of the
     call is constrained to a declared function and its parameters (serve/structured.py)."""
     if mode == "required":
-        return '<tool_call>\n{"name": "'
-    if mode.startswith("function:"):
-        return '<tool_call>\n{"name": ' + json.dumps(mode[len("function:"):], ensure_ascii=False) + ', "arguments": '
+        return CALL_OPEN
+    if mode.startswith("function:"):  # the name written whole: CALL_OPEN without its opening quote, then the name
+        return CALL_OPEN[:-1] + json.dumps(mode[len("function:"):], ensure_ascii=False) + ', "arguments": '
     return ""
 
 
