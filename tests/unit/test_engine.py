@@ -43,6 +43,16 @@ class Recorder(Hooks):
         self.checkpoints.append(step)
 
 
+class MetricsByStep(Hooks):
+    """Each step's metrics, by step (the RL stages' tests read their rewards and losses from it)."""
+
+    def __init__(self):
+        self.by_step = {}
+
+    def on_metrics(self, step, metrics, per_step_loss, is_checkpoint):
+        self.by_step[step] = metrics
+
+
 def test_engine_and_store_import_no_ray():
     code = "import sys, minimind_ray.engine, minimind_ray.store.weights; assert 'ray' not in sys.modules, sorted(m for m in sys.modules if m.startswith('ray'))"
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)

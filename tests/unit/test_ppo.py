@@ -124,24 +124,12 @@ def ppo_config(init_from, *extra):
         *extra])
 
 
-def _recorder():
-    from minimind_ray.engine.loop import Hooks
-
-    class Metrics(Hooks):
-        def __init__(self):
-            self.by_step = {}
-
-        def on_metrics(self, step, metrics, per_step_loss, is_checkpoint):
-            self.by_step[step] = metrics
-
-    return Metrics
-
-
 def _run(cfg, prepared_dir):
     from minimind_ray.engine.loop import run
     from minimind_ray.engine.state import TrainState
+    from tests.unit.test_engine import MetricsByStep
 
-    state, seen = TrainState.build(cfg, prepared_dir), _recorder()()
+    state, seen = TrainState.build(cfg, prepared_dir), MetricsByStep()
     run(state, seen)
     return state, seen
 
@@ -180,6 +168,7 @@ def test_ppo_stage_saves_and_restores_bit_for_bit(prepared, tmp_path):
     from minimind_ray.engine.state import TrainState
     from minimind_ray.store.checkpoint import open_checkpoint
     from minimind_ray.store.pth import read_pth
+    from tests.unit.test_engine import MetricsByStep
 
     prepared_dir, base = prepared
     cfg = ppo_config(base)
@@ -194,7 +183,7 @@ def test_ppo_stage_saves_and_restores_bit_for_bit(prepared, tmp_path):
     critic = straight.parts["critic"].model.state_dict()
     assert not torch.equal(critic["model.layers.0.mlp.up_proj.weight"], init["model.layers.0.mlp.up_proj.weight"])
 
-    class StopAt2(_recorder()):
+    class StopAt2(MetricsByStep):
         def on_checkpoint(self, step, metrics):
             if step == 2:
                 first.save(tmp_path / "ck", mlflow_run_id=None, prepared_dir=prepared_dir)
@@ -206,7 +195,7 @@ def test_ppo_stage_saves_and_restores_bit_for_bit(prepared, tmp_path):
     first.stream.close()
     stored = open_checkpoint(tmp_path / "ck")
     assert stored.has_part("critic") and "parts" in stored.train_state()
-    resumed, after = TrainState.build(cfg, prepared_dir), _recorder()()
+    resumed, after = TrainState.build(cfg, prepared_dir), MetricsByStep()
     resumed.restore(stored)
     run(resumed, after)
     assert {s: before.by_step[s]["reward"] for s in (1, 2)} == {s: seen.by_step[s]["reward"] for s in (1, 2)}

@@ -118,22 +118,16 @@ def test_rloo_stage_saves_and_restores_bit_for_bit(prepared, tmp_path):
     """Two passes of two mini-batches over each step's rollouts, advantages normalised over the batch, a reference: a
     run stopped at its step-3 checkpoint and restored samples the same completions (each from its own seed), earns
     the same rewards and ends with the same weights; the reference is the initial weights, never the checkpoint's."""
-    from minimind_ray.engine.loop import Hooks, run
+    from minimind_ray.engine.loop import run
+    from tests.unit.test_engine import MetricsByStep
     from minimind_ray.engine.state import TrainState
     from minimind_ray.store.checkpoint import open_checkpoint
     from minimind_ray.store.pth import read_pth
 
-    class Metrics(Hooks):
-        def __init__(self):
-            self.by_step = {}
-
-        def on_metrics(self, step, metrics, per_step_loss, is_checkpoint):
-            self.by_step[step] = metrics
-
     path, base = prepared
     cfg = rloo_config(base, "train.rloo.num_iterations=2", "train.rloo.mini_batches=2",
                       "train.rloo.normalize_advantages=true")
-    straight, seen = TrainState.build(cfg, path), Metrics()
+    straight, seen = TrainState.build(cfg, path), MetricsByStep()
     run(straight, seen)
     straight.stream.close()
     m, init = seen.by_step[6], read_pth(base)
@@ -143,7 +137,7 @@ def test_rloo_stage_saves_and_restores_bit_for_bit(prepared, tmp_path):
     assert m["kl"] > 0 and max(seen.by_step[s]["clip_fraction"] for s in seen.by_step) > 0  # the 2nd pass clips
     assert any(not torch.equal(v, init[k]) for k, v in straight.model.state_dict().items())
 
-    class StopAt3(Metrics):
+    class StopAt3(MetricsByStep):
         def on_checkpoint(self, step, metrics):
             if step == 3:
                 first.save(tmp_path / "ck", mlflow_run_id=None, prepared_dir=path)
@@ -153,7 +147,7 @@ def test_rloo_stage_saves_and_restores_bit_for_bit(prepared, tmp_path):
     with pytest.raises(KeyboardInterrupt):
         run(first, StopAt3())
     first.stream.close()
-    resumed, after = TrainState.build(cfg, path), Metrics()
+    resumed, after = TrainState.build(cfg, path), MetricsByStep()
     resumed.restore(open_checkpoint(tmp_path / "ck"))
     run(resumed, after)
     resumed.stream.close()

@@ -237,17 +237,11 @@ def test_a_grpo_step_with_a_schema_samples_only_valid_json_and_trains(prepared, 
     """The whole path without Ray: the plan asks its section for the grammar, the worker's sampler (built with the
     run's tokenizer) masks every row of the step's merged batch; each completion that ends is valid, and two steps
     train with finite metrics."""
-    from minimind_ray.engine.loop import Hooks, run
+    from minimind_ray.engine.loop import run
+    from tests.unit.test_engine import MetricsByStep
     from minimind_ray.engine.state import TrainState
     from minimind_ray.tokenizer import load_tokenizer
     from tests.unit.test_grpo import grpo_config
-
-    class Metrics(Hooks):
-        def __init__(self):
-            self.by_step = {}
-
-        def on_metrics(self, step, metrics, per_step_loss, is_checkpoint):
-            self.by_step[step] = metrics
 
     path, base = prepared
     schema = tmp_path / "answer.json"
@@ -265,7 +259,7 @@ def test_a_grpo_step_with_a_schema_samples_only_valid_json_and_trains(prepared, 
                 jsonschema.validate(json.loads(tok.decode(tokens[:-1])), ANSWER)
                 ended += 1
     assert ended >= 4
-    seen = Metrics()
+    seen = MetricsByStep()
     run(state, seen)
     state.stream.close()
     assert sorted(seen.by_step) == [1, 2]
