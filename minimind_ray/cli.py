@@ -79,6 +79,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         return args.fn(args)
     except Interrupted as e:  # Ctrl-C / SIGTERM: a clean stop, said already (raytrain/interrupt.py)
         return e.exit_code
+    except KeyboardInterrupt:  # Ctrl-C where no stop is planned (a verb's own work): one line, not a traceback
+        if args.debug:
+            raise
+        print(f"interrupted: minimind-ray {args.verb} stopped before it ended (--debug shows where)", file=sys.stderr)
+        return 130
     except Exception as e:
         worker_traceback = e.verdict.traceback.rstrip() if isinstance(e, RunStopped) else ""  # the worker's own
         if args.debug or not isinstance(e, user_errors()):

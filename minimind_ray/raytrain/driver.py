@@ -76,31 +76,43 @@ def run(run_spec: Union[RunSpec, RunConfig], *, tags: Optional[Dict[str, str]] =
     run_dir = f"{storage.rstrip('/')}/{name}"
     lease = hold_lease(run_dir)  # one writer per run: a second command on it is refused here, before Ray
     try:
-        for line in (plan, *run.lines, *checked.lines, *lease.lines):
-            print(redact(f"[minimind-ray] {line}"), flush=True)
-        return train_held_run(run, checked, name, run_dir, storage, tags, callbacks, report_every_eval)
+        return train_held_run(run, checked, name, run_dir, storage, tags, callbacks, report_every_eval,
+                              said=(plan, *run.lines, *checked.lines, *lease.lines))
     finally:
         lease.release()
 
 
 def train_held_run(run: RunSpec, checked, name: str, run_dir: str, storage: str, tags, callbacks,
-                   report_every_eval: bool) -> RunResult:
-    """:func:`run`'s steps once this process holds the run's lease (store/lease.py). From :func:`connect` on, the
-    run's own copy of the config (``cfg``: its name, GPUs or not, absolute weights paths) is the only one read."""
-    set_aside_refused_checkpoints(run_dir)
-    cfg, use_gpu, backend = connect(run, name)
-    prepared_dir = prepare_data(cfg, checked.tokenizer)
-    uri, run_id = open_tracking(cfg, run_dir, prepared_dir, {
-        "world_size": str(cfg.cluster.num_workers), "device_type": "cuda" if use_gpu else "cpu", "backend": backend,
-        **lineage_tags(cfg, run.stage, prepared_dir), **(tags or {})})
-    progress_run = uuid.uuid4().hex  # this run's key in the process's ProgressSink
-    sink = progress_sink(progress_run)
-    wiring = fault_wiring(cfg, run_dir, backend, sink, progress_run)
-    spec = WorkerSpec(cfg=cfg, stage=run.stage, storage=storage, run_dir=run_dir, prepared_dir=prepared_dir,
-                      use_gpu=use_gpu, tracking_uri=uri, mlflow_run_id=run_id, progress_sink=sink,
-                      progress_run=progress_run, report_every_eval=report_every_eval, launch_fault=wiring.launch)
-    make_trainer = build_trainer(spec, wiring, [*wiring.callbacks, *callbacks])
-    end_mlflow_run = functools.partial(finish_run, uri, run_id, timeout_s=cfg.tracking.timeout_s) if run_id else None
+                   report_every_eval: bool, said=()) -> RunResult:
+    """:func:`run`'s steps once this process holds the run's lease (store/lease.py), from its first lines (``said``)
+    on. From :func:`connect` on, the run's own copy of the config (``cfg``: its name, GPUs or not, absolute weights
+    paths) is the only one read."""
+    end_mlflow_run = None
+    try:  # Ctrl-C before training begins (Ray's start, the data's preparation): one line, the MLflow run KILLED
+        for line in said:
+            print(redact(f"[minimind-ray] {line}"), flush=True)
+        set_aside_refused_checkpoints(run_dir)
+        cfg, use_gpu, backend = connect(run, name)
+        prepared_dir = prepare_data(cfg, checked.tokenizer)
+        uri, run_id = open_tracking(cfg, run_dir, prepared_dir, {
+            "world_size": str(cfg.cluster.num_workers), "device_type": "cuda" if use_gpu else "cpu",
+            "backend": backend, **lineage_tags(cfg, run.stage, prepared_dir), **(tags or {})})
+        if run_id:
+            end_mlflow_run = functools.partial(finish_run, uri, run_id, timeout_s=cfg.tracking.timeout_s)
+        progress_run = uuid.uuid4().hex  # this run's key in the process's ProgressSink
+        sink = progress_sink(progress_run)
+        wiring = fault_wiring(cfg, run_dir, backend, sink, progress_run)
+        spec = WorkerSpec(cfg=cfg, stage=run.stage, storage=storage, run_dir=run_dir, prepared_dir=prepared_dir,
+                          use_gpu=use_gpu, tracking_uri=uri, mlflow_run_id=run_id, progress_sink=sink,
+                          progress_run=progress_run, report_every_eval=report_every_eval, launch_fault=wiring.launch)
+        make_trainer = build_trainer(spec, wiring, [*wiring.callbacks, *callbacks])
+    except KeyboardInterrupt:
+        if end_mlflow_run:
+            end_mlflow_run("KILLED")
+        line = ("[minimind-ray] interrupted before training began: this command trained nothing and the run's "
+                "checkpoints are as they were; run the same command to go on")
+        print(line, flush=True)
+        raise Interrupted(line, 130) from None
     stop = StopRequest()  # Ctrl-C / SIGTERM while it trains: a clean stop (raytrain/interrupt.py)
     printer = ProgressPrinter(sink, progress_run, name, spec.stage.headline, spec.stage.rl, operator_stop=stop)
     result = fit(spec, make_trainer, printer, end_mlflow_run, stop)

@@ -126,3 +126,21 @@ def test_the_same_command_twice_trains_once_and_ctrl_c_stops_on_a_checkpoint_the
     assert f"[minimind-ray] restored step {step} " in again.stdout, again.stdout[-3000:]
     runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
     assert [r.info.status for r in runs] == ["FINISHED"]
+
+
+def test_ctrl_c_before_training_begins_is_one_line_and_the_rerun_trains(tmp_path):
+    """Ctrl-C while the run starts (its local Ray, its data), before any step: one line saying nothing was trained
+    and the checkpoints are as they were, exit 130, no traceback, no checkpoint, the lease released: the same
+    command then trains."""
+    args = _command(tmp_path, "name=early", "train.max_steps=4")
+    started = Started(args, tmp_path)
+    started.until(r"^\[minimind-ray\] starting run early")  # said before Ray starts, which takes seconds
+    started.proc.send_signal(signal.SIGINT)
+    code, out, err = started.finish()
+    assert code == 130, (code, out[-30:], err[-3000:])
+    assert out[-1] == ("[minimind-ray] interrupted before training began: this command trained nothing and the run's "
+                       "checkpoints are as they were; run the same command to go on"), out[-30:]
+    assert "Traceback" not in err and not any("step 1/" in ln for ln in out), (out[-30:], err[-3000:])
+    assert not list((tmp_path / "runs" / "early").glob("checkpoint_*"))
+    again = pretrain(tmp_path, "name=early", "train.max_steps=4")
+    assert again.returncode == 0 and "[minimind-ray] starting run early" in again.stdout, again.stderr[-3000:]

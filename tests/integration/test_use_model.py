@@ -69,6 +69,25 @@ def test_chat_streams_replies_and_quits_on_an_empty_line(trained):
     assert out.count("minimind> ") == 2 and out.count("you> ") == 3, out
 
 
+def test_ctrl_c_in_a_verb_is_one_line_and_exit_130(trained):
+    """Ctrl-C where no clean stop is planned (here chat, waiting for its user) is one line naming the verb, exit 130,
+    never Python's KeyboardInterrupt traceback."""
+    import signal
+
+    p = subprocess.Popen([sys.executable, "-m", "minimind_ray.cli", "chat", "--weights", str(trained["ckpt"])],
+                         cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen = ""
+    while not seen.endswith("you> "):  # the prompt: it waits on its input now
+        char = p.stdout.read(1)
+        assert char, (p.wait(), seen, p.stderr.read()[-3000:])
+        seen += char
+    p.send_signal(signal.SIGINT)
+    code, err = p.wait(timeout=60), p.stderr.read()
+    assert code == 130 and err.strip().splitlines()[-1] == ("interrupted: minimind-ray chat stopped before it ended "
+                                                            "(--debug shows where)"), (code, err[-3000:])
+    assert "Traceback" not in err, err[-3000:]
+
+
 def test_eval_loss_equals_the_training_loss_in_eval_mode(trained):
     import json
 
