@@ -14,7 +14,7 @@ from typing import Dict, List, Optional
 from minimind_ray.fsio import redact, redact_obj
 from minimind_ray.tracking import artifacts
 from minimind_ray.tracking.runs import (TAG_RESUMES, TAG_RUN_NAME, TAG_STORAGE, experiment_id_of, finish_run, log_tags,
-                                        log_what_is_missing, mlflow_client, short_http, short_message)
+                                        log_params, log_what_is_missing, mlflow_client, short_http, short_message)
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +29,6 @@ def start_parent(uri: str, experiment: str, kind: str, name: str, storage: str, 
     ``minimind.resumes`` + 1). Params are logged once (MLflow keeps the first values); ``config_text`` is the
     sweep's or pipeline's YAML, kept as ``config/<kind>.yaml``. The same call opens a run of another ``kind`` that
     is no training run (a pipeline's prepare or eval stage: ``tags`` make it a child)."""
-    from mlflow.entities import Param
 
     storage = redact(storage)
     with short_http(timeout_s):
@@ -39,7 +38,7 @@ def start_parent(uri: str, experiment: str, kind: str, name: str, storage: str, 
                                                            f"tags.`{TAG_KIND}` = '{kind}'",
                                    order_by=["attributes.start_time ASC"], max_results=100)
         run = next((r for r in found if r.data.tags.get(TAG_STORAGE) == storage), None)
-        params = {k: str(v)[:6000] for k, v in redact_obj(params).items()}
+        params = {k: str(v) for k, v in redact_obj(params).items()}
         if run is not None:
             run_id = run.info.run_id
             client.update_run(run_id, status="RUNNING")
@@ -48,9 +47,7 @@ def start_parent(uri: str, experiment: str, kind: str, name: str, storage: str, 
             return run_id
         run_id = client.create_run(exp_id, run_name=name).info.run_id
         log_tags(client, run_id, {TAG_RUN_NAME: name, TAG_STORAGE: storage, TAG_KIND: kind, **(tags or {})})
-        items = [Param(k, v) for k, v in params.items()]
-        for i in range(0, len(items), 100):
-            client.log_batch(run_id, params=items[i:i + 100])
+        log_params(client, run_id, params)
         client.log_text(run_id, redact(config_text), f"config/{kind}.yaml")
         return run_id
 

@@ -237,9 +237,9 @@ def start_run(cfg, run_name: str, storage_dir: str, tags: dict, prepared_dir: Op
     A Ray Train V2 run resumes when it is started again with the same name and storage path,
     so the same pair identifies its MLflow run (tags ``minimind.run_name``/``minimind.storage``).
     A reopened run goes back to RUNNING and keeps its params: MLflow params are immutable, so
-    a resume never re-logs them (it logs only those missing, and config/config.yaml if missing: a driver
-    killed right after creating the run left it findable without them); if the config changed, the new one is stored beside the old
-    as ``config/config.resume-<n>.yaml`` and the changed keys are logged as a warning.
+    a resume never re-logs them (only those missing, and config/config.yaml if missing: a driver killed right
+    after creating the run left it findable without them); if the config changed, the new one is stored beside
+    the old as ``config/config.resume-<n>.yaml`` and the changed keys are logged as a warning.
 
     ``tags`` (world size, device type, ...) are (re)set either way, since a resume may run on
     another cluster. ``prepared_dir`` (the prepared data the run reads) becomes the run's dataset input
@@ -247,8 +247,6 @@ def start_run(cfg, run_name: str, storage_dir: str, tags: dict, prepared_dir: Op
     is a warning, never the run's end. Raises if the store cannot be reached (one request of
     ``cfg.tracking.timeout_s``): the caller decides whether to train untracked.
     """
-    from mlflow.entities import Param
-
     uri = resolve_tracking_uri(cfg.tracking)
     experiment = cfg.tracking.experiment or f"minimind-{cfg.train.stage}"
     all_tags = {**_versions(), **_git_tags(), **_ray_tags(), **{k: v for k, v in tags.items() if v is not None}}
@@ -284,9 +282,7 @@ def start_run(cfg, run_name: str, storage_dir: str, tags: dict, prepared_dir: Op
         run = client.create_run(exp_id, run_name=run_name)
         run_id = run.info.run_id
         log_tags(client, run_id, all_tags)
-        items = [Param(k, v) for k, v in params.items()]
-        for i in range(0, len(items), _MAX_PARAMS_PER_BATCH):
-            client.log_batch(run_id, params=items[i:i + _MAX_PARAMS_PER_BATCH])
+        log_params(client, run_id, params)
         client.log_text(run_id, config_yaml, "config/config.yaml")
         log_prepared_data(client, run, prepared_dir)
         log.info("created MLflow run %s (%s) in experiment %r at %s", run_id, run_name, experiment, redact(uri))
@@ -298,14 +294,19 @@ def log_what_is_missing(client, run, params: Dict[str, str], text: str, text_pat
 
     A driver killed between ``create_run`` and its params (a sweep trial's, in CI) left a run that its tags find
     but without them; the params it has keep their first values (MLflow's are immutable)."""
-    from mlflow.entities import Param
-
-    missing = [Param(k, v) for k, v in params.items() if k not in run.data.params]
-    for i in range(0, len(missing), _MAX_PARAMS_PER_BATCH):
-        client.log_batch(run.info.run_id, params=missing[i:i + _MAX_PARAMS_PER_BATCH])
+    log_params(client, run.info.run_id, {k: v for k, v in params.items() if k not in run.data.params})
     folder = text_path.rpartition("/")[0]
     if not any(f.path == text_path for f in client.list_artifacts(run.info.run_id, folder)):
         client.log_text(run.info.run_id, text, text_path)
+
+
+def log_params(client, run_id: str, params: Dict[str, str]) -> None:
+    """``params`` (each value cut to MLflow's longest) in MLflow's batches."""
+    from mlflow.entities import Param
+
+    items = [Param(k, str(v)[:_MAX_PARAM_LEN]) for k, v in params.items()]
+    for i in range(0, len(items), _MAX_PARAMS_PER_BATCH):
+        client.log_batch(run_id, params=items[i:i + _MAX_PARAMS_PER_BATCH])
 
 
 def log_tags(client, run_id: str, tags: Dict[str, str]) -> None:
